@@ -1,0 +1,1 @@
+"""Everything that runs a built engine. ``LLMEngine`` is the entry point."""

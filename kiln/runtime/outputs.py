@@ -1,0 +1,49 @@
+"""What the engine hands back after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of the chosen token and the top alternatives ({token_id: logprob})."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_steps: int = 0  # decode steps that produced tokens for this request
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step.
+
+    ``token_ids``/``text`` hold everything generated so far; ``new_token_ids``/``new_text``
+    only what this step added (for streaming). ``finish_reason`` is None while running, else
+    "stop" (eos, stop string or stop token), "length" (max_tokens or max_seq_len) or "abort".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
