@@ -1,0 +1,1 @@
+"""Engine spec, validation, weight preparation and the atomic engine writer."""
