@@ -1,4 +1,12 @@
-"""Speculative decoding settings recorded in engine.json (validated once, at build)."""
+"""Speculative decoding settings recorded in engine.json (validated once, at build).
+
+The lookahead window (W, N, G) is the single source of truth: ``max_draft_len`` is derived
+from it and recorded beside it, so the serving side never asks for the window a second time
+(TensorRT-LLM's "16 != 40" failure, DESIGN.md section 3). Pure Python, no torch.
+
+    max_draft_len(W, N, G) = (N-2 if N>1 else 0) + (W-1+G)*(N-1)
+    tokens_per_step        = max_draft_len + 1        # = (W+G)(N-1) for N>1
+"""
 
 from __future__ import annotations
 
@@ -6,14 +14,163 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+MODES = ("none", "lookahead", "ngram")
+FORMULA = "max_draft_len = (N-2 if N>1 else 0) + (W-1+G)*(N-1)"
+PLAIN = (1, 1, 0)
+
+
+def max_draft_len(w: int, n: int, g: int) -> int:
+    """Draft tokens per sequence per step for a lookahead window (W, N, G)."""
+    return (n - 2 if n > 1 else 0) + (w - 1 + g) * (n - 1)
+
+
+_draft_len_of = max_draft_len  # from_cli's parameter shadows the name
+
+
+def tokens_per_step(w: int, n: int, g: int) -> int:
+    """Tokens fed per sequence per step: x + lookahead branch + candidates."""
+    return max_draft_len(w, n, g) + 1
+
+
+def triples_for(draft_len: int, limit: int = 6) -> list[tuple[int, int, int]]:
+    """(W, N, G) triples whose max_draft_len is ``draft_len``, most balanced first.
+
+    Only triples that speculate (G >= 1) are listed, except (1, 1, 0) for length 0.
+    Order: W == G >= 2 first (the paper's choice), then by spread max(W,N,G) - min(W,N,G),
+    then smaller N. For 39: (5,5,5), (4,6,4), (10,3,10), (2,11,2), (20,2,20), ...
+    """
+    if draft_len < 0:
+        return []
+    if draft_len == 0:
+        return [PLAIN]
+    t = draft_len + 1  # = (W+G)(N-1)
+    found = []
+    for n1 in range(1, t + 1):
+        if t % n1:
+            continue
+        s = t // n1  # W + G
+        for g in range(1, s):
+            w = s - g
+            found.append((w, n1 + 1, g))
+    found.sort(key=lambda x: (x[0] != x[2] or x[0] < 2, max(x) - min(x), x[1], -x[0]))
+    return found[:limit]
+
+
+def _fmt(t: tuple[int, int, int]) -> str:
+    return "({},{},{})".format(*t)
+
+
+def _fmt_triples(draft_len: int) -> str:
+    ts = [_fmt(t) for t in triples_for(draft_len, limit=4)]
+    if not ts:
+        return f"no (W,N,G) gives {draft_len}"
+    listed = ts[0] if len(ts) == 1 else ", ".join(ts[:-1]) + " or " + ts[-1]
+    return f"{listed} give{'s' if len(ts) == 1 else ''} {draft_len}"
+
+
+def _suggest(draft_len: int) -> str:
+    ts = triples_for(draft_len, limit=1)
+    return f", e.g. --lookahead-config {','.join(map(str, ts[0]))}" if ts else ""
+
+
+def check_window(w: int, n: int, g: int, what: str = "lookahead config") -> None:
+    """Raise ValueError unless (W, N, G) is a valid lookahead window."""
+    t = _fmt((w, n, g))
+    if w < 1 or n < 1 or g < 0:
+        raise ValueError(
+            f"{what} {t} is invalid: W and N must be >= 1 and G >= 0; "
+            f"use e.g. --lookahead-config 5,5,5 (or 1,1,0 for plain decoding)"
+        )
+    if n == 1 and (w != 1 or g != 0):
+        raise ValueError(
+            f"{what} {t} is invalid: N == 1 (no n-grams) requires W == 1 and G == 0; "
+            f"use 1,1,0 for plain decoding or N >= 2 to speculate, e.g. 5,5,5"
+        )
+
+
+def parse_window(text: str) -> tuple[int, int, int]:
+    """Parse "W,N,G" into a validated triple."""
+    parts = [p.strip() for p in str(text).strip().strip("()[]").split(",")]
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        w, n, g = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"--lookahead-config {text!r} is malformed: expected three integers W,N,G "
+            f"(window size, n-gram size, verification set size), e.g. --lookahead-config 5,5,5"
+        ) from None
+    check_window(w, n, g, "--lookahead-config")
+    return w, n, g
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """mode "none" | "lookahead" | "ngram". Lookahead records its (W, N, G) window."""
+    """Speculative decoding as recorded in engine.json.
+
+    mode "none" | "lookahead" | "ngram". Lookahead records its (W, N, G) window and the
+    max_draft_len it implies; ngram (prompt lookup) records max_draft_len and the n-gram
+    match sizes it tries, longest first (ngram_max_match down to ngram_min_match).
+    Build it through ``from_cli`` (validates); the constructor only checks consistency.
+    """
 
     mode: str = "none"
     max_draft_len: int = 0
     lookahead: tuple[int, int, int] | None = None
+    ngram_max_match: int = 3
+    ngram_min_match: int = 1
+
+    def __post_init__(self) -> None:
+        if self.lookahead is not None and not isinstance(self.lookahead, tuple):
+            object.__setattr__(self, "lookahead", tuple(self.lookahead))
+        if self.mode not in MODES:
+            raise ValueError(
+                f"speculative decoding mode {self.mode!r} is unknown: valid modes are "
+                f"{', '.join(MODES)}; pass --speculative-decoding-mode with one of them"
+            )
+        if self.mode == "lookahead":
+            if self.lookahead is None:
+                raise ValueError(
+                    "speculative decoding mode 'lookahead' records no (W,N,G) window: "
+                    "the engine must store it; pass --lookahead-config W,N,G"
+                )
+            check_window(*self.lookahead)
+            need = max_draft_len(*self.lookahead)
+            if self.max_draft_len != need:
+                raise ValueError(
+                    f"max_draft_len {self.max_draft_len} does not match lookahead "
+                    f"{_fmt(self.lookahead)}, which needs {need} ({FORMULA}); "
+                    f"{_fmt_triples(self.max_draft_len)}"
+                )
+        elif self.lookahead is not None:
+            raise ValueError(
+                f"lookahead window {_fmt(self.lookahead)} is set but mode is {self.mode!r}; "
+                f"pass --speculative-decoding-mode lookahead or drop the window"
+            )
+        if self.mode == "none" and self.max_draft_len != 0:
+            raise ValueError(
+                f"max_draft_len {self.max_draft_len} is set but speculative decoding mode is "
+                f"'none'; pass --speculative-decoding-mode lookahead or ngram, or drop it"
+            )
+        if self.mode == "ngram" and self.max_draft_len < 1:
+            raise ValueError(
+                f"ngram speculative decoding needs max_draft_len >= 1, got "
+                f"{self.max_draft_len}; pass e.g. --max-draft-len 4"
+            )
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError(
+                f"ngram match sizes min {self.ngram_min_match} / max {self.ngram_max_match} "
+                f"are invalid: need 1 <= min <= max; pass e.g. --ngram-match 3"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens fed per sequence per decode step (1 without speculation)."""
+        return self.max_draft_len + 1
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -27,3 +184,163 @@ class SpeculativeConfig:
         if d.get("lookahead") is not None:
             d["lookahead"] = tuple(d["lookahead"])
         return cls(**d)
+
+    @classmethod
+    def from_cli(
+        cls,
+        mode: str,
+        lookahead_config: str | None = None,
+        max_draft_len: int | None = None,
+        ngram_match: int | None = None,
+        beam_width: int = 1,
+    ) -> SpeculativeConfig:
+        """Validate the build flags and return the config recorded in engine.json.
+
+        Raises ValueError with a message naming the flag, its value, the rule and the fix.
+        """
+        mode_in = mode
+        mode = (mode or "none").strip().lower().replace("-", "_")
+        mode = {"lookahead_decoding": "lookahead", "prompt_lookup": "ngram"}.get(mode, mode)
+        if mode not in MODES:
+            raise ValueError(
+                f"--speculative-decoding-mode {mode_in!r} is unknown: valid modes are "
+                f"{', '.join(MODES)}"
+            )
+        if mode == "none":
+            given = [
+                f for f, v in (
+                    ("--lookahead-config", lookahead_config),
+                    ("--max-draft-len", max_draft_len),
+                    ("--ngram-match", ngram_match),
+                ) if v is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} given but speculative decoding mode is 'none'; "
+                    f"pass --speculative-decoding-mode lookahead (or ngram) to use them"
+                )
+            return cls()
+        if beam_width != 1:
+            raise ValueError(
+                f"--max-beam-width {beam_width} cannot be combined with speculative decoding "
+                f"mode {mode!r}: speculative decoding needs beam width 1; pass "
+                f"--max-beam-width 1 or --speculative-decoding-mode none"
+            )
+        if mode == "lookahead":
+            if ngram_match is not None:
+                raise ValueError(
+                    f"--ngram-match {ngram_match} applies to mode 'ngram', not 'lookahead' "
+                    f"(lookahead's n-gram size is N in --lookahead-config W,N,G); drop it"
+                )
+            if lookahead_config is None:
+                if max_draft_len is None:
+                    raise ValueError(
+                        "speculative decoding mode 'lookahead' needs --lookahead-config W,N,G "
+                        "(e.g. 5,5,5); max_draft_len is derived from it"
+                    )
+                raise ValueError(
+                    f"--max-draft-len {max_draft_len} alone does not define a lookahead "
+                    f"window: the engine must record (W,N,G) and derives max_draft_len from "
+                    f"it ({FORMULA}); {_fmt_triples(max_draft_len)}; pass --lookahead-config "
+                    f"W,N,G instead{_suggest(max_draft_len)}"
+                )
+            window = parse_window(lookahead_config)
+            need = _draft_len_of(*window)
+            if max_draft_len is not None and max_draft_len != need:
+                raise ValueError(
+                    f"--max-draft-len {max_draft_len} does not match --lookahead-config "
+                    f"{_fmt(window)}, which needs {need} ({FORMULA}); "
+                    f"{_fmt_triples(max_draft_len)}; drop --max-draft-len or pass a matching "
+                    f"--lookahead-config"
+                )
+            return cls(mode="lookahead", max_draft_len=need, lookahead=window)
+        # ngram (prompt lookup)
+        if lookahead_config is not None:
+            raise ValueError(
+                f"--lookahead-config {lookahead_config} applies to mode 'lookahead', not "
+                f"'ngram'; pass --speculative-decoding-mode lookahead or drop it"
+            )
+        if max_draft_len is None or max_draft_len < 1:
+            raise ValueError(
+                f"--max-draft-len {max_draft_len} is invalid for mode 'ngram': it needs "
+                f"max_draft_len >= 1 (tokens proposed per step); pass e.g. --max-draft-len 4"
+            )
+        nm = 3 if ngram_match is None else ngram_match
+        if nm < 1:
+            raise ValueError(
+                f"--ngram-match {ngram_match} is invalid: the longest n-gram matched against "
+                f"the context must be >= 1; pass e.g. --ngram-match 3"
+            )
+        return cls(mode="ngram", max_draft_len=max_draft_len, ngram_max_match=nm,
+                   ngram_min_match=1)
+
+
+def check_limits(
+    spec: SpeculativeConfig,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    max_input_len: int,
+    max_num_tokens: int,
+) -> list[str]:
+    """Cross-check speculative settings against the engine limits.
+
+    Raises ValueError when the engine could not run one speculative step; returns
+    warnings (strings) for settings that work but waste the speculation.
+    """
+    warnings: list[str] = []
+    t = spec.tokens_per_step
+    what = f"speculative mode {spec.mode!r}" + (
+        f" lookahead {_fmt(spec.lookahead)}" if spec.lookahead else "") + (
+        f" (max_draft_len {spec.max_draft_len}, {t} tokens per sequence per step)")
+    if max_num_tokens < t:
+        raise ValueError(
+            f"max_num_tokens {max_num_tokens} is too small for {what}: a step needs "
+            f"max_num_tokens >= 1 + max_draft_len = {t}; pass --max-num-tokens {t} or more, "
+            f"or a smaller window"
+        )
+    need_seq = max_input_len + t
+    if max_seq_len < need_seq:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} leaves no room for {what}: it needs max_seq_len >= "
+            f"max_input_len + 1 + max_draft_len = {max_input_len} + {t} = {need_seq}, "
+            f"{need_seq - max_seq_len} more; pass --max-seq-len {need_seq} or more, or lower "
+            f"--max-input-len"
+        )
+    if spec.enabled and max_batch_size * t > max_num_tokens:
+        warnings.append(
+            f"max_batch_size {max_batch_size} x {t} tokens per step = {max_batch_size * t} "
+            f"exceeds max_num_tokens {max_num_tokens}: a full batch cannot speculate every "
+            f"sequence in one step; raise --max-num-tokens to {max_batch_size * t} or shrink "
+            f"the window per request"
+        )
+    return warnings
+
+
+def validate_request_window(
+    engine: SpeculativeConfig, w: int, n: int, g: int
+) -> tuple[int, int, int]:
+    """Check a request's (w, n, g) against the engine's window; return it.
+
+    (1, 1, 0) is plain decoding and is always allowed. Otherwise 1 <= w <= W, 1 <= n <= N,
+    0 <= g <= G and the N == 1 rule. Raises ValueError (the server answers 400).
+    """
+    req = (w, n, g)
+    if req == PLAIN:
+        return req
+    if engine.mode != "lookahead" or engine.lookahead is None:
+        raise ValueError(
+            f"request lookahead {_fmt(req)} is not available: this engine was built with "
+            f"speculative decoding mode {engine.mode!r}, so only (1,1,0) (plain decoding) is "
+            f"allowed; rebuild with --speculative-decoding-mode lookahead --lookahead-config "
+            f"W,N,G"
+        )
+    W, N, G = engine.lookahead
+    if not (1 <= w <= W and 1 <= n <= N and 0 <= g <= G):
+        raise ValueError(
+            f"request lookahead {_fmt(req)} exceeds the engine window {_fmt((W, N, G))}: "
+            f"each field must satisfy 1 <= w <= {W}, 1 <= n <= {N}, 0 <= g <= {G}; "
+            f"ask for a smaller window or (1,1,0) for plain decoding"
+        )
+    check_window(w, n, g, "request lookahead")
+    return req
