@@ -1,0 +1,121 @@
+"""Benchmark reports: rich tables for people, a JSON file for pipelines."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kiln import __version__
+
+
+def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dict:
+    """Where and how a benchmark ran: command line, engine, device, versions, date (UTC)."""
+    import torch
+
+    device = str(getattr(engine, "device", "") or "")
+    device_name = platform.processor() or platform.machine() or "cpu"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        try:
+            device_name = torch.cuda.get_device_name(torch.device(device))
+        except (RuntimeError, AssertionError, ValueError):
+            device_name = torch.cuda.get_device_name()
+    spec = getattr(engine, "spec", None)
+    model = getattr(spec, "model", None)
+    return {
+        "command": " ".join(["kiln", *sys.argv[1:]]),
+        "engine_dir": str(Path(engine_dir).resolve()) if engine_dir else None,
+        "model": getattr(model, "name", None) or getattr(model, "architecture", None),
+        "dtype": str(getattr(spec, "dtype", "")) or None,
+        "device": device or None,
+        "device_name": device_name,
+        "torch_version": torch.__version__,
+        "kiln_version": __version__,
+        "python_version": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, result: dict) -> Path:
+    """Write ``result`` as indented JSON (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(result), indent=2) + "\n")
+    return path
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x * 1000:.2f}"
+
+
+def _summary_table(title: str, rows: list[tuple[str, dict]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    t.add_column("metric (ms)")
+    for col in ("mean", "median", "p90", "p99"):
+        t.add_column(col, justify="right")
+    for name, s in rows:
+        t.add_row(name, *(_ms(s.get(col)) for col in ("mean", "median", "p90", "p99")))
+    return t
+
+
+def _header(result: dict) -> Table:
+    env = result.get("environment") or {}
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for key in ("engine_dir", "device_name", "torch_version"):
+        if env.get(key):
+            t.add_row(key.replace("_", " "), str(env[key]))
+    for key, value in (result.get("config") or {}).items():
+        if value is not None:
+            t.add_row(key.replace("_", " "), str(value))
+    return t
+
+
+def render_throughput(result: dict, console: Console | None = None) -> None:
+    """Print a throughput result as tables."""
+    console = console or Console()
+    console.print(_header(result))
+    t = Table(title="Offline throughput", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("requests", str(result["num_requests"]))
+    t.add_row("prompt tokens", str(result["prompt_tokens"]))
+    t.add_row("output tokens", str(result["output_tokens"]))
+    t.add_row("elapsed (s)", f"{result['elapsed_s']:.3f}")
+    t.add_row("requests/s", f"{result['requests_per_s']:.2f}")
+    t.add_row("output tokens/s", f"{result['output_tokens_per_s']:.1f}")
+    t.add_row("total tokens/s", f"{result['total_tokens_per_s']:.1f}")
+    console.print(t)
+    console.print(_summary_table("Per request (all queued at once)",
+                                 [("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])]))
+
+
+def render_latency(result: dict, console: Console | None = None) -> None:
+    """Print a latency result as tables."""
+    console = console or Console()
+    console.print(_header(result))
+    console.print(_summary_table(
+        "Latency",
+        [("batch E2E", result["latency_s"]), ("request E2E", result["e2e_s"]),
+         ("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])],
+    ))
+    console.print(f"output tokens/s: {result['output_tokens_per_s']:.1f}")
