@@ -1,0 +1,252 @@
+"""Lookahead decoding math: step layout and mask, n-gram pool, verification (CPU, pure).
+
+Everything here is per sequence and independent of the model; the lookahead worker packs
+these pieces into a batch. The in-step token order (LOOKAHEAD.md) for a window (W, N, G)
+with committed last token x at position p:
+
+    row 0                      x                                  position p
+    rows 1 .. W-1              level 0, cols 1..W-1               p+1 .. p+W-1
+    then levels 1 .. N-2       W cols each, (level l, col j)      p+l+j
+    then g candidates          N-1 tokens each, token k (1-based) p+k
+
+T = (W+g)(N-1) tokens for N > 1 (= tokens_per_step when g == G); T = 1 for N == 1.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each in-step token of one sequence sits and what it may attend to.
+
+    position_offsets: LongTensor [T]   position minus p (the committed position of x).
+    mask:             BoolTensor [T, T] True = query row may attend to key column inside
+                                        the step; the cached prefix (< p) is always
+                                        visible and is not part of this mask.
+    window_rows:      LongTensor [L, W] in-step row of (level l, col j); L = max(N-1, 1);
+                                        level 0 col 0 is x (row 0).
+    candidate_rows:   LongTensor [g, N-1] in-step rows of candidate i's tokens 1..N-1.
+    """
+
+    w: int
+    n: int
+    g: int
+    position_offsets: torch.Tensor
+    mask: torch.Tensor
+    window_rows: torch.Tensor
+    candidate_rows: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_offsets.numel())
+
+    @property
+    def x_row(self) -> int:
+        return 0
+
+    @property
+    def last_level_rows(self) -> torch.Tensor:
+        """Rows [W] whose outputs are the new window tokens (level N-2; level 0 when N <= 2)."""
+        return self.window_rows[-1]
+
+    @property
+    def lookahead_rows(self) -> torch.Tensor:
+        """All rows [T - g(N-1)] of x and the lookahead branch, in in-step order."""
+        return torch.arange(self.num_tokens - self.candidate_rows.numel())
+
+
+def num_step_tokens(w: int, n: int, g: int) -> int:
+    """T for one sequence: (W+g)(N-1) for N > 1, 1 for N == 1."""
+    return (w + g) * (n - 1) if n > 1 else 1
+
+
+def build_step_layout(w: int, n: int, g_actual: int) -> StepLayout:
+    """Positions, mask and row indices for one step of one sequence (see module doc).
+
+    g_actual may be smaller than the engine's G (fewer candidates in the pool).
+    Mask rule: each row sees exactly one token per position from p to its own position,
+    on its own chain: (level 0, col j) sees level-0 cols 0..j; (level l, col j) sees
+    level-0 cols 0..j and (level r, col j) for r = 1..l; candidate token k sees x and its
+    own candidate's tokens 1..k.
+    """
+    if w < 1 or n < 1 or g_actual < 0:
+        raise ValueError(
+            f"lookahead window ({w},{n},{g_actual}) is invalid: need w >= 1, n >= 1, g >= 0"
+        )
+    if n == 1 and (w != 1 or g_actual != 0):
+        raise ValueError(
+            f"lookahead window ({w},{n},{g_actual}) is invalid: n == 1 (plain decoding) "
+            f"requires w == 1 and g == 0"
+        )
+    levels = max(n - 1, 1)
+    t = num_step_tokens(w, n, g_actual)
+    pos = torch.empty(t, dtype=torch.long)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    window = torch.empty(levels, w, dtype=torch.long)
+    cands = torch.empty(g_actual, max(n - 1, 0), dtype=torch.long)
+
+    # level 0: rows 0..W-1, causal among themselves
+    for j in range(w):
+        window[0, j] = j
+        pos[j] = j
+        mask[j, : j + 1] = True
+    row = w
+    for lvl in range(1, levels):
+        for j in range(w):
+            window[lvl, j] = row
+            pos[row] = lvl + j
+            mask[row, window[0, : j + 1]] = True  # level-0 cols 0..j
+            mask[row, window[1 : lvl + 1, j]] = True  # own column, levels 1..lvl
+            row += 1
+    for i in range(g_actual):
+        for k in range(n - 1):  # token k+1 of candidate i
+            cands[i, k] = row
+            pos[row] = k + 1
+            mask[row, 0] = True
+            mask[row, cands[i, : k + 1]] = True
+            row += 1
+    if row != t:
+        raise RuntimeError(f"step layout for ({w},{n},{g_actual}) filled {row} rows, expected {t}")
+    return StepLayout(w, n, g_actual, pos, mask, window, cands)
+
+
+class NgramPool:
+    """n-gram pool of one request: key token -> (n-1)-token continuations.
+
+    Deduplicated, at most ``g`` per key; the oldest is evicted, and re-adding an existing
+    continuation makes it the most recent. Seeded with the prompt's n-grams and fed with
+    the n-grams the lookahead branch produces (and committed output).
+    """
+
+    def __init__(self, n: int, g: int) -> None:
+        if n < 2 or g < 0:
+            raise ValueError(f"NgramPool(n={n}, g={g}) is invalid: need n >= 2 and g >= 0")
+        self.n = n
+        self.g = g
+        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, ngram: Sequence[int]) -> None:
+        """Insert one n-gram (key followed by n-1 tokens)."""
+        if len(ngram) != self.n:
+            raise ValueError(
+                f"n-gram {tuple(ngram)} has {len(ngram)} tokens, pool n is {self.n}"
+            )
+        if self.g == 0:
+            return
+        key, cont = int(ngram[0]), tuple(int(t) for t in ngram[1:])
+        bucket = self._pool.setdefault(key, OrderedDict())
+        if cont in bucket:
+            bucket.move_to_end(cont)
+            return
+        bucket[cont] = None
+        while len(bucket) > self.g:
+            bucket.popitem(last=False)
+
+    def seed_from_tokens(self, tokens: Iterable[int]) -> None:
+        """Insert every n-gram of ``tokens`` (e.g. the prompt) in order."""
+        toks = [int(t) for t in tokens]
+        for i in range(len(toks) - self.n + 1):
+            self.add(toks[i : i + self.n])
+
+    def candidates(self, key: int, g: int | None = None) -> list[tuple[int, ...]]:
+        """Up to ``g`` (default: the pool's g) continuations of ``key``, most recent first."""
+        bucket = self._pool.get(int(key))
+        if not bucket:
+            return []
+        limit = self.g if g is None else g
+        out = list(reversed(bucket))
+        return out[: max(limit, 0)]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._pool.values())
+
+    def __contains__(self, ngram: Sequence[int]) -> bool:
+        b = self._pool.get(int(ngram[0]))
+        return b is not None and tuple(int(t) for t in ngram[1:]) in b
+
+
+def greedy_verify(
+    candidates: Sequence[Sequence[int]],
+    argmax_rows: Sequence[Sequence[int]],
+    argmax_x: int,
+) -> tuple[int | None, list[int]]:
+    """Greedy verification of one step (LOOKAHEAD.md step 5).
+
+    candidates[i]  = (c1 .. c_{N-1}), the tokens of candidate i.
+    argmax_rows[i] = target argmax at each of candidate i's token rows (same length):
+                     argmax_rows[i][k] is the model's next token after c1..c_{k+1}.
+    argmax_x       = target argmax at x (t0).
+
+    c1 must equal t0, c_{k+1} must equal argmax_rows[i][k-1]. The candidate with the
+    longest match wins (first on ties); accepted = its matched tokens + the model's token
+    after the last match (the bonus). No match: (None, [t0]). len(accepted) <= N.
+    """
+    if len(candidates) != len(argmax_rows):
+        raise ValueError(
+            f"greedy_verify got {len(candidates)} candidates but {len(argmax_rows)} argmax rows"
+        )
+    best, best_len = None, 0
+    for i, (cand, am) in enumerate(zip(candidates, argmax_rows)):
+        if len(cand) != len(am):
+            raise ValueError(
+                f"candidate {i} has {len(cand)} tokens but {len(am)} argmax values"
+            )
+        m = 0
+        expect = argmax_x
+        while m < len(cand) and int(cand[m]) == int(expect):
+            expect = am[m]
+            m += 1
+        if m > best_len:
+            best, best_len = i, m
+    if best is None:
+        return None, [int(argmax_x)]
+    accepted = [int(t) for t in candidates[best][:best_len]]
+    accepted.append(int(argmax_rows[best][best_len - 1]))
+    return best, accepted
+
+
+def verify_position(
+    p: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None = None
+) -> tuple[int, int | None]:
+    """Sampling verification at one position (paper Algorithm 4, LOOKAHEAD.md step 6).
+
+    p: [V] target probabilities (already warped: temperature/top-k/top-p). Try drafts in
+    order: accept draft d with probability p(d) / sum(p) (p renormalised over what is left);
+    on rejection set p(d) = 0 and try the next; all rejected -> sample from the remainder.
+    Returns (token, index of the accepted draft or None). The output is distributed as p.
+    """
+    if p.dim() != 1:
+        raise ValueError(f"verify_position expects p of shape [V], got {tuple(p.shape)}")
+    # One uniform per draft plus one for the residual sample, drawn up front. Plain Python
+    # floats: this is the per-position reference, not the batched device path.
+    u = torch.rand(len(drafts) + 1, generator=generator, dtype=torch.float64).tolist()
+    q = p.detach().to(torch.float64).tolist()
+    for idx, d in enumerate(drafts):
+        total = sum(q)
+        if total <= 0.0:
+            break
+        if u[idx] * total < q[d]:  # accept with probability q(d) / sum(q)
+            return int(d), idx
+        q[d] = 0.0
+    total = sum(q)
+    if total <= 0.0:
+        # every token with mass was a rejected draft (only possible through rounding)
+        q = p.detach().to(torch.float64).tolist()
+        total = sum(q)
+    target = u[-1] * total
+    acc = 0.0
+    last = 0
+    for tok, mass in enumerate(q):
+        if mass <= 0.0:
+            continue
+        acc += mass
+        last = tok
+        if target < acc:
+            return tok, None
+    return last, None

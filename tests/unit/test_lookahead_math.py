@@ -1,0 +1,222 @@
+"""Lookahead math: step layout/mask, n-gram pool, greedy and sampling verification."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kiln.builder.speculative import tokens_per_step
+from kiln.runtime.speculative.lookahead_math import (
+    NgramPool,
+    build_step_layout,
+    greedy_verify,
+    num_step_tokens,
+    verify_position,
+)
+
+# LOOKAHEAD.md worked example, W=3, N=3, G=2: (token, position offset, rows it sees)
+WORKED = [
+    ("x", 0, {0}),
+    ("a1", 1, {0, 1}),
+    ("a2", 2, {0, 1, 2}),
+    ("b0", 1, {0, 3}),
+    ("b1", 2, {0, 1, 4}),
+    ("b2", 3, {0, 1, 2, 5}),
+    ("u1", 1, {0, 6}),
+    ("u2", 2, {0, 6, 7}),
+    ("v1", 1, {0, 8}),
+    ("v2", 2, {0, 8, 9}),
+]
+
+
+def test_worked_example_w3_n3_g2():
+    lay = build_step_layout(3, 3, 2)
+    assert lay.num_tokens == 10 == tokens_per_step(3, 3, 2)
+    assert lay.position_offsets.tolist() == [pos for _, pos, _ in WORKED]
+    expected = torch.zeros(10, 10, dtype=torch.bool)
+    for r, (_, _, sees) in enumerate(WORKED):
+        expected[r, sorted(sees)] = True
+    assert torch.equal(lay.mask, expected)
+    assert lay.window_rows.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert lay.last_level_rows.tolist() == [3, 4, 5]
+    assert lay.candidate_rows.tolist() == [[6, 7], [8, 9]]
+    assert lay.lookahead_rows.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_plain_and_n2_layouts():
+    plain = build_step_layout(1, 1, 0)
+    assert plain.num_tokens == 1
+    assert plain.mask.tolist() == [[True]]
+    assert plain.position_offsets.tolist() == [0]
+    # N=2: x + (W-1) level-0 tokens + G one-token candidates; level 0 is the last level
+    lay = build_step_layout(3, 2, 2)
+    assert lay.num_tokens == 5 == tokens_per_step(3, 2, 2)
+    assert lay.position_offsets.tolist() == [0, 1, 2, 1, 1]
+    assert lay.last_level_rows.tolist() == [0, 1, 2]
+    assert lay.candidate_rows.tolist() == [[3], [4]]
+    assert lay.mask[3].nonzero().flatten().tolist() == [0, 3]
+    assert lay.mask[4].nonzero().flatten().tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("bad", [(0, 3, 1), (3, 0, 1), (3, 3, -1), (2, 1, 0), (1, 1, 1)])
+def test_layout_rejects_invalid_windows(bad):
+    with pytest.raises(ValueError, match=r"\(.*\) is invalid"):
+        build_step_layout(*bad)
+
+
+def _windows():
+    out = [(1, 1, 0)]
+    for w, n, g in itertools.product(range(1, 6), range(2, 7), range(0, 6)):
+        out.append((w, n, g))
+    return out
+
+
+@pytest.mark.parametrize("w,n,g", _windows())
+def test_layout_one_token_per_position_on_own_chain(w, n, g):
+    lay = build_step_layout(w, n, g)
+    t = lay.num_tokens
+    assert t == num_step_tokens(w, n, g)
+    assert t == tokens_per_step(w, n, g)
+    if n > 1:
+        assert t == (w + g) * (n - 1)
+    pos = lay.position_offsets
+    cand_rows = set(lay.candidate_rows.flatten().tolist())
+    look_rows = set(range(t)) - cand_rows
+    assert look_rows == set(lay.lookahead_rows.tolist())
+    for r in range(t):
+        seen = lay.mask[r].nonzero().flatten().tolist()
+        assert r in seen and 0 in seen
+        seen_pos = sorted(pos[seen].tolist())
+        # exactly one token per position from p to the row's own position
+        assert seen_pos == list(range(int(pos[r]) + 1)), (r, seen_pos)
+        # candidates never see the lookahead branch (except x) nor other candidates;
+        # the lookahead branch never sees candidates
+        if r in cand_rows:
+            i = (lay.candidate_rows == r).nonzero()[0, 0]
+            own = set(lay.candidate_rows[i].tolist())
+            assert set(seen) <= own | {0}
+        else:
+            assert not (set(seen) & cand_rows)
+    # column j read down the levels is a chain of consecutive positions
+    win = lay.window_rows
+    for lvl in range(win.shape[0]):
+        for j in range(w):
+            assert int(pos[win[lvl, j]]) == lvl + j
+    # the mask is "causal" in the sense that nothing sees a later position
+    assert not (lay.mask & (pos[None, :] > pos[:, None])).any()
+
+
+# ---------------------------------------------------------------- n-gram pool
+
+
+def test_pool_dedup_evict_and_recency():
+    pool = NgramPool(3, 2)
+    pool.add([1, 2, 3])
+    pool.add([1, 4, 5])
+    pool.add([1, 2, 3])  # duplicate: becomes most recent, no growth
+    assert pool.candidates(1) == [(2, 3), (4, 5)]
+    assert len(pool) == 2
+    pool.add([1, 6, 7])  # evicts the oldest, (4, 5)
+    assert pool.candidates(1) == [(6, 7), (2, 3)]
+    assert [1, 4, 5] not in pool and [1, 6, 7] in pool
+    assert pool.candidates(1, 1) == [(6, 7)]
+    assert pool.candidates(99) == []
+
+
+def test_pool_seed_from_prompt():
+    pool = NgramPool(3, 4)
+    pool.seed_from_tokens([5, 6, 7, 5, 6, 8, 5, 6, 7])
+    # n-grams: 567 675 756 568 685 856 567(dup -> most recent)
+    assert pool.candidates(5) == [(6, 7), (6, 8)]
+    assert pool.candidates(6) == [(8, 5), (7, 5)]
+    assert pool.candidates(7) == [(5, 6)]
+    assert pool.candidates(8) == [(5, 6)]
+    short = NgramPool(4, 2)
+    short.seed_from_tokens([1, 2])
+    assert len(short) == 0
+
+
+def test_pool_rejects_bad_input():
+    with pytest.raises(ValueError, match="n >= 2"):
+        NgramPool(1, 2)
+    pool = NgramPool(3, 2)
+    with pytest.raises(ValueError, match="has 2 tokens, pool n is 3"):
+        pool.add([1, 2])
+    zero = NgramPool(2, 0)
+    zero.add([1, 2])
+    assert zero.candidates(1) == []
+
+
+# ---------------------------------------------------------------- greedy verification
+
+
+def test_greedy_verify_longest_match_plus_bonus():
+    # N = 4: candidates of 3 tokens; t0 = argmax at x = 10
+    cands = [[10, 11, 99], [10, 11, 12], [7, 8, 9]]
+    argmax = [
+        [11, 12, 13],  # after 10 -> 11 (match), after 11 -> 12 (99 mismatches)
+        [11, 12, 13],  # full match: 10 11 12 + bonus 13
+        [1, 2, 3],
+    ]
+    best, acc = greedy_verify(cands, argmax, 10)
+    assert best == 1
+    assert acc == [10, 11, 12, 13]
+    assert len(acc) <= 4
+
+
+def test_greedy_verify_partial_and_ties():
+    cands = [[10, 5, 5], [10, 11, 5]]
+    argmax = [[11, 0, 0], [11, 20, 0]]
+    best, acc = greedy_verify(cands, argmax, 10)
+    assert (best, acc) == (1, [10, 11, 20])
+    # tie: first candidate wins
+    best, acc = greedy_verify([[10, 1], [10, 2]], [[3, 0], [4, 0]], 10)
+    assert (best, acc) == (0, [10, 3])
+
+
+def test_greedy_verify_no_match_and_empty():
+    assert greedy_verify([[1, 2], [3, 4]], [[0, 0], [0, 0]], 9) == (None, [9])
+    assert greedy_verify([], [], 9) == (None, [9])
+
+
+def test_greedy_verify_shape_errors():
+    with pytest.raises(ValueError, match="2 candidates but 1 argmax rows"):
+        greedy_verify([[1], [2]], [[1]], 1)
+    with pytest.raises(ValueError, match="candidate 0 has 2 tokens but 1 argmax"):
+        greedy_verify([[1, 2]], [[1]], 1)
+
+
+# ---------------------------------------------------------------- sampling verification
+
+
+def _tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - p).abs().sum())
+
+
+@pytest.mark.parametrize("drafts", [[], [2, 5], [5, 5, 1], [3, 0, 1, 2, 4, 5]])
+def test_verify_position_preserves_distribution(drafts):
+    p = torch.tensor([0.30, 0.05, 0.20, 0.15, 0.0, 0.30])
+    g = torch.Generator().manual_seed(1234)
+    trials = 20_000
+    counts = torch.zeros(6, dtype=torch.float64)
+    accepted = 0
+    for _ in range(trials):
+        tok, idx = verify_position(p, drafts, g)
+        counts[tok] += 1
+        if idx is not None:
+            assert drafts[idx] == tok
+            accepted += 1
+    assert counts[4] == 0  # zero-probability token never produced
+    assert _tv(counts, p) < 0.03
+    if drafts:
+        assert accepted > 0
+
+
+def test_verify_position_accepts_certain_draft():
+    p = torch.tensor([0.0, 1.0, 0.0])
+    assert verify_position(p, [1], torch.Generator().manual_seed(0)) == (1, 0)
+    assert verify_position(p, [0, 2], torch.Generator().manual_seed(0)) == (1, None)
+    with pytest.raises(ValueError, match="shape \\[V\\]"):
+        verify_position(p[None], [0])
