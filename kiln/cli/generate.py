@@ -1,0 +1,145 @@
+"""`kiln generate ENGINE PROMPT`: run one prompt on a built engine and stream the answer."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kiln.errors import KilnError
+
+
+def check_engine_dir(engine_dir: Path) -> None:
+    """Fail fast, before importing torch, when ENGINE is not an engine directory."""
+    if not engine_dir.exists():
+        raise KilnError(
+            f"engine directory {engine_dir} does not exist; build one with "
+            f"`kiln build MODEL -o {engine_dir}` (e.g. MODEL=smollm2-135m)"
+        )
+    if not engine_dir.is_dir():
+        raise KilnError(f"engine {engine_dir} is not a directory; pass the directory "
+                        "that `kiln build -o` wrote")
+    if not (engine_dir / "engine.json").is_file():
+        raise KilnError(f"{engine_dir} has no engine.json, so it is not a kiln engine; "
+                        f"build one with `kiln build MODEL -o {engine_dir}`")
+
+
+def load_engine(engine_dir: Path, device: str | None = None) -> tuple[Any, float]:
+    """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
+    check_engine_dir(engine_dir)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    with console.status(f"loading engine {engine_dir}", spinner="dots"):
+        from kiln.runtime.engine import LLMEngine, RuntimeConfig
+
+        engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device=device))
+    return engine, time.perf_counter() - t0
+
+
+def _read_prompt(prompt: str) -> str:
+    if prompt == "-":
+        text = sys.stdin.read()
+        return text[:-1] if text.endswith("\n") else text
+    return prompt
+
+
+def generate(
+    engine_dir: Path = typer.Argument(..., metavar="ENGINE",
+                                      help="Engine directory written by `kiln build`."),
+    prompt: str = typer.Argument(..., metavar="PROMPT",
+                                 help="The prompt; `-` reads it from stdin."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.7, "--temperature",
+                                      help="Sampling temperature; 0 is greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens; 0 disables."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    min_p: float = typer.Option(0.0, "--min-p",
+                                help="Drop tokens below min-p x the top probability."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty",
+                                             help="Penalty > 1 discourages repeats; 1 is off."),
+    stop: list[str] | None = typer.Option(None, "--stop",
+                                          help="Stop at this string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+                                    help="Keep going past end-of-sequence tokens."),
+    raw: bool = typer.Option(False, "--raw",
+                             help="Send the prompt as plain text, without the chat template."),
+    as_json: bool = typer.Option(False, "--json",
+                                 help="Print one JSON object (text, token ids, timings)."),
+    device: str | None = typer.Option(None, "--device",
+                                      help="Device to run on (cuda, cuda:1, cpu); default "
+                                      "cuda when available."),
+) -> None:
+    """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    # Validate the flags before the (slow) engine load: a bad value is a one-line error.
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, seed=seed, repetition_penalty=repetition_penalty,
+        stop=tuple(stop or ()), ignore_eos=ignore_eos,
+    )
+    text = _read_prompt(prompt)
+    engine, load_s = load_engine(engine_dir, device)
+    request: str | list[int] = (
+        text if raw else engine.apply_chat_template([{"role": "user", "content": text}])
+    )
+
+    out = None
+    ttft = None
+    t0 = time.perf_counter()
+    stream = engine.stream(request, params)
+    try:
+        for out in stream:
+            if ttft is None and out.token_ids:
+                ttft = time.perf_counter() - t0
+            if not as_json and out.new_text:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        if out is not None:
+            engine.abort(out.request_id)
+        raise
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    total = time.perf_counter() - t0
+    if out is None:
+        raise KilnError("the engine returned no output for the request")
+    n = len(out.token_ids)
+    tps = n / total if total > 0 else 0.0
+    if as_json:
+        result = {
+            "text": out.text,
+            "token_ids": list(out.token_ids),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "finish_reason": out.finish_reason,
+            "timings": {"ttft_s": ttft, "total_s": total, "tokens_per_s": tps,
+                        "load_s": load_s},
+        }
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        return
+    if not out.text.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    from rich.console import Console
+
+    ttft_ms = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
+    Console(stderr=True).print(
+        f"{n} tokens in {total:.2f} s, {tps:.1f} tokens/s, TTFT {ttft_ms}, "
+        f"load {load_s:.1f} s, finish: {out.finish_reason}",
+        style="dim", highlight=False,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add `generate` to the root app."""
+    app.command("generate")(generate)
