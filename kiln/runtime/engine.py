@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from kiln.config import ModelConfig
+from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.kv_cache import BlockManager, KVCache
+from kiln.runtime.layers.attention import get_backend
+from kiln.runtime.layers.sampler import Sampler
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV cache budget on CPU when the size is not given (CPU memory is shared with everything).
+_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -15,8 +33,8 @@ class RuntimeConfig:
     """Knobs of one running engine (the engine's limits come from engine.json).
 
     ``num_kv_blocks=None`` sizes the cache from free memory (CUDA) or from
-    max_batch_size x max_seq_len (CPU). ``max_num_tokens``/``max_num_seqs`` of None take the
-    engine's limits.
+    max_batch_size x max_seq_len capped at 1 GiB (CPU). ``max_num_tokens``/``max_num_seqs``
+    of None take the engine's limits.
     """
 
     device: str | None = None  # "cuda" when available, else "cpu"
@@ -26,45 +44,232 @@ class RuntimeConfig:
     max_num_tokens: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.85
+    attention_backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The subset of the engine's recorded limits the runtime enforces."""
+
+    max_batch_size: int
+    max_seq_len: int
+    max_input_len: int
+    max_num_tokens: int
 
 
 class LLMEngine:
-    """Runs a built engine directory. Not thread-safe: one thread calls these methods."""
+    """Runs a built engine. Not thread-safe: one thread calls these methods."""
+
+    def __init__(
+        self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Any,
+        limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
+        spec: Any = None,
+    ):
+        config = config or RuntimeConfig()
+        self.config = config
+        self.spec = spec
+        self.model_config = model_config
+        self.limits = limits
+        self.dtype = dtype
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.tokenizer = tokenizer
+        weights = {k: v.to(self.device, dtype) for k, v in weights.items()}
+        self.model = LlamaModel(model_config, weights, get_backend(config.attention_backend),
+                                self.device)
+        num_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        if num_blocks * config.block_size < limits.max_seq_len:
+            raise ValueError(
+                f"num_kv_blocks={num_blocks} x block_size={config.block_size} holds fewer "
+                f"tokens than max_seq_len={limits.max_seq_len}; one request must always fit: "
+                f"use at least {-(-limits.max_seq_len // config.block_size)} blocks"
+            )
+        self.cache = KVCache(model_config.num_layers, num_blocks, config.block_size,
+                             model_config.num_kv_heads, model_config.head_dim, dtype, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=config.max_num_seqs or limits.max_batch_size,
+            max_num_tokens=config.max_num_tokens or limits.max_num_tokens,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.sampler = Sampler()
+        self.detokenizer = Detokenizer(tokenizer)
+        eos = set(model_config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, config: RuntimeConfig | None = None) -> LLMEngine:
-        raise NotImplementedError
+        """Load a directory written by ``kiln build``."""
+        from kiln.builder import load_engine
+
+        config = config or RuntimeConfig()
+        art = load_engine(path)
+        spec = art.spec
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = DTYPES[spec.dtype]
+        lim = spec.limits
+        limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
+                              lim.max_num_tokens)
+        return cls(spec.model, art.load_weights(device, dtype), art.load_tokenizer(), limits,
+                   dtype, config, spec=spec)
+
+    def _auto_num_blocks(self) -> int:
+        c = self.model_config
+        per_block = KVCache.bytes_per_block(
+            c.num_layers, self.config.block_size, c.num_kv_heads, c.head_dim, self.dtype
+        )
+        want = -(-self.limits.max_batch_size * self.limits.max_seq_len // self.config.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization) - (1 << 30)
+        else:
+            budget = _CPU_KV_BYTES
+        need_one = -(-self.limits.max_seq_len // self.config.block_size)
+        return max(min(want, budget // per_block), need_one)
+
+    # -- requests ------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of the engine's chat template over ``messages`` with a generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this engine's tokenizer has no chat template; send raw text")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
+        self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
         """Queue a request (text is tokenized as-is, no chat template); returns its id."""
-        raise NotImplementedError
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of the engine's chat template over ``messages`` with a generation prompt."""
-        raise NotImplementedError
-
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got tokens or finished."""
-        raise NotImplementedError
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) > self.limits.max_input_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; this engine accepts at most "
+                f"{self.limits.max_input_len} (max_input_len); shorten the prompt or rebuild "
+                "with a larger --max-input-len"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, self.eos_token_ids)
+        self.detokenizer.init_request(req)
+        self.scheduler.add(req)
+        self._requests[request_id] = req
+        return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks; unknown ids are ignored."""
-        raise NotImplementedError
+        """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish(req)
+        req.finish("abort")
 
     def has_unfinished_requests(self) -> bool:
-        raise NotImplementedError
+        return self.scheduler.has_unfinished()
 
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that got tokens or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(
+                    "no request fits the KV cache even alone; give the engine more KV blocks"
+                )
+            return []
+        logits, sampling = self.runner.execute(batch)
+        self.scheduler.after_step(batch)
+        self.num_steps += 1
+        tokens, logprobs = self.sampler(
+            logits, [r.params for r in sampling], [r.all_token_ids for r in sampling],
+            [r.generator for r in sampling],
+        )
+        now = time.perf_counter()
+        outputs = []
+        for req, tok, lp in zip(sampling, tokens, logprobs):
+            req.append_token(tok)
+            if req.logprobs is not None and lp is not None:
+                req.logprobs.append(lp)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.num_steps += 1
+            req.check_stop_token(self.limits.max_seq_len)
+            self.detokenizer.update(req, final=req.is_finished)
+            if req.is_finished:
+                self.scheduler.finish(req)
+                self._requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.text
+        if not req.is_finished and req.params.stop:
+            # Hold back what could still become the start of a stop string.
+            hold = max(len(s) for s in req.params.stop) - 1
+            text = text[: max(len(text) - hold, req.sent_text_len)]
+        new_text = text[req.sent_text_len :]
+        new_ids = req.output_token_ids[req.sent_token_len :]
+        req.sent_text_len = len(text)
+        req.sent_token_len = len(req.output_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            metrics=req.metrics,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            stop_reason=req.stop_reason,
+        )
+
+    # -- conveniences ----------------------------------------------------------------------
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order."""
-        raise NotImplementedError
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Add one request and yield its output after each step that advanced it."""
-        raise NotImplementedError
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks

@@ -1,0 +1,120 @@
+"""Attention backends over the paged KV cache.
+
+A backend writes the step's new K/V into the cache (at ``slot_mapping``) and attends each
+sequence's queries to its cached prefix plus its in-step tokens. The in-step part is causal
+unless the sequence carries a ``step_mask`` (lookahead / verification tree masks).
+Backends are chosen by name from ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.runtime.kv_cache import KVCache
+
+
+@dataclass
+class SeqAttention:
+    """One sequence's slice of the step.
+
+    Queries ``query_start : query_start + query_len`` of the flat token batch; keys are the
+    sequence's first ``context_len`` cache slots (``key_slots``, [context_len]); the last
+    ``query_len`` of them are this step's tokens. ``step_mask`` [query_len, query_len] bool
+    (True = may attend) replaces the causal in-step mask when set.
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int
+    key_slots: torch.Tensor
+    step_mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward attention inputs, built once by the model runner and shared by layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    seqs: list[SeqAttention]
+
+
+class AttentionBackend(ABC):
+    """Writes K/V and computes attention for one layer.
+
+    Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+    returns [num_tokens, num_heads, head_dim]. Mutates ``cache`` at ``meta.slot_mapping``.
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cache: KVCache, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor: ...
+
+
+def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V at their slots (cache viewed as [num_blocks * block_size, heads, dim])."""
+    kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
+    vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
+    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+
+class TorchAttention(AttentionBackend):
+    """The reference: plain torch, one sequence at a time. The oracle for every kernel."""
+
+    name = "torch"
+
+    def forward(self, layer, q, k, v, cache, meta, scale):
+        write_kv(layer, k, v, cache, meta.slot_mapping)
+        kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
+        vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
+        out = torch.empty_like(q)
+        num_heads, num_kv = q.shape[1], k.shape[1]
+        rep = num_heads // num_kv
+        for s in meta.seqs:
+            qs = q[s.query_start : s.query_start + s.query_len]  # [q, H, D]
+            ks = kc.index_select(0, s.key_slots).to(q.dtype)  # [ctx, KVH, D]
+            vs = vc.index_select(0, s.key_slots).to(q.dtype)
+            if rep > 1:
+                ks = ks.repeat_interleave(rep, dim=1)
+                vs = vs.repeat_interleave(rep, dim=1)
+            mask = _seq_mask(s, q.device)
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                attn_mask=mask, scale=scale,
+            )  # [H, q, D]
+            out[s.query_start : s.query_start + s.query_len] = o.transpose(0, 1)
+        return out
+
+
+def _seq_mask(s: SeqAttention, device: torch.device) -> torch.Tensor:
+    """[query_len, context_len] bool: whole prefix visible, in-step part causal or custom."""
+    prefix = s.context_len - s.query_len
+    mask = torch.ones(s.query_len, s.context_len, dtype=torch.bool, device=device)
+    if s.step_mask is not None:
+        mask[:, prefix:] = s.step_mask.to(device)
+    else:
+        mask[:, prefix:] = torch.ones(
+            s.query_len, s.query_len, dtype=torch.bool, device=device
+        ).tril()
+    return mask
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}"
+        ) from None

@@ -1,0 +1,88 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kiln.runtime.outputs import RequestMetrics, TokenLogprob
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token ids, progress and KV blocks of one request.
+
+    The one scheduling rule: ``num_computed_tokens`` of ``all_token_ids`` have KV in the
+    cache; the target is all of them. When a step computes up to the last token, its
+    logits give the next token. Preemption resets ``num_computed_tokens`` to 0 (recompute).
+    """
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        eos_token_ids: frozenset[int],
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+        # Incremental detokenization state, owned by Detokenizer.
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self, max_seq_len: int) -> None:
+        """Finish on eos / stop token / max_tokens / max_seq_len after a token was appended."""
+        tok = self.output_token_ids[-1]
+        p = self.params
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            self.finish("stop", tok)
+        elif tok in p.stop_token_ids:
+            self.finish("stop", tok)
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_seq_len:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.perf_counter()

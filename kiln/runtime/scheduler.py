@@ -1,0 +1,146 @@
+"""Token-budget continuous batching (the vLLM v1 rule).
+
+Each step hands out at most ``max_num_tokens`` tokens: running requests first (decode
+tokens or the next prefill chunk), then waiting requests in arrival order. Prefill is
+chunked by construction: a request gets ``min(remaining, budget)`` tokens. When KV blocks
+run out, the most recently admitted running request is preempted (its blocks freed, it
+recomputes later from ``num_computed_tokens = 0``); nothing is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: ``(request, num_new_tokens)`` in batch order."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates blocks through BlockManager."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_tokens: int):
+        if max_num_seqs < 1 or max_num_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} and max_num_tokens={max_num_tokens} must be >= 1"
+            )
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        max_tokens = self.blocks.num_blocks * self.blocks.block_size
+        if req.num_tokens + 1 > max_tokens:
+            raise ValueError(
+                f"prompt of {req.num_tokens} tokens cannot fit the KV cache of {max_tokens} "
+                "tokens; shorten the prompt or give the engine more KV blocks"
+            )
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_tokens
+        budget = self._schedule_running(batch, budget)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            target = req.num_computed_tokens + n
+            while not self.blocks.can_allocate(req.block_table, target):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break  # req preempted itself: everything after it is gone too
+            self.blocks.allocate(req.block_table, target)
+            batch.items.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached_blocks: list[int] = []
+            if req.num_computed_tokens == 0 and not req.block_table:
+                cached_blocks, hashes = self.blocks.match_prefix(req.all_token_ids)
+                req.block_table.extend(cached_blocks)
+                req.block_hashes = hashes
+                req.num_computed_tokens = len(cached_blocks) * self.blocks.block_size
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            target = req.num_computed_tokens + n
+            if not self.blocks.can_allocate(req.block_table, target):
+                self.blocks.free(req.block_table)  # give back the prefix hits
+                req.block_hashes = []
+                req.num_computed_tokens = 0
+                break
+            self.blocks.allocate(req.block_table, target)
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+                req.metrics.num_cached_prompt_tokens = len(cached_blocks) * self.blocks.block_size
+            self.running.append(req)
+            batch.items.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.block_table)
+        req.block_hashes = []
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+        # A request already placed in this batch cannot be preempted: victims are taken
+        # from the tail, and the tail has not been scheduled yet at this point.
+        if any(r is req for r, _ in batch.items):
+            raise RuntimeError(f"preempted request {req.request_id} that was already scheduled")
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts, register full blocks in the prefix cache."""
+        for req, n in batch.items:
+            req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(
+                req.block_table, req.block_hashes, req.all_token_ids, req.num_computed_tokens
+            )
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.blocks.free(req.block_table)
+        req.block_hashes = []
