@@ -180,12 +180,8 @@ class SpeculativeWorker(ABC):
     def saved_state(self, name: str, restore: Callable[[], None]) -> Iterator[None]:
         """Scoped save: ``restore`` runs when the block exits (or when the step unwinds)."""
         self.saved.push(name, restore)
-        try:
-            yield
-        except BaseException:
-            raise  # the step's finally restores it with the rest
-        else:
-            self.saved.pop(name)()
+        yield  # if the block raises, the entry stays and step()'s finally restores it
+        self.saved.pop(name)()
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Run one step; saved state is restored and KV rewinds applied whatever happens."""
@@ -226,7 +222,7 @@ class SpeculativeWorker(ABC):
                     # keep the step's own exception; note the restore failure on it
                     logger.error(msg)
                     exc = sys.exc_info()[1]
-                    if exc is not None:
+                    if exc is not None and hasattr(exc, "add_note"):  # Python >= 3.11
                         exc.add_note(msg)
                 else:
                     raise SpeculativeStateError(msg) from errors[0][1]
