@@ -32,7 +32,7 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
     return {
         "command": " ".join(["kiln", *sys.argv[1:]]),
         "engine_dir": str(Path(engine_dir).resolve()) if engine_dir else None,
-        "model": getattr(model, "name", None) or getattr(model, "architecture", None),
+        "model": _model_name(spec, model),
         "dtype": str(getattr(spec, "dtype", "")) or None,
         "device": device or None,
         "device_name": device_name,
@@ -41,6 +41,14 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "python_version": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _model_name(spec: Any, model: Any) -> str | None:
+    prov = getattr(spec, "provenance", None) or {}
+    for key in ("source", "name", "model"):
+        if isinstance(prov.get(key), str):
+            return prov[key]
+    return getattr(model, "architecture", None)
 
 
 def _clean(obj: Any) -> Any:
