@@ -1,0 +1,62 @@
+"""Sampler: greedy, penalties, top-k / top-p / min-p, seeds, logprobs."""
+
+import pytest
+import torch
+
+from kiln.runtime.layers.sampler import Sampler, apply_repetition_penalty, warp
+from kiln.runtime.sampling_params import SamplingParams
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    toks, lps = Sampler()(logits, [SamplingParams(temperature=0)] * 2, [[], []], [None, None])
+    assert toks == [1, 0] and lps == [None, None]
+
+
+def test_repetition_penalty_hf_rule():
+    row = torch.tensor([2.0, -2.0, 1.0])
+    out = apply_repetition_penalty(row, [0, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_top_k_top_p_min_p_zero_out_the_tail():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert (warp(logits, SamplingParams(top_k=2)) > 0).tolist() == [True, True, False, False]
+    assert (warp(logits, SamplingParams(top_p=0.7)) > 0).tolist() == [True, True, False, False]
+    assert (warp(logits, SamplingParams(top_p=0.5)) > 0).tolist() == [True, False, False, False]
+    probs = warp(logits, SamplingParams(min_p=0.25))  # keep p >= 0.125
+    assert (probs > 0).tolist() == [True, True, True, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_seeded_sampling_is_reproducible_and_follows_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    p = SamplingParams(temperature=1.0, seed=7)
+
+    def draw(n):
+        g = torch.Generator().manual_seed(7)
+        return [Sampler()(logits, [p], [[]], [g])[0][0] for _ in range(n)]
+
+    a, b = draw(3000), draw(3000)
+    assert a == b
+    freq = torch.bincount(torch.tensor(a), minlength=3).float() / len(a)
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_logprobs_report_chosen_and_top():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    toks, lps = Sampler()(logits, [SamplingParams(temperature=0, logprobs=2)], [[]], [None])
+    ref = torch.log_softmax(logits[0], -1)
+    assert toks == [2]
+    assert lps[0].logprob == pytest.approx(ref[2].item())
+    assert list(lps[0].top) == [2, 1]
+
+
+@pytest.mark.parametrize("kw,name", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"min_p": 2}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
+])
+def test_bad_params_name_the_field(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)

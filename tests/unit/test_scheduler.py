@@ -1,0 +1,89 @@
+"""Token-budget scheduler: chunked prefill, budget sharing, preemption, admission."""
+
+from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.request import Request, Status
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+
+
+def _req(rid, n):
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=100), frozenset())
+
+
+def _run(sched, batch, new_tokens=True):
+    """Pretend the step ran: advance counts, append a token to requests that finished input."""
+    sched.after_step(batch)
+    for req, _ in batch.items:
+        if new_tokens and req.num_computed_tokens == req.num_tokens:
+            req.append_token(7)
+
+
+def test_prefill_is_chunked_by_the_token_budget():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_tokens=10)
+    a = _req("a", 25)
+    sched.add(a)
+    chunks = []
+    while a.num_computed_tokens < 25:
+        b = sched.schedule()
+        chunks.append(b.items[0][1])
+        _run(sched, b)
+    assert chunks == [10, 10, 5]
+    # next step is a single decode token
+    assert sched.schedule().items == [(a, 1)]
+
+
+def test_running_requests_go_first_and_budget_is_shared():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_tokens=8)
+    a, b = _req("a", 3), _req("b", 20)
+    sched.add(a)
+    _run(sched, sched.schedule())  # a prefilled, has 1 new token
+    sched.add(b)
+    batch = sched.schedule()
+    assert [(r.request_id, n) for r, n in batch.items] == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_caps_admission():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_tokens=100)
+    for i in range(3):
+        sched.add(_req(str(i), 4))
+    batch = sched.schedule()
+    assert len(batch.items) == 2 and len(sched.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_it_recomputes_later():
+    bm = BlockManager(6, 4)  # 24 token slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
+    a, b = _req("a", 8), _req("b", 12)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule())  # a: 2 blocks (+1 token), b: 3 blocks (+1 token); 1 free
+    for _ in range(4):
+        batch = sched.schedule()
+        if batch.preempted:
+            break
+        _run(sched, batch)
+    assert batch.preempted == [b]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    assert b.output_token_ids  # generated tokens are kept and recomputed, not lost
+    _run(sched, batch)
+    sched.finish(a)
+    batch = sched.schedule()
+    assert batch.items[0][0] is b and batch.items[0][1] == b.num_tokens - b.num_computed_tokens
+    sched.finish(b)
+    bm.check_all_free()
+
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
+    a = _req("a", 10)
+    sched.add(a)
+    _run(sched, sched.schedule())
+    sched.finish(a)
+    b = _req("b", 10)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.items == [(b, 2)]  # 8 tokens (2 full blocks) served from the cache
+    assert b.metrics.num_cached_prompt_tokens == 8
+    sched.finish(b)
+    bm.check_all_free()
