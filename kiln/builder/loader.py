@@ -1,0 +1,122 @@
+"""``load_engine``: read and check an engine directory; load its tokenizer and weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kiln
+from kiln.builder.spec import ENGINE_FORMAT_VERSION, EngineSpec
+from kiln.builder.weights import TORCH_DTYPES, random_weights, runtime_shapes
+from kiln.builder.writer import ENGINE_JSON, TOKENIZER_DIR
+from kiln.errors import EngineFormatError
+from kiln.sources.base import sha256_file
+
+
+@dataclass(frozen=True)
+class EngineArtifact:
+    """A checked engine directory. Weights and tokenizer load on demand."""
+
+    spec: EngineSpec
+    path: Path
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / TOKENIZER_DIR
+
+    def load_tokenizer(self) -> Any:
+        """The engine's transformers tokenizer (with its chat template)."""
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        except Exception as e:
+            raise EngineFormatError(
+                f"cannot load the tokenizer in {self.tokenizer_dir} ({type(e).__name__}: {e}); "
+                "rebuild the engine"
+            ) from e
+
+    def load_weights(
+        self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Runtime-named tensors (see kiln.builder.weights) on ``device``.
+
+        ``dtype`` defaults to the engine dtype. Random engines generate their weights here,
+        deterministically from the recorded seed.
+        """
+        dtype = dtype or TORCH_DTYPES[self.spec.dtype]
+        w = self.spec.weights
+        if w.get("format") == "random":
+            return random_weights(
+                self.spec.model, int(w["seed"]), device=device, dtype=dtype, std=float(w["std"])
+            )
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        for name in w["files"]:
+            with safe_open(str(self.path / name), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    out[key] = f.get_tensor(key).to(dtype)
+        expected = runtime_shapes(self.spec.model)
+        if set(out) != set(expected):
+            missing, extra = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
+            raise EngineFormatError(
+                f"engine {self.path} weights do not match its model config (missing "
+                f"{missing[:5]}, unexpected {extra[:5]}); rebuild the engine"
+            )
+        return out
+
+
+def load_engine(path: str | Path, *, verify_checksums: bool = True) -> EngineArtifact:
+    """Open an engine directory; EngineFormatError explains anything wrong with it."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise EngineFormatError(f"engine {path} does not exist; build one with `kiln build`")
+    spec_path = path / ENGINE_JSON
+    if not spec_path.is_file():
+        raise EngineFormatError(
+            f"{path} is not a kiln engine (no {ENGINE_JSON}); build one with `kiln build`"
+        )
+    try:
+        raw = json.loads(spec_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EngineFormatError(f"{spec_path} is not valid JSON ({e}); rebuild the engine") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("format_version"), int):
+        raise EngineFormatError(f"{spec_path} has no integer format_version; rebuild the engine")
+    version = raw["format_version"]
+    if version > ENGINE_FORMAT_VERSION:
+        raise EngineFormatError(
+            f"engine {path} was built by kiln {raw.get('kiln_version', '?')} with format "
+            f"{version}; this kiln ({kiln.__version__}) reads up to format "
+            f"{ENGINE_FORMAT_VERSION}: upgrade kiln or rebuild the engine"
+        )
+    try:
+        spec = EngineSpec.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineFormatError(f"{spec_path} is malformed ({e!r}); rebuild the engine") from e
+    if not (path / TOKENIZER_DIR).is_dir():
+        raise EngineFormatError(f"engine {path} has no {TOKENIZER_DIR}/ directory; rebuild it")
+    fmt = spec.weights.get("format")
+    if fmt == "safetensors":
+        for name, info in spec.weights.get("files", {}).items():
+            file = path / name
+            if not file.is_file():
+                raise EngineFormatError(
+                    f"engine {path} is missing its weights file {name}; rebuild the engine"
+                )
+            if verify_checksums:
+                actual = sha256_file(file)
+                if actual != info["sha256"]:
+                    raise EngineFormatError(
+                        f"checksum mismatch for {file}: expected sha256 {info['sha256']}, "
+                        f"got {actual}; the file is corrupt: rebuild the engine"
+                    )
+    elif fmt != "random":
+        raise EngineFormatError(
+            f"{spec_path} has weights format {fmt!r}; expected 'safetensors' or 'random'"
+        )
+    return EngineArtifact(spec=spec, path=path)

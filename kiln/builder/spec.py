@@ -1,0 +1,208 @@
+"""engine.json as frozen dataclasses: limits, quantization, the whole ``EngineSpec``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.builder.speculative import SpeculativeConfig
+from kiln.config import ModelConfig
+
+ENGINE_FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_MAX_SEQ_LEN = 2048
+DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_MAX_NUM_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes the runtime is built for.
+
+    ``max_input_len`` (prompt tokens) defaults to ``max_seq_len - 1``: at least one generated
+    token always fits. ``max_num_tokens`` is the per-step token budget (prefill chunks +
+    decode + draft tokens). ``validate_for`` checks the limits against a model and
+    speculative settings.
+    """
+
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    max_input_len: int | None = None
+    max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_input_len is None:
+            object.__setattr__(self, "max_input_len", self.max_seq_len - 1)
+        mil = self.max_input_len
+        if not isinstance(mil, int) or isinstance(mil, bool) or mil < 1:
+            raise ValueError(f"max_input_len must be a positive integer, got {mil!r}")
+        if mil >= self.max_seq_len:
+            raise ValueError(
+                f"max_input_len {mil} must be < max_seq_len {self.max_seq_len} "
+                "(room for at least one generated token); lower --max-input-len or raise "
+                "--max-seq-len"
+            )
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ModelConfig,
+        *,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        max_input_len: int | None = None,
+        max_num_tokens: int | None = None,
+    ) -> Limits:
+        """Fill unset limits with defaults that fit ``model`` (max_seq_len <= its context)."""
+        if max_seq_len is None:
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, model.max_position_embeddings)
+            if model.sliding_window:
+                max_seq_len = min(max_seq_len, model.sliding_window)
+        return cls(
+            max_batch_size=DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size,
+            max_seq_len=max_seq_len,
+            max_input_len=max_input_len,
+            max_num_tokens=DEFAULT_MAX_NUM_TOKENS if max_num_tokens is None else max_num_tokens,
+        )
+
+    def validate_for(self, model: ModelConfig, speculative: SpeculativeConfig) -> list[str]:
+        """Raise ValueError when these limits cannot work; return warnings for the user."""
+        if self.max_seq_len > model.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
+                f"{model.max_position_embeddings}; use --max-seq-len "
+                f"{model.max_position_embeddings} or less"
+            )
+        if model.sliding_window and self.max_seq_len > model.sliding_window:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} exceeds the model's sliding_window "
+                f"{model.sliding_window} (kiln attends to the full context); use "
+                f"--max-seq-len {model.sliding_window} or less"
+            )
+        draft = speculative.max_draft_len
+        if self.max_num_tokens < 1 + draft:
+            raise ValueError(
+                f"max_num_tokens {self.max_num_tokens} must be >= 1 + max_draft_len {draft} "
+                f"= {1 + draft} (one decode step of one request must fit the token budget)"
+            )
+        if draft and self.max_input_len + 1 + draft > self.max_seq_len:
+            raise ValueError(
+                f"max_input_len {self.max_input_len} + 1 + max_draft_len {draft} exceeds "
+                f"max_seq_len {self.max_seq_len}; the draft tokens need room: use "
+                f"--max-input-len {self.max_seq_len - 1 - draft} or less"
+            )
+        warnings = []
+        if self.max_batch_size * (1 + draft) > self.max_num_tokens:
+            warnings.append(
+                f"max_batch_size {self.max_batch_size} x (1 + max_draft_len {draft}) = "
+                f"{self.max_batch_size * (1 + draft)} exceeds max_num_tokens "
+                f"{self.max_num_tokens}: a full batch cannot decode in one step"
+            )
+        return warnings
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Limits:
+        return cls(**d)
+
+
+QUANT_WEIGHTS = ("none", "fp8")
+QUANT_ACTIVATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Quantization scheme. ``kv_cache="auto"`` means the engine dtype (resolved at build).
+
+    ``scales`` records where scales came from (e.g. {"source": "modelopt", "calib_size": 512});
+    None when nothing is quantized.
+    """
+
+    weights: str = "none"
+    activations: str = "none"
+    kv_cache: str = "auto"
+    scales: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name, valid in (
+            ("weights", QUANT_WEIGHTS),
+            ("activations", QUANT_ACTIVATIONS),
+            ("kv_cache", KV_CACHE_DTYPES),
+        ):
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"quantization {name} {getattr(self, name)!r} is not supported; use one of "
+                    f"{list(valid)}"
+                )
+
+    def resolved(self, dtype: str) -> QuantConfig:
+        return dataclasses.replace(self, kv_cache=dtype) if self.kv_cache == "auto" else self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything in engine.json. ``weights`` is {"format": "safetensors", "files": {name:
+    {"sha256", "size"}}} or {"format": "random", "seed": S, "std": 0.02}."""
+
+    format_version: int
+    kiln_version: str
+    model: ModelConfig
+    dtype: str
+    limits: Limits
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, Any] = field(default_factory=dict)
+    kernel_configs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {list(DTYPES)}")
+
+    @property
+    def is_random(self) -> bool:
+        return self.weights.get("format") == "random"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "kiln_version": self.kiln_version,
+            "model": self.model.to_dict(),
+            "dtype": self.dtype,
+            "limits": self.limits.to_dict(),
+            "quantization": self.quantization.to_dict(),
+            "speculative": self.speculative.to_dict(),
+            "provenance": self.provenance,
+            "weights": self.weights,
+            "kernel_configs": self.kernel_configs,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineSpec:
+        return cls(
+            format_version=int(d["format_version"]),
+            kiln_version=str(d["kiln_version"]),
+            model=ModelConfig.from_dict(d["model"]),
+            dtype=d["dtype"],
+            limits=Limits.from_dict(d["limits"]),
+            quantization=QuantConfig.from_dict(d.get("quantization") or {}),
+            speculative=SpeculativeConfig.from_dict(d.get("speculative") or {}),
+            provenance=dict(d.get("provenance") or {}),
+            weights=dict(d.get("weights") or {}),
+            kernel_configs=dict(d.get("kernel_configs") or {}),
+        )

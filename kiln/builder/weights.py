@@ -1,0 +1,188 @@
+"""HF checkpoint tensors → runtime tensors (fused qkv and gate_up), and seeded random weights.
+
+Runtime names (a contract with kiln.runtime), with shapes; nh/nkv heads, hd head_dim,
+H hidden, I intermediate, V vocab:
+
+    embed_tokens.weight              [V, H]
+    layers.{i}.input_norm.weight     [H]
+    layers.{i}.qkv.weight            [(nh + 2*nkv) * hd, H]   cat(q, k, v) on dim 0
+    layers.{i}.qkv.bias              [(nh + 2*nkv) * hd]      only when qkv_bias
+    layers.{i}.q_norm.weight         [hd]                     only when qk_norm (Qwen3)
+    layers.{i}.k_norm.weight         [hd]                     only when qk_norm
+    layers.{i}.o_proj.weight         [H, nh * hd]
+    layers.{i}.post_norm.weight      [H]
+    layers.{i}.gate_up.weight        [2*I, H]                 cat(gate, up) on dim 0
+    layers.{i}.down.weight           [H, I]
+    norm.weight                      [H]
+    lm_head.weight                   [V, H]                   omitted when tied
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.errors import SourceError
+from kiln.sources.base import SourceModel
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+RANDOM_STD = 0.02
+
+# Tensors some checkpoints carry that the runtime does not need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    p = f"layers.{i}."
+    shapes = {p + "input_norm.weight": (h,), p + "qkv.weight": (qkv, h)}
+    if cfg.qkv_bias:
+        shapes[p + "qkv.bias"] = (qkv,)
+    if cfg.qk_norm:
+        shapes[p + "q_norm.weight"] = (hd,)
+        shapes[p + "k_norm.weight"] = (hd,)
+    shapes[p + "o_proj.weight"] = (h, cfg.q_size)
+    shapes[p + "post_norm.weight"] = (h,)
+    shapes[p + "gate_up.weight"] = (2 * inter, h)
+    shapes[p + "down.weight"] = (h, inter)
+    return shapes
+
+
+def runtime_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every runtime tensor name → shape, in file order (embedding, layers, norm, lm_head)."""
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    for i in range(cfg.num_layers):
+        shapes.update(_layer_shapes(cfg, i))
+    shapes["norm.weight"] = (cfg.hidden_size,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def _layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Runtime name → HF names concatenated (dim 0) to make it."""
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    p = f"layers.{i}."
+    src = {
+        p + "input_norm.weight": [f"model.layers.{i}.input_layernorm.weight"],
+        p + "qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+    }
+    if cfg.qkv_bias:
+        src[p + "qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+    if cfg.qk_norm:
+        src[p + "q_norm.weight"] = [a + "q_norm.weight"]
+        src[p + "k_norm.weight"] = [a + "k_norm.weight"]
+    src[p + "o_proj.weight"] = [a + "o_proj.weight"]
+    src[p + "post_norm.weight"] = [f"model.layers.{i}.post_attention_layernorm.weight"]
+    src[p + "gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+    src[p + "down.weight"] = [m + "down_proj.weight"]
+    return src
+
+
+def tensor_plan(cfg: ModelConfig) -> list[dict[str, list[str]]]:
+    """Groups of runtime name → HF names: [embedding], one per layer, [norm (+ lm_head)]."""
+    head = {"norm.weight": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        head["lm_head.weight"] = ["lm_head.weight"]
+    return [
+        {"embed_tokens.weight": ["model.embed_tokens.weight"]},
+        *(_layer_sources(cfg, i) for i in range(cfg.num_layers)),
+        head,
+    ]
+
+
+def check_source_tensors(source: SourceModel) -> None:
+    """Raise SourceError naming any missing, unexpected or mis-shaped tensor (no data read)."""
+    cfg = source.config
+    needed = {hf for group in tensor_plan(cfg) for names in group.values() for hf in names}
+    have = set(source.tensor_names)
+    missing = sorted(needed - have)
+    if missing:
+        raise SourceError(
+            f"the checkpoint is missing {len(missing)} tensor(s) the {cfg.architecture} "
+            f"config needs, e.g. {missing[:5]}; it does not match its config.json"
+        )
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    extra = sorted(
+        n for n in have - needed - optional if not n.endswith(_IGNORED_SUFFIXES)
+    )
+    if extra:
+        raise SourceError(
+            f"the checkpoint has {len(extra)} tensor(s) kiln does not know, e.g. {extra[:5]}; "
+            f"it is not a plain {cfg.architecture} decoder as its config.json says"
+        )
+    if source.tensor_shapes is None:
+        return
+    expected_shapes = runtime_shapes(cfg)
+    for group in tensor_plan(cfg):
+        for name, hf_names in group.items():
+            shapes = [source.tensor_shapes[n] for n in hf_names]
+            fused = (sum(s[0] for s in shapes), *shapes[0][1:])
+            expected = expected_shapes[name]
+            if fused != expected or any(s[1:] != shapes[0][1:] for s in shapes):
+                raise SourceError(
+                    f"tensor(s) {hf_names} have shapes {shapes}; {name} needs {list(expected)} "
+                    "from the config: the checkpoint does not match its config.json"
+                )
+
+
+def prepare_groups(
+    source: SourceModel, dtype: str
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield runtime tensors one group (embedding, each layer, head) at a time, in ``dtype``.
+
+    Only one group's source tensors are alive at once, so memory stays bounded by a layer.
+    """
+    target = TORCH_DTYPES[dtype]
+    shapes = runtime_shapes(source.config)
+    for group in tensor_plan(source.config):
+        out = {}
+        for name, hf_names in group.items():
+            parts = [source.get_tensor(n).to(target) for n in hf_names]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if tuple(t.shape) != shapes[name]:
+                raise SourceError(
+                    f"{name} from {hf_names} has shape {list(t.shape)}, expected "
+                    f"{list(shapes[name])} from the config"
+                )
+            out[name] = t.contiguous()
+        yield out
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed per (engine seed, tensor name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def random_weights(
+    cfg: ModelConfig,
+    seed: int,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    std: float = RANDOM_STD,
+) -> dict[str, torch.Tensor]:
+    """Deterministic N(0, std) weights made directly on ``device`` (norms are 1).
+
+    Each tensor has its own generator seeded from (seed, name), so the result does not depend
+    on which tensors are made or in what order. Same device type + seed → same weights.
+    """
+    device = torch.device(device)
+    out = {}
+    for name, shape in runtime_shapes(cfg).items():
+        if _is_norm(name):
+            out[name] = torch.ones(shape, device=device, dtype=dtype)
+            continue
+        g = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+        t = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        out[name] = t.mul_(std)
+    return out

@@ -1,0 +1,73 @@
+"""The ``SourceModel`` every source returns, and helpers shared by the sources."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config import ModelConfig
+
+
+@dataclass
+class SourceModel:
+    """A model opened from some source, ready for the builder.
+
+    ``tensor_names``/``get_tensor`` give random access to the checkpoint's tensors under their
+    Hugging Face names (``model.layers.0.self_attn.q_proj.weight``); a random source has none
+    and sets ``random_seed`` instead. ``config.eos_token_ids`` already merges config.json,
+    generation_config.json and the tokenizer's eos. ``tokenizer`` has ``save_pretrained``.
+    """
+
+    config: ModelConfig
+    tokenizer: Any
+    provenance: dict[str, Any]
+    random_seed: int | None = None
+    tensor_names: list[str] = field(default_factory=list)
+    _get: Callable[[str], torch.Tensor] | None = None
+    # name -> shape, known without reading the data (safetensors headers); None when unknown.
+    tensor_shapes: dict[str, tuple[int, ...]] | None = None
+
+    @property
+    def is_random(self) -> bool:
+        return self.random_seed is not None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        if self._get is None:
+            raise KeyError(f"source {self.provenance.get('kind')} has no stored tensors")
+        return self._get(name)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) one at a time (loaded lazily where the source allows)."""
+        for name in self.tensor_names:
+            yield name, self.get_tensor(name)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def merged_eos(config: ModelConfig, *, generation_config: Path | None, tokenizer: Any) -> ModelConfig:
+    """Return ``config`` with eos ids from generation_config.json and the tokenizer appended."""
+    ids = list(config.eos_token_ids)
+    if generation_config is not None and generation_config.is_file():
+        try:
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            eos = None
+        if eos is not None:
+            ids += [eos] if isinstance(eos, int) else list(eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.append(tok_eos)
+    unique = tuple(dict.fromkeys(int(i) for i in ids))
+    return replace(config, eos_token_ids=unique)

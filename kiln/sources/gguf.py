@@ -1,0 +1,60 @@
+"""A ``.gguf`` file, dequantized to float32 through transformers' GGUF loader."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from kiln.config import ModelConfig
+from kiln.errors import SourceError
+from kiln.sources.base import SourceModel, merged_eos, sha256_file
+
+
+def open_gguf(path: Path, *, progress: bool = True, provenance: dict[str, Any] | None = None) -> SourceModel:
+    """Read config, tokenizer and dequantized weights of a GGUF file (all in memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not path.is_file():
+        raise SourceError(f"GGUF file {path} does not exist")
+    directory, name = str(path.parent), path.name
+    try:
+        hf_config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    except Exception as e:  # gguf raises ValueError/struct errors/... on bad files
+        raise SourceError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+            "it may be truncated or corrupt, or of an architecture transformers cannot read"
+        ) from e
+    config = ModelConfig.from_hf(hf_config.to_dict())  # fails fast on unsupported archs
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        with console.status(f"Dequantizing {name}…", spinner="dots") if progress else nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32")
+    except Exception as e:
+        raise SourceError(
+            f"cannot load weights from GGUF file {path} ({type(e).__name__}: {e}); "
+            "it may be truncated or corrupt"
+        ) from e
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    del model
+    config = merged_eos(config, generation_config=None, tokenizer=tokenizer)
+    prov = {"kind": "gguf", "path": str(path.resolve()), "files": {name: sha256_file(path)}}
+    if provenance:
+        prov = {**provenance, "gguf": prov["path"], "files": prov["files"]}
+    return SourceModel(
+        config=config,
+        tokenizer=tokenizer,
+        provenance=prov,
+        tensor_names=list(state),
+        _get=state.__getitem__,
+        tensor_shapes={k: tuple(v.shape) for k, v in state.items()},
+    )
+
