@@ -245,6 +245,11 @@ class SpeculativeConfig:
                     f"W,N,G instead{_suggest(max_draft_len)}"
                 )
             window = parse_window(lookahead_config)
+            if window == PLAIN:
+                raise ValueError(
+                    "--lookahead-config (1,1,0) is plain decoding: it never speculates; pass "
+                    "--speculative-decoding-mode none, or a window that speculates such as 5,5,5"
+                )
             need = _draft_len_of(*window)
             if max_draft_len is not None and max_draft_len != need:
                 raise ValueError(

@@ -97,7 +97,7 @@ def test_bad_lookahead_config(cfg, match):
 
 
 def test_mode_rules():
-    with pytest.raises(ValueError, match="'eagle' is unknown: valid modes are none, lookahead, ngram"):
+    with pytest.raises(ValueError, match="'eagle' is unknown: valid modes are none, lookahead"):
         SpeculativeConfig.from_cli("eagle", None, None, None)
     with pytest.raises(ValueError, match="speculative decoding needs beam width 1"):
         SpeculativeConfig.from_cli("lookahead", "5,5,5", None, None, beam_width=4)
@@ -107,6 +107,8 @@ def test_mode_rules():
         SpeculativeConfig.from_cli("none", None, 15, None)
     with pytest.raises(ValueError, match="needs --lookahead-config"):
         SpeculativeConfig.from_cli("lookahead", None, None, None)
+    with pytest.raises(ValueError, match="\\(1,1,0\\) is plain decoding"):
+        SpeculativeConfig.from_cli("lookahead", "1,1,0", None, None)
     # TensorRT-LLM spelling is accepted
     assert SpeculativeConfig.from_cli("lookahead_decoding", "4,3,4", None, None).lookahead == (
         4, 3, 4)
