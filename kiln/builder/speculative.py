@@ -305,7 +305,7 @@ def check_limits(
             f"or a smaller window"
         )
     need_seq = max_input_len + t
-    if max_seq_len < need_seq:
+    if spec.enabled and max_seq_len < need_seq:
         raise ValueError(
             f"max_seq_len {max_seq_len} leaves no room for {what}: it needs max_seq_len >= "
             f"max_input_len + 1 + max_draft_len = {max_input_len} + {t} = {need_seq}, "
