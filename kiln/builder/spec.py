@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.builder.speculative import SpeculativeConfig, check_limits
 from kiln.config import ModelConfig
 
 ENGINE_FORMAT_VERSION = 1
@@ -57,12 +57,17 @@ class Limits:
         max_seq_len: int | None = None,
         max_input_len: int | None = None,
         max_num_tokens: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> Limits:
-        """Fill unset limits with defaults that fit ``model`` (max_seq_len <= its context)."""
+        """Fill unset limits with defaults that fit ``model`` (max_seq_len <= its context)
+        and leave room for ``speculative`` draft tokens."""
+        draft = speculative.max_draft_len if speculative else 0
         if max_seq_len is None:
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, model.max_position_embeddings)
             if model.sliding_window:
                 max_seq_len = min(max_seq_len, model.sliding_window)
+        if max_input_len is None and draft:
+            max_input_len = max_seq_len - 1 - draft
         return cls(
             max_batch_size=DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size,
             max_seq_len=max_seq_len,
@@ -84,26 +89,13 @@ class Limits:
                 f"{model.sliding_window} (kiln attends to the full context); use "
                 f"--max-seq-len {model.sliding_window} or less"
             )
-        draft = speculative.max_draft_len
-        if self.max_num_tokens < 1 + draft:
-            raise ValueError(
-                f"max_num_tokens {self.max_num_tokens} must be >= 1 + max_draft_len {draft} "
-                f"= {1 + draft} (one decode step of one request must fit the token budget)"
-            )
-        if draft and self.max_input_len + 1 + draft > self.max_seq_len:
-            raise ValueError(
-                f"max_input_len {self.max_input_len} + 1 + max_draft_len {draft} exceeds "
-                f"max_seq_len {self.max_seq_len}; the draft tokens need room: use "
-                f"--max-input-len {self.max_seq_len - 1 - draft} or less"
-            )
-        warnings = []
-        if self.max_batch_size * (1 + draft) > self.max_num_tokens:
-            warnings.append(
-                f"max_batch_size {self.max_batch_size} x (1 + max_draft_len {draft}) = "
-                f"{self.max_batch_size * (1 + draft)} exceeds max_num_tokens "
-                f"{self.max_num_tokens}: a full batch cannot decode in one step"
-            )
-        return warnings
+        return check_limits(
+            speculative,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_input_len=self.max_input_len,
+            max_num_tokens=self.max_num_tokens,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

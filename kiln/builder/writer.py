@@ -83,6 +83,7 @@ def build_engine(
             max_seq_len=max_seq_len,
             max_input_len=max_input_len,
             max_num_tokens=max_num_tokens,
+            speculative=speculative,
         )
     for warning in limits.validate_for(cfg, speculative):
         Console(stderr=True).print(f"[yellow]warning:[/] {warning}")

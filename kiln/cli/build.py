@@ -1,0 +1,92 @@
+"""`kiln build SOURCE -o OUT`: turn a model source into an engine directory."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+
+class Dtype(str, Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+def build(
+    source: str = typer.Argument(
+        ...,
+        metavar="SOURCE",
+        help="Model: a local HF directory, a .gguf file, a hub id org/name, the built-in "
+        "alias smollm2-135m, or random:<preset>[:seed] (tiny-llama, tiny-qwen2, tiny-qwen3, "
+        "smollm2-135m, llama-3-8b).",
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="Engine directory to write."),
+    dtype: Dtype = typer.Option(Dtype.bfloat16, "--dtype", help="Weight and activation dtype."),
+    max_batch_size: int | None = typer.Option(
+        None, "--max-batch-size", help="Most sequences in one step (default 64)."
+    ),
+    max_seq_len: int | None = typer.Option(
+        None,
+        "--max-seq-len",
+        help="Most tokens per sequence, prompt + output (default min(2048, model context)).",
+    ),
+    max_input_len: int | None = typer.Option(
+        None, "--max-input-len", help="Most prompt tokens (default max_seq_len - 1 - draft)."
+    ),
+    max_num_tokens: int | None = typer.Option(
+        None, "--max-num-tokens", help="Token budget of one scheduling step (default 2048)."
+    ),
+    speculative_decoding_mode: str = typer.Option(
+        "none",
+        "--speculative-decoding-mode",
+        help="Speculative decoding: none, lookahead or ngram.",
+    ),
+    lookahead_config: str | None = typer.Option(
+        None,
+        "--lookahead-config",
+        help="Lookahead window W,N,G (e.g. 5,5,5); max_draft_len is derived from it.",
+    ),
+    max_draft_len: int | None = typer.Option(
+        None, "--max-draft-len", help="Most draft tokens per step (must match the lookahead)."
+    ),
+    ngram_match: int | None = typer.Option(
+        None, "--ngram-match", help="Longest n-gram matched by ngram (prompt lookup) mode."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace OUT if it exists and is not empty."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
+    ),
+) -> None:
+    """Build an engine directory (engine.json, weights, tokenizer) from a model source."""
+    from kiln.builder import build_engine
+    from kiln.builder.speculative import SpeculativeConfig
+
+    speculative = SpeculativeConfig.from_cli(
+        speculative_decoding_mode,
+        lookahead_config=lookahead_config,
+        max_draft_len=max_draft_len,
+        ngram_match=ngram_match,
+    )
+    spec = build_engine(
+        source,
+        output,
+        dtype=dtype.value,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        max_input_len=max_input_len,
+        max_num_tokens=max_num_tokens,
+        speculative=speculative,
+        progress=not as_json,
+        force=force,
+    )
+    if as_json:
+        typer.echo(json.dumps(spec.to_dict(), indent=2))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("build")(build)

@@ -1,0 +1,70 @@
+"""`kiln inspect ENGINE`: show what an engine was built from and for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value) if value else "-"
+    return "-" if value is None else str(value)
+
+
+def _table(title: str, rows: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_header=False, min_width=40)
+    table.add_column(style="bold cyan")
+    table.add_column(overflow="fold")
+    for key, value in rows.items():
+        table.add_row(key, _fmt(value))
+    return table
+
+
+def inspect(
+    engine: Path = typer.Argument(..., metavar="ENGINE", help="Engine directory from `kiln build`."),
+    as_json: bool = typer.Option(False, "--json", help="Print engine.json on stdout."),
+    verify: bool = typer.Option(
+        False, "--verify", help="Also check the weight files' sha256 checksums."
+    ),
+) -> None:
+    """Show an engine's model, dtype, limits, quantization, speculative settings and source."""
+    from rich.console import Console
+
+    from kiln.builder import load_engine
+
+    artifact = load_engine(engine, verify_checksums=verify)
+    spec = artifact.spec
+    if as_json:
+        typer.echo(json.dumps(spec.to_dict(), indent=2))
+        return
+    console = Console()
+    model = spec.model.to_dict()
+    model["parameters"] = f"{spec.model.num_params:,}"
+    console.print(_table(f"Engine {artifact.path}", {
+        "format version": spec.format_version,
+        "kiln version": spec.kiln_version,
+        "dtype": spec.dtype,
+    }))
+    console.print(_table("Model", model))
+    console.print(_table("Limits", spec.limits.to_dict()))
+    console.print(_table("Quantization", spec.quantization.to_dict()))
+    console.print(_table("Speculative decoding", spec.speculative.to_dict()))
+    console.print(_table("Provenance", spec.provenance))
+    weights: dict[str, Any] = {"format": spec.weights.get("format")}
+    if spec.is_random:
+        weights.update(seed=spec.weights["seed"], std=spec.weights["std"])
+    for name, info in spec.weights.get("files", {}).items():
+        weights[name] = f"{info['size']:,} bytes, sha256 {info['sha256']}"
+    console.print(_table("Weights", weights))
+    if spec.kernel_configs:
+        console.print(_table("Kernel configs", spec.kernel_configs))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect)
