@@ -21,7 +21,7 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
     import torch
 
     device = str(getattr(engine, "device", "") or "")
-    device_name = platform.processor() or platform.machine() or "cpu"
+    device_name = _cpu_name()
     if device.startswith("cuda") and torch.cuda.is_available():
         try:
             device_name = torch.cuda.get_device_name(torch.device(device))
@@ -41,6 +41,17 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "python_version": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def _model_name(spec: Any, model: Any) -> str | None:
