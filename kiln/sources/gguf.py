@@ -11,7 +11,9 @@ from kiln.errors import SourceError
 from kiln.sources.base import SourceModel, merged_eos, sha256_file
 
 
-def open_gguf(path: Path, *, progress: bool = True, provenance: dict[str, Any] | None = None) -> SourceModel:
+def open_gguf(
+    path: Path, *, progress: bool = True, provenance: dict[str, Any] | None = None
+) -> SourceModel:
     """Read config, tokenizer and dequantized weights of a GGUF file (all in memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -35,7 +37,8 @@ def open_gguf(path: Path, *, progress: bool = True, provenance: dict[str, Any] |
 
         hf_logging.disable_progress_bar()
     try:
-        with console.status(f"Dequantizing {name}…", spinner="dots") if progress else nullcontext():
+        status = console.status(f"Dequantizing {name}…", spinner="dots")
+        with status if progress else nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
             model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32")
     except Exception as e:

@@ -31,13 +31,18 @@ def looks_like_hub_id(spec: str) -> bool:
 
 def download_hub(repo_id: str, *, progress: bool = True) -> Path:
     """``snapshot_download`` of the files kiln needs; SourceError when the hub is unreachable."""
-    # Fail fast instead of long retries when offline (read at import by huggingface_hub).
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "30")
-    if not progress:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
+
+        # Fail fast instead of waiting on a dead network (unless the user chose timeouts).
+        if "HF_HUB_ETAG_TIMEOUT" not in os.environ:
+            constants.HF_HUB_ETAG_TIMEOUT = 10
+        if "HF_HUB_DOWNLOAD_TIMEOUT" not in os.environ:
+            constants.HF_HUB_DOWNLOAD_TIMEOUT = 30
+        if not progress:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
 
         return Path(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS))
     except Exception as e:  # offline, DNS, 401/404: all end here

@@ -32,7 +32,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def make_byte_tokenizer() -> Any:
-    """A transformers fast tokenizer: id i < 256 is byte i, then <s>, </s>, <|im_start|>, <|im_end|>.
+    """A transformers fast tokenizer: id i < 256 is byte i; then <s>, </s>, <|im_start|>,
+    <|im_end|> (256..259).
 
     ChatML chat template, eos ``</s>`` (257), bos ``<s>`` (256). Models using it may have a
     larger vocab; ids >= 260 have no text (decoding them is the runtime's concern).
