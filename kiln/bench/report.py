@@ -138,3 +138,29 @@ def render_latency(result: dict, console: Console | None = None) -> None:
          ("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])],
     ))
     console.print(f"output tokens/s: {result['output_tokens_per_s']:.1f}")
+
+
+def render_serve(result: dict, console: Console | None = None) -> None:
+    """Print a `bench serve` result as tables."""
+    console = console or Console()
+    console.print(_header(result))
+    t = Table(title="Serving benchmark", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("completed / failed", f"{result['completed']} / {result['failed']}")
+    t.add_row("duration (s)", f"{result['duration_s']:.3f}")
+    t.add_row("prompt tokens", str(result["prompt_tokens"]))
+    t.add_row("output tokens", str(result["output_tokens"]))
+    t.add_row("requests/s", f"{result['requests_per_s']:.2f}")
+    t.add_row("output tokens/s", f"{result['output_tokens_per_s']:.1f}")
+    t.add_row("total tokens/s", f"{result['total_tokens_per_s']:.1f}")
+    if result.get("tokens_per_chunk") is not None:
+        t.add_row("tokens per streamed chunk", f"{result['tokens_per_chunk']:.2f}")
+    console.print(t)
+    console.print(_summary_table(
+        "Per request",
+        [("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"]), ("ITL", result["itl_s"]),
+         ("E2E", result["e2e_s"])],
+    ))
+    for err in result.get("errors") or []:
+        console.print(f"[red]failed:[/red] {err}", highlight=False)

@@ -114,7 +114,90 @@ def latency(
     _finish(result, engine, engine_dir, json_file, render_latency)
 
 
+def _load_tokenizer(path: Path):
+    """A transformers tokenizer from an engine directory or a tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {path} does not exist; pass an engine "
+                                "directory or a Hugging Face tokenizer directory")
+    sub = path / "tokenizer"
+    return AutoTokenizer.from_pretrained(str(sub if sub.is_dir() else path))
+
+
+def serve(
+    base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url",
+                                 help="Server root URL (kiln, vLLM, any OpenAI-compatible)."),
+    tokenizer: Path = typer.Option(
+        ..., "--tokenizer",
+        help="Engine directory (or tokenizer directory) of the served model; makes the prompts.",
+    ),
+    model: str | None = typer.Option(None, "--model",
+                                     help="Model name to send; default: first of /v1/models."),
+    endpoint: str = typer.Option("/v1/completions", "--endpoint",
+                                 help="/v1/completions or /v1/chat/completions."),
+    num_prompts: int = typer.Option(64, "--num-prompts", min=1, help="Number of requests."),
+    input_len: int = typer.Option(128, "--input-len", min=1,
+                                  help="Prompt length in tokens (synthetic prompts)."),
+    output_len: int | None = typer.Option(
+        None, "--output-len", min=1,
+        help="max_tokens per request. Default 64; with --dataset each record's reply length.",
+    ),
+    dataset: Path | None = typer.Option(
+        None, "--dataset", help="Prompt file (ShareGPT JSON or JSONL) instead of random tokens.",
+    ),
+    request_rate: float = typer.Option(
+        float("inf"), "--request-rate",
+        help="Requests per second (Poisson arrivals); inf sends them all at once.",
+    ),
+    max_concurrency: int = typer.Option(0, "--max-concurrency", min=0,
+                                        help="Most requests in flight; 0 is unlimited."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0,
+                                      help="Sampling temperature sent with every request."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
+                                    help="Ask the server to generate exactly max_tokens."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY",
+                                       help="Bearer token for the server."),
+    seed: int = typer.Option(0, "--seed", help="Seed for prompts and arrival times."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Per-request timeout (s)."),
+    json_file: Path | None = typer.Option(None, "--json", help=_JSON_HELP),
+) -> None:
+    """Benchmark a running OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput."""
+    from rich.console import Console
+
+    from kiln.bench.online import ServePrompt, run_serve, synthetic_prompts
+    from kiln.bench.report import environment, render_serve, write_json
+
+    tok = _load_tokenizer(tokenizer)
+    if dataset is not None:
+        from kiln.bench.datasets import load_requests
+
+        reqs = load_requests(dataset, tok, num_prompts, output_len=output_len, seed=seed)
+        prompts = [ServePrompt(tok.decode(r.prompt_token_ids), r.output_len,
+                               len(r.prompt_token_ids)) for r in reqs]
+    else:
+        prompts = synthetic_prompts(tok, num_prompts, input_len, output_len or 64, seed)
+    with _progress("requests", len(prompts)) as advance:
+        result = run_serve(base_url, prompts, model=model, endpoint=endpoint,
+                           request_rate=request_rate, max_concurrency=max_concurrency,
+                           api_key=api_key, temperature=temperature, ignore_eos=ignore_eos,
+                           seed=seed, timeout_s=timeout, progress=advance)
+    if dataset is not None:
+        result["config"]["dataset"] = str(dataset)
+    else:
+        result["config"].update(input_len=input_len, output_len=output_len or 64)
+    result["environment"] = environment(None, None)
+    render_serve(result, Console())
+    if json_file is not None:
+        path = write_json(json_file, result)
+        Console(stderr=True).print(f"wrote {path}", style="dim", highlight=False)
+    if result["completed"] == 0:
+        raise ValueError(f"all {result['failed']} requests failed; first error: "
+                         f"{result['errors'][0]}")
+
+
 def register(bench: typer.Typer) -> None:
     """Add the bench commands to the `bench` sub-app."""
     bench.command("throughput")(throughput)
     bench.command("latency")(latency)
+    bench.command("serve")(serve)

@@ -226,3 +226,54 @@ def test_bench_latency_json(engine_dir, tmp_path):
     assert r["ttft_s"]["count"] == 4
     assert len(r["iterations"]) == 2
     assert set(r["environment"]) >= ENV_KEYS
+
+
+# --- bench serve (against a minimal OpenAI-style streaming server on loopback) ---------------
+
+
+@pytest.fixture
+def fake_server():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(req["max_tokens"]):
+                chunk = {"choices": [{"index": 0, "text": f"w{i}"}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_bench_serve_json(engine_dir, fake_server, tmp_path):
+    path = tmp_path / "serve.json"
+    ok(kiln("bench", "serve", "--base-url", fake_server, "--model", "tiny",
+            "--tokenizer", engine_dir, "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "3", "--max-concurrency", "2", "--json", str(path)))
+    r = json.loads(path.read_text())
+    assert r["benchmark"] == "serve"
+    assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 12
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(r[key]) >= SUMMARY_KEYS
+
+
+def test_bench_serve_unreachable_is_one_line_error(engine_dir):
+    proc = kiln("bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer",
+                engine_dir, "--num-prompts", "1")
+    assert_one_line_error(proc, "is the server running")
