@@ -88,6 +88,7 @@ def build_engine(
     for warning in limits.validate_for(cfg, speculative):
         Console(stderr=True).print(f"[yellow]warning:[/] {warning}")
     if not model.is_random:
+        model.materialize()  # heavy (GGUF dequantization) only after the checks above
         check_source_tensors(model)
 
     spec = EngineSpec(

@@ -32,18 +32,29 @@ class SourceModel:
     _get: Callable[[str], torch.Tensor] | None = None
     # name -> shape, known without reading the data (safetensors headers); None when unknown.
     tensor_shapes: dict[str, tuple[int, ...]] | None = None
+    # Deferred heavy loading (GGUF dequantization): fills tensor_names/_get/tensor_shapes.
+    _materialize: Callable[[SourceModel], None] | None = None
+
+    def materialize(self) -> None:
+        """Do the source's deferred heavy work now (idempotent); builders call it after
+        validating the cheap parts (config, limits)."""
+        if self._materialize is not None:
+            load, self._materialize = self._materialize, None
+            load(self)
 
     @property
     def is_random(self) -> bool:
         return self.random_seed is not None
 
     def get_tensor(self, name: str) -> torch.Tensor:
+        self.materialize()
         if self._get is None:
             raise KeyError(f"source {self.provenance.get('kind')} has no stored tensors")
         return self._get(name)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) one at a time (loaded lazily where the source allows)."""
+        self.materialize()
         for name in self.tensor_names:
             yield name, self.get_tensor(name)
 

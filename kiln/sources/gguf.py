@@ -14,7 +14,8 @@ from kiln.sources.base import SourceModel, merged_eos, sha256_file
 def open_gguf(
     path: Path, *, progress: bool = True, provenance: dict[str, Any] | None = None
 ) -> SourceModel:
-    """Read config, tokenizer and dequantized weights of a GGUF file (all in memory)."""
+    """Read config and tokenizer of a GGUF file now; its weights are dequantized to float32
+    (all in memory) on first use, see ``SourceModel.materialize``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not path.is_file():
@@ -29,35 +30,40 @@ def open_gguf(
         ) from e
     config = ModelConfig.from_hf(hf_config.to_dict())  # fails fast on unsupported archs
 
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     try:
-        status = console.status(f"Dequantizing {name}…", spinner="dots")
-        with status if progress else nullcontext():
-            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as e:
         raise SourceError(
-            f"cannot load weights from GGUF file {path} ({type(e).__name__}: {e}); "
+            f"cannot load the tokenizer from GGUF file {path} ({type(e).__name__}: {e}); "
             "it may be truncated or corrupt"
         ) from e
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    del model
     config = merged_eos(config, generation_config=None, tokenizer=tokenizer)
     prov = {"kind": "gguf", "path": str(path.resolve()), "files": {name: sha256_file(path)}}
     if provenance:
         prov = {**provenance, "gguf": prov["path"], "files": prov["files"]}
-    return SourceModel(
-        config=config,
-        tokenizer=tokenizer,
-        provenance=prov,
-        tensor_names=list(state),
-        _get=state.__getitem__,
-        tensor_shapes={k: tuple(v.shape) for k, v in state.items()},
-    )
 
+    def load(source: SourceModel) -> None:
+        """Dequantize all weights to float32 (the heavy part, deferred until needed)."""
+        from rich.console import Console
+
+        if not progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        status = Console(stderr=True).status(f"Dequantizing {name}…", spinner="dots")
+        try:
+            with status if progress else nullcontext():
+                model = AutoModelForCausalLM.from_pretrained(
+                    directory, gguf_file=name, dtype="float32"
+                )
+        except Exception as e:
+            raise SourceError(
+                f"cannot load weights from GGUF file {path} ({type(e).__name__}: {e}); "
+                "it may be truncated or corrupt"
+            ) from e
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        source.tensor_names = list(state)
+        source._get = state.__getitem__
+        source.tensor_shapes = {k: tuple(v.shape) for k, v in state.items()}
+
+    return SourceModel(config=config, tokenizer=tokenizer, provenance=prov, _materialize=load)

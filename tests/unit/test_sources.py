@@ -158,3 +158,23 @@ def test_builtin_cached_gguf(smollm2_gguf):
     from kiln.sources.builtin import BUILTINS
 
     assert smollm2_gguf.stat().st_size == BUILTINS["smollm2-135m"].size
+
+
+def test_gguf_validates_before_dequantizing(smollm2_gguf, tmp_path):
+    """Config + tokenizer are read eagerly; bad limits fail before the weights are touched."""
+    from kiln.builder import build_engine
+
+    src = open_source(str(smollm2_gguf), progress=False)
+    assert src.config.num_layers == 30 and src.config.eos_token_ids == (2,)
+    assert src.provenance["kind"] == "gguf" and src._materialize is not None
+    with pytest.raises(ValueError, match="max_position_embeddings 8192"):
+        build_engine(src, tmp_path / "e", max_seq_len=10000, progress=False)
+    assert src._materialize is not None and not (tmp_path / "e").exists()
+
+
+def test_truncated_gguf_named(smollm2_gguf, tmp_path):
+    f = tmp_path / "half.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        f.write_bytes(src.read(smollm2_gguf.stat().st_size // 2))
+    with pytest.raises(SourceError, match="half.gguf.*(truncated|corrupt)"):
+        open_source(str(f), progress=False).materialize()
