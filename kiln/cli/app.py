@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(1)
-    except Exception as e:  # a bug, not a user mistake: still one line unless debugging
+    except Exception as e:  # noqa: BLE001  (a bug: still one line unless debugging)
         if debug or _debug_enabled([]):
             traceback.print_exc()
             print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)

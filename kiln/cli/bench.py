@@ -21,8 +21,7 @@ _JSON_HELP = "Also write the results (with command line, device, versions) to th
 def _progress(description: str, total: int) -> Iterator:
     """A rich progress bar on stderr; yields ``advance(n)``."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as p:

@@ -45,7 +45,7 @@ def load_engine(engine_dir: Path, device: str | None = None) -> tuple[Any, float
 def _read_prompt(prompt: str) -> str:
     if prompt == "-":
         text = sys.stdin.read()
-        return text[:-1] if text.endswith("\n") else text
+        return text.removesuffix("\n")
     return prompt
 
 

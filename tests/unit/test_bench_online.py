@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -13,7 +14,7 @@ from kiln.bench.online import ServePrompt, run_serve, synthetic_prompts
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    seen: list[dict] = []
+    seen: ClassVar[list[dict]] = []
 
     def log_message(self, *args):  # keep test output clean
         pass
@@ -112,7 +113,7 @@ def test_bad_arguments():
 
 def test_synthetic_prompts():
     class Tok:
-        all_special_ids = [0]
+        all_special_ids: ClassVar[list[int]] = [0]
 
         def __len__(self):
             return 10
