@@ -87,9 +87,12 @@ def generate(
     )
     text = _read_prompt(prompt)
     engine, load_s = load_engine(engine_dir, device)
-    request: str | list[int] = (
-        text if raw else engine.apply_chat_template([{"role": "user", "content": text}])
-    )
+    request: str | list[int] = text
+    if not raw:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise KilnError(f"engine {engine_dir} has no chat template; pass --raw to send "
+                            "the prompt as plain text")
+        request = engine.apply_chat_template([{"role": "user", "content": text}])
 
     out = None
     ttft = None
