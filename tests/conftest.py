@@ -73,3 +73,50 @@ def smollm2_gguf() -> Path:
     from kiln.sources.builtin import fetch_builtin
 
     return fetch_builtin("smollm2-135m", progress=False)
+
+
+# Tiny reference models for kiln-vs-transformers checks. The init std is large (0.2) so
+# logits sit far from ties: a greedy mismatch means a real difference, not rounding.
+REFERENCE_ARCHS = {
+    "llama": ("LlamaConfig", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> Callable[[str], tuple]:
+    """Factory ``(arch) -> (transformers model on CPU, float32 engine dir)``, cached."""
+    import torch
+    import transformers
+
+    from kiln.builder import build_engine
+    from kiln.sources import make_byte_tokenizer
+
+    made: dict[str, tuple] = {}
+
+    def make(arch: str) -> tuple:
+        if arch in made:
+            return made[arch]
+        cfg_name, extra = REFERENCE_ARCHS[arch]
+        cfg = getattr(transformers, cfg_name)(
+            **{**TINY, "vocab_size": 300}, initializer_range=0.2, **extra
+        )
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():  # HF zero-initialises biases: make the qkv bias matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(std=0.2)
+        src = tmp_path_factory.mktemp(f"ref-{arch}")
+        model.save_pretrained(src, safe_serialization=True)
+        make_byte_tokenizer().save_pretrained(src)
+        out = tmp_path_factory.mktemp("ref-engines") / arch
+        build_engine(str(src), out, dtype="float32", max_seq_len=128, max_num_tokens=64,
+                     max_batch_size=8, progress=False)
+        made[arch] = (model, out)
+        return made[arch]
+
+    return make

@@ -8,76 +8,26 @@ far from ties: a mismatch means a real difference, not rounding.
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import (
-    LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-)
-
-from kiln.builder import build_engine
+from helpers import hf_greedy, mixed_prompts
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.sources.tokenizer import make_byte_tokenizer
-
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True}),
-}
-
-
-def _tiny(arch: str, path) -> torch.nn.Module:
-    cfg_cls, model_cls, extra = ARCHS[arch]
-    cfg = cfg_cls(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=512, initializer_range=0.2, rope_theta=10000.0,
-        bos_token_id=256, eos_token_id=257, **extra,
-    )
-    torch.manual_seed(0)
-    model = model_cls(cfg).eval()
-    if arch == "qwen2":  # HF initialises biases to zero; make the qkv bias matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                             layer.self_attn.v_proj):
-                    proj.bias.normal_(std=0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    make_byte_tokenizer().save_pretrained(path)
-    return model
-
-
-@pytest.fixture(scope="module", params=sorted(ARCHS))
-def tiny(request, tmp_path_factory):
-    """(transformers model, engine dir) for one architecture."""
-    src = tmp_path_factory.mktemp(f"hf-{request.param}")
-    model = _tiny(request.param, src)
-    out = tmp_path_factory.mktemp("engines") / request.param
-    build_engine(str(src), out, dtype="float32", max_seq_len=128, max_num_tokens=64,
-                 max_batch_size=8, progress=False)
-    return model, out
-
-
-def _prompts(n=8, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    lens = [5, 17, 30, 9, 40, 3, 22, 11][:n]
-    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
-
-
-def _hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
-
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tiny_reference):
+    """(transformers model, engine dir) for one architecture."""
+    return tiny_reference(request.param)
+
+def _prompts():
+    return mixed_prompts()
 
 
 def test_greedy_matches_transformers_alone_and_in_a_preempting_batch(tiny):
     model, engine_dir = tiny
     prompts = _prompts()
-    refs = [_hf_greedy(model, p, 24) for p in prompts]
+    refs = [hf_greedy(model, p, 24) for p in prompts]
     # Alone: one request at a time on a roomy cache.
     eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cpu"))
     for p, ref in zip(prompts, refs):

@@ -77,19 +77,15 @@ class TorchAttention(AttentionBackend):
         kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
         vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
         out = torch.empty_like(q)
-        num_heads, num_kv = q.shape[1], k.shape[1]
-        rep = num_heads // num_kv
+        gqa = q.shape[1] != k.shape[1]
         for s in meta.seqs:
             qs = q[s.query_start : s.query_start + s.query_len]  # [q, H, D]
             ks = kc.index_select(0, s.key_slots).to(q.dtype)  # [ctx, KVH, D]
             vs = vc.index_select(0, s.key_slots).to(q.dtype)
-            if rep > 1:
-                ks = ks.repeat_interleave(rep, dim=1)
-                vs = vs.repeat_interleave(rep, dim=1)
             mask = _seq_mask(s, q.device)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                attn_mask=mask, scale=scale,
+                attn_mask=mask, scale=scale, enable_gqa=gqa,
             )  # [H, q, D]
             out[s.query_start : s.query_start + s.query_len] = o.transpose(0, 1)
         return out
