@@ -100,6 +100,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -167,6 +168,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params, self.eos_token_ids)
+        if params.guided is not None:
+            req.matcher = self.guided_compiler.compile(params.guided)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -196,6 +199,7 @@ class LLMEngine:
         logits, sampling = self.runner.execute(batch)
         self.scheduler.after_step(batch)
         self.num_steps += 1
+        logits = self._apply_guided(logits, sampling)
         tokens, logprobs = self.sampler(
             logits, [r.params for r in sampling], [r.all_token_ids for r in sampling],
             [r.generator for r in sampling],
@@ -210,12 +214,43 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             req.metrics.num_steps += 1
             req.check_stop_token(self.limits.max_seq_len)
+            if req.matcher is not None and not req.is_finished:
+                if not req.matcher.accept(tok):
+                    raise RuntimeError(
+                        f"request {req.request_id}: grammar rejected token {tok} that its own "
+                        "mask allowed"
+                    )
+                if req.matcher.is_terminated():
+                    req.finish("stop")
             self.detokenizer.update(req, final=req.is_finished)
             if req.is_finished:
                 self.scheduler.finish(req)
                 self._requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    @property
+    def guided_compiler(self):
+        """The structured-output compiler for this engine's tokenizer (built on first use)."""
+        if self._guided_compiler is None:
+            from kiln.runtime.guided.xgrammar_backend import XGrammarCompiler
+
+            self._guided_compiler = XGrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._guided_compiler
+
+    def _apply_guided(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Mask out tokens each guided request's grammar forbids (logits [rows, V])."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return logits
+        mask = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
+        for j, i in enumerate(rows):
+            reqs[i].matcher.fill_mask(mask[j])
+        idx = torch.tensor(rows, device=logits.device)
+        allowed = mask.to(logits.device, non_blocking=True)
+        logits = logits.clone()
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.text

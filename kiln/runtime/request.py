@@ -43,6 +43,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.matcher = None  # GuidedMatcher when params.guided is set
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.runtime.guided import GuidedSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
