@@ -21,7 +21,7 @@ import typer
 from kiln import __version__
 
 # Command modules that register themselves on the root app, in help order.
-COMMAND_MODULES = ("build", "inspect", "generate")
+COMMAND_MODULES = ("quantize", "build", "inspect", "generate", "serve", "eval")
 # Command modules that register on the `bench` sub-app.
 BENCH_MODULES = ("bench",)
 

@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from kiln.runtime.guided import GuidedSpec  # noqa: E402
-from kiln.runtime.guided.xgrammar_backend import XGrammarCompiler  # noqa: E402
-from kiln.sources import make_byte_tokenizer  # noqa: E402
+from kiln.runtime.guided import GuidedSpec
+from kiln.runtime.guided.xgrammar_backend import XGrammarCompiler
+from kiln.sources import make_byte_tokenizer
 
 VOCAB = 512  # model vocab > the byte tokenizer's 260 ids
 EOS = 257

@@ -1,0 +1,119 @@
+"""`kiln serve ENGINE_OR_SOURCE`: an OpenAI-compatible HTTP server over one engine.
+
+A model source (``smollm2-135m``, a HF directory, ``random:tiny-llama`` ...) instead of an
+engine directory is built once into ``$KILN_CACHE/engines/<name>`` and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from kiln.errors import KilnError
+
+
+def _engine_dir_for(source: str, device: str | None) -> tuple[Path, bool]:
+    """(engine dir, built now) for ENGINE_OR_SOURCE; builds sources into the cache."""
+    path = Path(source).expanduser()
+    if (path / "engine.json").is_file():
+        return path, False
+    import torch
+
+    from kiln.sources.builtin import cache_dir
+
+    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    dtype = "bfloat16" if on_cuda else "float32"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(path.resolve()) if path.exists() else source)
+    out = cache_dir() / "engines" / f"{safe.strip('_')}-{dtype}"
+    if (out / "engine.json").is_file():
+        return out, False
+    from kiln.builder import build_engine
+
+    print(f"building {source} into {out} ({dtype})", file=sys.stderr)
+    build_engine(source, out, dtype=dtype, progress=True)
+    return out, True
+
+
+def serve(
+    engine_or_source: str = typer.Argument(
+        ..., metavar="ENGINE_OR_SOURCE",
+        help="Engine directory from `kiln build`, or a model source to build first (cached "
+        "in $KILN_CACHE/engines): smollm2-135m, a HF directory, random:tiny-llama, ..."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(8000, "--port", help="Port to bind; 0 picks a free one."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="KILN_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (env KILN_API_KEY)."),
+    served_model_name: str | None = typer.Option(
+        None, "--served-model-name", help="Model name clients send (default: the engine "
+        "directory's name)."),
+    max_queue: int = typer.Option(1024, "--max-queue",
+                                  help="Most requests waiting for a slot; more get 429."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes",
+                                       help="Largest request body; larger ones get 413."),
+    device: str | None = typer.Option(None, "--device", help="Device (cuda, cuda:1, cpu); "
+                                      "default cuda when available."),
+    as_json: bool = typer.Option(False, "--json",
+                                 help="Print the ready line as one JSON object."),
+    log_level: str = typer.Option("warning", "--log-level",
+                                  help="uvicorn log level (info shows each request)."),
+) -> None:
+    """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
+    import uvicorn
+
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.server.app import ServerConfig, create_app
+
+    if max_queue < 1:
+        raise KilnError(f"--max-queue {max_queue} must be >= 1")
+    t0 = time.perf_counter()
+    engine_dir, _ = _engine_dir_for(engine_or_source, device)
+    engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device=device))
+    name = served_model_name or engine_dir.name
+    aliases = tuple({engine_or_source, str(engine_dir), str(engine_dir.resolve())} - {name})
+    config = ServerConfig(name, aliases, api_key or None, max_queue, max_body_bytes)
+    holder: dict[str, uvicorn.Server] = {}
+
+    def on_dead(exc: BaseException) -> None:
+        print(f"error: the engine stopped: {type(exc).__name__}: {exc}; shutting down",
+              file=sys.stderr)
+        holder["server"].should_exit = True
+
+    app = create_app(engine, config, on_dead=on_dead)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if not self.started:
+                return
+            bound = self.servers[0].sockets[0].getsockname()
+            url = f"http://{bound[0]}:{bound[1]}"
+            ready = {"event": "ready", "url": url, "model": name, "engine": str(engine_dir),
+                     "device": str(engine.device), "startup_s": round(time.perf_counter() - t0,
+                                                                      3)}
+            if as_json:
+                print(json.dumps(ready), flush=True)
+            else:
+                print(f"kiln serve: {name} ready at {url} (device {engine.device}, started in "
+                      f"{ready['startup_s']:.1f}s)", flush=True)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=5, access_log=False))
+    holder["server"] = server
+    server.run()
+    et = app.state.engine_thread
+    if et.dead is not None:
+        raise KilnError(f"the engine stopped: {type(et.dead).__name__}: {et.dead}")
+    if not server.started:
+        raise KilnError(f"could not start the server on {host}:{port}")
+    os.environ.pop("KILN_API_KEY", None)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

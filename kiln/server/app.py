@@ -1,0 +1,276 @@
+"""The FastAPI app of `kiln serve`: routes, auth, body limit, OpenAI error bodies, metrics.
+
+``create_app(engine, config)`` returns an app whose lifespan starts the engine thread. Every
+error is ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (validation errors
+name the field), 401 bad key, 404 unknown model or route, 413 oversize body, 429 queue full,
+503 engine dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kiln import __version__
+from kiln.server import openai_api
+from kiln.server.engine_thread import EngineDeadError, EngineThread, QueueFullError
+from kiln.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kiln.server.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/debug/")
+_KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                "/tokenize", "/detokenize", "/version", "/debug/kv")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How one server behaves. ``model_aliases``: other names accepted as ``model``."""
+
+    served_model_name: str
+    model_aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_queue: int = 1024
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   type_: str = "invalid_request_error", code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_param(err: dict) -> str | None:
+    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
+    # pydantic appends the union member type ("str", "list[int]") to the location
+    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "bool")]
+    return ".".join(loc) or None
+
+
+class _CountRequests:
+    """ASGI middleware: count responses by path and status (streams too, no buffering)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_status(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"] if scope["path"] in _KNOWN_PATHS else "other"
+            self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
+
+
+def create_app(engine: Any, config: ServerConfig,
+               on_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app serving ``engine``; its lifespan runs the engine thread."""
+    metrics = ServerMetrics(config.served_model_name)
+    et = EngineThread(engine, max_queue=config.max_queue, metrics=metrics, on_dead=on_dead)
+    try:
+        compiler = engine.guided_compiler  # built here, before the engine thread exists
+        compile_guided = compiler.compiled
+    except ImportError:
+        compile_guided = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        et.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            et.stop()
+
+    app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.engine_thread = et
+    app.state.metrics = metrics
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, e: BadRequest):
+        return error_response(e.status, e.message, e.param, e.type, e.code, e.headers)
+
+    @app.exception_handler(QueueFullError)
+    async def _full(request: Request, e: QueueFullError):
+        return error_response(429, str(e), None, "rate_limit_error", "queue_full",
+                              {"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return error_response(503, str(e), None, "server_error", "engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return error_response(e.status_code, str(e.detail), None, "invalid_request_error",
+                              code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", None,
+                              "server_error")
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            raise BadRequest("invalid or missing API key; send 'Authorization: Bearer KEY'",
+                             None, status=401, type_="authentication_error",
+                             code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != config.served_model_name \
+                and model not in config.model_aliases:
+            raise BadRequest(f"model {model!r} does not exist; this server serves "
+                             f"{config.served_model_name!r}", "model", status=404,
+                             code="model_not_found")
+
+    def check_alive() -> None:
+        if not et.alive:
+            raise EngineDeadError(f"the engine is not running: {et.dead!r}")
+
+    async def read_body(request: Request, model: type[BaseModel]) -> Any:
+        check_auth(request)
+        check_alive()
+        limit = config.max_body_bytes
+        too_big = BadRequest(f"request body is larger than {limit} bytes (--max-body-bytes)",
+                             None, status=413, code="body_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_big
+        try:
+            data = json.loads(raw)
+        except ValueError as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}", None) from None
+        if not isinstance(data, dict):
+            raise BadRequest("the request body must be a JSON object", None)
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = _validation_param(err)
+            msg = err.get("msg", "invalid value")
+            raise BadRequest(f"{param or 'body'}: {msg}" + (
+                f" (got {json.dumps(err['input'])[:100]})"
+                if "input" in err and param and err.get("type") != "missing" else ""),
+                param) from None
+        except BadRequest:
+            raise
+        check_model(getattr(body, "model", None))
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request, CompletionRequest)
+        return await openai_api.completions(request, et, body, config.served_model_name,
+                                            compile_guided)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, ChatCompletionRequest)
+        return await openai_api.chat_completions(request, et, body, config.served_model_name,
+                                                 compile_guided)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kiln", "max_model_len": engine.limits.max_seq_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if not et.alive:
+            return error_response(503, f"the engine is not running: {et.dead!r}", None,
+                                  "server_error", "engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request, TokenizeRequest)
+        if body.messages is not None:
+            msgs = [m.as_dict() for m in body.messages]
+            try:
+                ids = await et.call(lambda e: e.apply_chat_template(msgs))
+            except ValueError as e:
+                raise BadRequest(str(e), "messages") from None
+        else:
+            ids = await et.call(lambda e: e.tokenizer.encode(body.prompt))
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request, DetokenizeRequest)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                             "tokens")
+        text = await et.call(lambda e: e.tokenizer.decode(body.tokens))
+        return {"prompt": text}
+
+    @app.get("/debug/kv")
+    async def debug_kv(request: Request):
+        check_auth(request)
+        check_alive()
+
+        def kv(e: Any) -> dict:
+            try:
+                e.blocks.check_all_free()
+                all_free = True
+            except RuntimeError:
+                all_free = False
+            return {"free_blocks": e.blocks.num_free_blocks, "total_blocks": e.blocks.num_blocks,
+                    "all_free": all_free, "has_unfinished": e.has_unfinished_requests()}
+
+        return await et.call(kv)
+
+    return app

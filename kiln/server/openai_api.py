@@ -1,0 +1,311 @@
+"""/v1/completions and /v1/chat/completions: requests in, engine requests out, OpenAI JSON back.
+
+One HTTP request becomes ``len(prompts) x n`` engine requests sharing one asyncio queue;
+choice ``i`` gets seed ``seed + i``. Streaming answers are SSE chunks ending ``data: [DONE]``.
+A client that goes away (streaming or not) gets its engine requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from kiln.runtime.outputs import TokenLogprob
+from kiln.server.engine_thread import EngineDeadError, EngineThread, StreamItem
+from kiln.server.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    sampling_params,
+)
+
+
+@dataclass
+class Choice:
+    """What one engine request has produced so far."""
+
+    index: int
+    prompt_len: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_text: dict[int, str] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however the stream ends (disconnects too)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _add_param(msg: str, prompt_param: str, guided_param: str | None) -> str | None:
+    """Which request field an engine ``add_request`` ValueError is about."""
+    low = msg.lower()
+    if low.startswith("prompt"):
+        return prompt_param
+    if "lookahead" in low:
+        return "lookahead"
+    if guided_param and any(k in low for k in ("grammar", "schema", "regex", "choice")):
+        return guided_param
+    return msg.split("=", 1)[0] if "=" in msg.split(" ", 1)[0] else None
+
+
+class Generation:
+    """The engine requests behind one HTTP request."""
+
+    def __init__(self, et: EngineThread, model: str, chat: bool, include_usage: bool):
+        self.et = et
+        self.model = model
+        self.chat = chat
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: dict[str, Choice] = {}
+        self.prompt_tokens = 0
+
+    async def start(self, prompts: list[list[int]], params_for: Callable[[int], Any],
+                    n: int, want_text: bool, prompt_param: str,
+                    guided_param: str | None) -> None:
+        for p, ids in enumerate(prompts):
+            self.prompt_tokens += len(ids)
+            for j in range(n):
+                idx = p * n + j
+                rid = f"{self.id}-{idx}"
+                try:
+                    await self.et.add(rid, ids, params_for(idx), want_text, self.queue)
+                except ValueError as e:
+                    self.abort()
+                    raise BadRequest(str(e), _add_param(str(e), prompt_param,
+                                                        guided_param)) from None
+                except BaseException:
+                    self.abort()
+                    raise
+                self.choices[rid] = Choice(idx, len(ids))
+
+    def abort(self) -> None:
+        for rid, c in self.choices.items():
+            if c.finish_reason is None:
+                self.et.abort(rid)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices.values())
+
+    async def next(self) -> tuple[Choice, StreamItem, list[TokenLogprob]]:
+        """The next step output of any choice (EngineDeadError when the engine died)."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        out = item.output
+        c = self.choices[out.request_id]
+        c.text += out.new_text
+        c.num_tokens = len(out.token_ids)
+        c.token_text.update(item.token_text)
+        new_lps = []
+        if out.logprobs is not None and out.new_token_ids:
+            new_lps = out.logprobs[-len(out.new_token_ids):]
+            c.logprobs.extend(new_lps)
+        if out.finished:
+            c.finish_reason = "stop" if out.finish_reason == "abort" else out.finish_reason
+            m = self.et.metrics
+            if m is not None:
+                end = out.metrics.finished_time
+                m.observe_finished(c.prompt_len, c.num_tokens, out.metrics.num_steps,
+                                   end - out.metrics.arrival_time if end else None)
+        return c, item, new_lps
+
+    # -- formatting ----------------------------------------------------------------------
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def logprobs_json(self, c: Choice, lps: list[TokenLogprob], offset: int) -> dict | None:
+        if not lps:
+            return None
+        txt = c.token_text.get
+        if self.chat:
+            def entry(t: int, lp: float) -> dict:
+                s = txt(t, "")
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
+                                for lp in lps]}
+        tokens = [txt(lp.token_id, "") for lp in lps]
+        offsets, pos = [], offset
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{txt(t, ""): v for t, v in lp.top.items()} for lp in lps],
+                "text_offset": offsets}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": choices,
+        }
+        if self.include_usage:
+            obj["usage"] = usage
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def sse(self) -> AsyncIterator[str]:
+        try:
+            if self.chat:
+                for c in sorted(self.choices.values(), key=lambda c: c.index):
+                    yield self.chunk([{"index": c.index, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                       "logprobs": None, "finish_reason": None}])
+            while not self.done:
+                before = {rid: len(c.text) for rid, c in self.choices.items()}
+                c, item, lps = await self.next()
+                piece = item.output.new_text
+                if not piece and c.finish_reason is None and not lps:
+                    continue
+                start = before[item.output.request_id]
+                logprobs = self.logprobs_json(c, lps, start)
+                if self.chat:
+                    body = {"index": c.index, "delta": {"content": piece} if piece else {},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason}
+                else:
+                    body = {"index": c.index, "text": piece, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason}
+                yield self.chunk([body])
+            if self.include_usage:
+                yield self.chunk([], self.usage())
+        except EngineDeadError as e:
+            err = {"error": {"message": str(e), "type": "server_error", "param": None,
+                             "code": "engine_dead"}}
+            yield f"data: {json.dumps(err)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def collect(self) -> dict:
+        while not self.done:
+            await self.next()
+        choices = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            logprobs = self.logprobs_json(c, c.logprobs, 0)
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant",
+                                                               "content": c.text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage()}
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(request: Request, gen: Generation, stream: bool):
+    """Stream or collect ``gen``; abort its engine requests if the client leaves."""
+    if stream:
+        return AbortingStreamingResponse(gen.sse(), gen.abort)
+    collect = asyncio.ensure_future(gen.collect())
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+            gen.abort()
+    if collect.cancelled():
+        return JSONResponse({"error": {"message": "client disconnected", "type": "aborted",
+                                       "param": None, "code": None}}, status_code=499)
+    try:
+        return JSONResponse(collect.result())
+    except EngineDeadError as e:
+        raise BadRequest(str(e), None, status=500, type_="server_error",
+                         code="engine_dead") from None
+
+
+async def _prepare(et: EngineThread, body: CompletionRequest | ChatCompletionRequest,
+                   compile_guided: Callable[[Any], Any] | None):
+    guided, guided_param = body.guided()
+    if guided is not None:
+        if compile_guided is None:
+            raise BadRequest("structured output needs xgrammar (pip install xgrammar)",
+                             guided_param)
+        try:  # warm the compiler's cache off the engine thread; errors fail this request
+            await asyncio.to_thread(compile_guided, guided)
+        except ValueError as e:
+            raise BadRequest(str(e), guided_param) from None
+    return guided, guided_param
+
+
+async def completions(request: Request, et: EngineThread, body: CompletionRequest,
+                      model: str, compile_guided) -> Any:
+    guided, guided_param = await _prepare(et, body, compile_guided)
+    prompts = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            p = await et.call(lambda e, p=p: e.tokenizer.encode(p))
+        prompts.append(p)
+    if body.echo:
+        raise BadRequest("echo is not supported", "echo")
+
+    def params_for(idx: int):
+        return sampling_params(body, max_tokens=body.max_tokens or 16, logprobs=body.logprobs,
+                               seed=None if body.seed is None else body.seed + idx,
+                               guided=guided)
+
+    params_for(0)  # validate once before anything reaches the engine
+    include_usage = bool(body.stream and body.stream_options and
+                         body.stream_options.include_usage)
+    gen = Generation(et, model, chat=False, include_usage=include_usage)
+    await gen.start(prompts, params_for, body.n, body.logprobs is not None, "prompt",
+                    guided_param)
+    return await respond(request, gen, body.stream)
+
+
+async def chat_completions(request: Request, et: EngineThread, body: ChatCompletionRequest,
+                           model: str, compile_guided) -> Any:
+    guided, guided_param = await _prepare(et, body, compile_guided)
+    messages = [m.as_dict() for m in body.messages]
+    try:
+        ids = await et.call(lambda e: e.apply_chat_template(messages))
+    except ValueError as e:
+        raise BadRequest(str(e), "messages") from None
+    max_seq_len = et.engine.limits.max_seq_len
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(max_seq_len - len(ids), 1)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def params_for(idx: int):
+        return sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
+                               seed=None if body.seed is None else body.seed + idx,
+                               guided=guided)
+
+    params_for(0)
+    include_usage = bool(body.stream and body.stream_options and
+                         body.stream_options.include_usage)
+    gen = Generation(et, model, chat=True, include_usage=include_usage)
+    await gen.start([ids], params_for, body.n, logprobs is not None, "messages", guided_param)
+    return await respond(request, gen, body.stream)
