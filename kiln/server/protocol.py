@@ -175,14 +175,14 @@ class DetokenizeRequest(_Lenient):
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                     seed: int | None, guided: GuidedSpec | None) -> SamplingParams:
     """SamplingParams for one choice of ``req``; ValueError -> 400 naming the field."""
-    kwargs: dict[str, Any] = dict(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=max(req.top_k, 0), min_p=req.min_p, seed=seed,
-        repetition_penalty=req.repetition_penalty,
-        stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, guided=guided,
-    )
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": max(req.top_k, 0), "min_p": req.min_p, "seed": seed,
+        "repetition_penalty": req.repetition_penalty,
+        "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+        "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs, "guided": guided,
+    }
     if req.lookahead is not None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         if "lookahead" not in names:
