@@ -114,3 +114,4 @@ def get_backend(name: str) -> AttentionBackend:
         raise ValueError(
             f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}"
         ) from None
+from kiln.runtime.layers import triton_attention as _triton  # noqa: E402,F401 (registers it)

@@ -1,0 +1,344 @@
+"""Paged attention over the block table for mixed batches (prefill chunks, decode, drafts).
+
+Sequence ``s`` owns queries ``query_start_loc[s] : query_start_loc[s + 1]`` of the flat
+batch (query_len = their count) and keys 0 .. context_lens[s] - 1 of its block table; the
+last query_len keys are the step's own tokens. Prefix keys are always visible; the in-step
+part is causal, or follows the sequence's tree mask when ``mask_offsets[s] >= 0``:
+``mask[mask_offsets[s] + i * query_len + j]`` (uint8/bool, 1 = query i may see in-step key
+j). Everything stays on the device: no loop over sequences on the host.
+
+Kernel layout (flash-decoding with GQA packing): a program owns BLOCK_Q queries of one
+sequence times the QPK query heads of one kv head (BLOCK_M = BLOCK_Q * QPK rows, so each K/V
+tile is read once per group) and one of NUM_SPLITS slices of the keys. Online softmax in
+float32 (exp2, scale folded in). With NUM_SPLITS > 1 each program writes an unnormalised
+partial (acc, max, sum) and ``_reduce_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.runtime.kernels._checks import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    check_tensor,
+    next_pow2,
+    scale_tensor,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    # Program p belongs to the last sequence s with qsl[s] // BLOCK_Q + s <= p (each
+    # sequence gets cdiv(query_len, BLOCK_Q) tiles, at most qsl-step // BLOCK_Q + 1).
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attn_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, ctx_ptr, mask_ptr, mask_off_ptr,
+    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    prefix = ctx - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_tile * BLOCK_Q + rows // QPK  # query index within the sequence, [BLOCK_M]
+    head = kvh * QPK + rows % QPK
+    row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
+    tok = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+
+    # Keys this tile can see: causal stops at its last query; a tree mask may look anywhere
+    # in the step.
+    last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    kv_end = prefix + last_q
+    if HAS_MASK:
+        m_off = tl.load(mask_off_ptr + seq)
+        kv_end = tl.where(m_off >= 0, ctx, kv_end)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kv_hi
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        k = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
+                    + kvh * stride_kh + d[:, None],
+                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+        v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
+                    + kvh * stride_vh + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if IEEE:  # float32 inputs, or bf16 under the interpreter (see _dot_in_fp32)
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        j = kpos[None, :] - prefix  # in-step key index (< 0: prefix)
+        see = j <= qi[:, None]
+        if HAS_MASK:
+            use_mask = tl.where(m_off >= 0, j >= 0, False)  # [1, BLOCK_N]
+            mval = tl.load(mask_ptr + m_off + qi[:, None] * q_len + j,
+                           mask=use_mask & row_ok[:, None] & k_ok[None, :], other=0)
+            see = tl.where(use_mask, mval != 0, see)
+        see = see & row_ok[:, None] & k_ok[None, :]
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # partials: acc [T, H, S, D_PAD], (m, l) [T, H, S, 2], all float32
+        ph = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + ph[:, None] * D_PAD + d[None, :], acc, mask=o_mask)
+        tl.store(part_ml_ptr + ph * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ph * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, S_PAD)
+    s_ok = sp < NUM_SPLITS
+    base = (t * num_heads + h) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + sp) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # empty splits: m = -inf → 0
+    total = tl.sum(l * w, 0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
+                  mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """float32 dots in IEEE precision (not tf32). Triton's CPU interpreter (3.9) returns
+    garbage for bf16 tl.dot, so there bf16 operands are widened first: the same numbers, as
+    bf16 products are exact in float32 and the accumulation is float32 either way."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return dtype == torch.float32 or (interp and dtype == torch.bfloat16)
+
+
+def choose_num_splits(
+    num_programs: int, max_context_len: int, num_sms: int = 132, block_n: int = 64,
+) -> int:
+    """Key-splits so that about 2 programs per SM run: decode at batch 1 needs them."""
+    if num_programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(want, triton.cdiv(max_context_len, 2 * block_n), 64))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+    scale: float, *, max_query_len: int, max_context_len: int,
+    mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+    num_splits: int | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q [T, H, D] over one layer's paged cache [num_blocks, block_size, KVH, D].
+
+    block_tables [num_seqs, max_blocks] int32; query_start_loc [num_seqs + 1] int32
+    (ascending, last = T); context_lens [num_seqs] int32 (cached prefix + query_len).
+    max_query_len / max_context_len are host-side upper bounds (they size the grid and the
+    split count; no host sync). mask: packed uint8/bool tree masks, mask_offsets [num_seqs]
+    int32 (-1 = causal). An FP8 cache is dequantised with k_scale / v_scale (floats or
+    1-element float32 device tensors, e.g. ``cache.k_scale[layer : layer + 1]``). num_splits
+    fixes the key-split count (CUDA graphs want a static one). Returns [T, H, D] in q's dtype.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    dev = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,) + FP8_DTYPES, device=dev)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=dev)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=dev)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), device=dev)
+    t, heads, dim = q.shape
+    _, block_size, kv_heads, kdim = k_cache.shape
+    if kdim != dim or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must both be "
+            f"[num_blocks, block_size, kv_heads, {dim}] to match q {tuple(q.shape)}"
+        )
+    if heads % kv_heads:
+        raise ValueError(f"num_heads {heads} must be a multiple of kv_heads {kv_heads} (GQA)")
+    num_seqs = context_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries and block_tables "
+            f"{block_tables.shape[0]} rows; with {num_seqs} context_lens they need "
+            f"{num_seqs + 1} and {num_seqs}"
+        )
+    if max_context_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_context_len {max_context_len} exceeds the block table's capacity "
+            f"{block_tables.shape[1]} blocks x {block_size}"
+        )
+    if (mask is None) != (mask_offsets is None):
+        raise ValueError("mask and mask_offsets go together: pass both or neither")
+    if mask is not None:
+        check_tensor("mask", mask, ndim=1, dtypes=(torch.bool, torch.uint8), device=dev)
+        check_tensor("mask_offsets", mask_offsets, ndim=1, dtypes=(torch.int32,), device=dev)
+        if mask_offsets.shape[0] != num_seqs:
+            raise ValueError(f"mask_offsets has {mask_offsets.shape[0]} entries, need {num_seqs}")
+        mask = mask.view(torch.uint8)
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    ks = scale_tensor("k_scale", k_scale, dev) if kv_fp8 else context_lens
+    vs = scale_tensor("v_scale", v_scale, dev) if kv_fp8 else context_lens
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=dev)
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if t == 0 or num_seqs == 0:
+        return out
+
+    qpk = heads // kv_heads
+    block_m = 64 if max_query_len * qpk >= 64 else 16
+    block_m = max(block_m, next_pow2(qpk))
+    block_q = block_m // qpk
+    d_pad = next_pow2(max(dim, 16))
+    block_n = 64 if d_pad <= 128 else 32
+    num_q_programs = t // block_q + num_seqs
+    if num_splits is None:
+        sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+               if dev.type == "cuda" else 132)
+        live = min(num_q_programs, num_seqs * triton.cdiv(max_query_len, block_q))
+        num_splits = choose_num_splits(live * kv_heads, max_context_len, sms, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1:
+        part_acc = torch.empty(t, heads, num_splits, d_pad, dtype=torch.float32, device=dev)
+        part_ml = torch.empty(t, heads, num_splits, 2, dtype=torch.float32, device=dev)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attn_kernel[(num_q_programs, kv_heads, num_splits)](
+        out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
+        context_lens, mask if mask is not None else context_lens,
+        mask_offsets if mask_offsets is not None else context_lens,
+        scale * LOG2E, ks, vs, num_seqs, heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(t, heads)](
+            out, part_acc, part_ml, heads, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            S_PAD=next_pow2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+    scale: float, *, mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """TorchAttention's semantics on the kernel's inputs, one sequence at a time, in float32."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    qsl, ctxs = query_start_loc.tolist(), context_lens.tolist()
+    offs = mask_offsets.tolist() if mask_offsets is not None else [-1] * len(ctxs)
+    for s, ctx in enumerate(ctxs):
+        q0, q1 = qsl[s], qsl[s + 1]
+        n = q1 - q0
+        idx = torch.arange(ctx, device=q.device)
+        blocks = block_tables[s].long()[idx // block_size]
+        ks = k_cache[blocks, idx % block_size].float() * k_scale  # [ctx, KVH, D]
+        vs = v_cache[blocks, idx % block_size].float() * v_scale
+        see = torch.ones(n, ctx, dtype=torch.bool, device=q.device)
+        if offs[s] >= 0:
+            see[:, ctx - n:] = mask[offs[s] : offs[s] + n * n].view(n, n).bool()
+        else:
+            see[:, ctx - n:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].float().transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+            attn_mask=see, scale=scale, enable_gqa=q.shape[1] != ks.shape[1],
+        )
+        out[q0:q1] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def flops_and_bytes(context_lens: list[int], query_lens: list[int], heads: int, kv_heads: int,
+                    dim: int, elem: int) -> tuple[float, float]:
+    """Matmul FLOPs and the fewest bytes (K/V read once, q read, out written) of one call."""
+    keys = sum(context_lens)
+    qs = sum(query_lens)
+    flops = 4.0 * heads * dim * sum(c * n for c, n in zip(context_lens, query_lens))
+    return flops, float(elem * (2 * keys * kv_heads * dim + 2 * qs * heads * dim))
