@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 import kiln
+from kiln.builder.fp8 import is_scale_name, quantize_random
 from kiln.builder.spec import ENGINE_FORMAT_VERSION, EngineSpec
 from kiln.builder.weights import TORCH_DTYPES, random_weights, runtime_shapes
 from kiln.builder.writer import ENGINE_JSON, TOKENIZER_DIR
@@ -50,20 +51,29 @@ class EngineArtifact:
         """
         dtype = dtype or TORCH_DTYPES[self.spec.dtype]
         w = self.spec.weights
+        q = self.spec.quantization
         if w.get("format") == "random":
-            return random_weights(
+            weights = random_weights(
                 self.spec.model, int(w["seed"]), device=device, dtype=dtype, std=float(w["std"])
             )
+            if q.weights == "fp8" or q.kv_cache == "fp8":
+                weights = quantize_random(weights, self.spec.model, fp8_weights=q.weights == "fp8",
+                                          kv_fp8=q.kv_cache == "fp8")
+            return weights
         from safetensors import safe_open
 
         out: dict[str, torch.Tensor] = {}
         for name in w["files"]:
             with safe_open(str(self.path / name), framework="pt", device=str(device)) as f:
                 for key in f.keys():
-                    out[key] = f.get_tensor(key).to(dtype)
+                    t = f.get_tensor(key)
+                    # FP8 weights and their float32 scales keep their dtype
+                    keep = t.dtype == torch.float8_e4m3fn or is_scale_name(key)
+                    out[key] = t if keep else t.to(dtype)
         expected = runtime_shapes(self.spec.model)
-        if set(out) != set(expected):
-            missing, extra = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
+        extra = {k for k in set(out) - set(expected) if not is_scale_name(k)}
+        if not set(expected) <= set(out) or extra:
+            missing, extra = sorted(set(expected) - set(out)), sorted(extra)
             raise EngineFormatError(
                 f"engine {self.path} weights do not match its model config (missing "
                 f"{missing[:5]}, unexpected {extra[:5]}); rebuild the engine"

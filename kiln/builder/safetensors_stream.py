@@ -13,11 +13,18 @@ from pathlib import Path
 
 import torch
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 class SafetensorsStreamWriter:
-    """``write(name, tensor)`` in the order of ``shapes``; ``close()`` → (sha256, size)."""
+    """``write(name, tensor)`` in the order of ``shapes``; ``close()`` → (sha256, size).
+
+    Every tensor has ``dtype`` unless ``dtypes`` names another for it (FP8 engines mix e4m3
+    weights, float32 scales and engine-dtype norms).
+    """
 
     def __init__(
         self,
@@ -25,14 +32,16 @@ class SafetensorsStreamWriter:
         shapes: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
         metadata: dict[str, str] | None = None,
+        dtypes: dict[str, torch.dtype] | None = None,
     ) -> None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._dtypes = {name: (dtypes or {}).get(name, dtype) for name in shapes}
         header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for name, shape in shapes.items():
+            itemsize = torch.empty((), dtype=self._dtypes[name]).element_size()
             nbytes = itemsize * int(torch.Size(shape).numel())
             header[name] = {
-                "dtype": _ST_DTYPES[dtype],
+                "dtype": _ST_DTYPES[self._dtypes[name]],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + nbytes],
             }
@@ -56,10 +65,10 @@ class SafetensorsStreamWriter:
         expected = self._order[self._next] if self._next < len(self._order) else None
         if name != expected:
             raise ValueError(f"tensor {name} written out of order; expected {expected}")
-        if tuple(tensor.shape) != self._shapes[name] or tensor.dtype != self._dtype:
+        if tuple(tensor.shape) != self._shapes[name] or tensor.dtype != self._dtypes[name]:
             raise ValueError(
                 f"tensor {name} is {list(tensor.shape)} {tensor.dtype}, header says "
-                f"{list(self._shapes[name])} {self._dtype}"
+                f"{list(self._shapes[name])} {self._dtypes[name]}"
             )
         flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._emit(memoryview(flat.numpy()))

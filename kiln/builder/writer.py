@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kiln
+from kiln.builder import fp8
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
 from kiln.builder.spec import DTYPES, ENGINE_FORMAT_VERSION, EngineSpec, Limits, QuantConfig
 from kiln.builder.speculative import SpeculativeConfig
@@ -23,6 +24,7 @@ from kiln.builder.weights import (
     check_source_tensors,
     prepare_groups,
     runtime_shapes,
+    tensor_plan,
 )
 from kiln.errors import KilnError
 from kiln.sources import SourceModel, open_source
@@ -69,13 +71,12 @@ def build_engine(
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {list(DTYPES)}")
     _check_out_dir(out_dir, force)
     speculative = speculative or SpeculativeConfig()
-    quantization = (quantization or QuantConfig()).resolved(dtype)
-    if quantization.weights != "none" or quantization.activations != "none":
-        raise KilnError("quantized weights are built from a `kiln quantize` checkpoint (todo)")
+    requested = quantization or QuantConfig()
     console = Console(stderr=True, quiet=not progress)
 
     model = source if isinstance(source, SourceModel) else open_source(source, progress=progress)
     cfg = model.config
+    quantization, fp8_ckpt = _resolve_quantization(model, requested, dtype)
     if limits is None:
         limits = Limits.for_model(
             cfg,
@@ -89,7 +90,7 @@ def build_engine(
         Console(stderr=True).print(f"[yellow]warning:[/] {warning}")
     if not model.is_random:
         model.materialize()  # heavy (GGUF dequantization) only after the checks above
-        check_source_tensors(model)
+        check_source_tensors(fp8.without_scales(model) if fp8_ckpt else model)
 
     spec = EngineSpec(
         format_version=ENGINE_FORMAT_VERSION,
@@ -111,8 +112,13 @@ def build_engine(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
         if not model.is_random:
-            files = _write_weights(model, tmp, dtype, console)
+            report: dict[str, Any] = {}
+            files = _write_weights(model, tmp, dtype, console, quantization, report)
             spec = dataclasses.replace(spec, weights={"format": "safetensors", "files": files})
+            if quantization.kv_cache == "fp8":
+                spec = _record_kv_scales(spec, report)
+        elif quantization.kv_cache == "fp8":
+            spec = _record_kv_scales(spec, {"kv_missing": cfg.num_layers})
         _write_tokenizer(model, tmp / TOKENIZER_DIR)
         (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
         _replace_dir(tmp, out_dir)
@@ -123,11 +129,79 @@ def build_engine(
     return spec
 
 
-def _write_weights(model: SourceModel, tmp: Path, dtype: str, console: Console) -> dict[str, Any]:
+def _resolve_quantization(
+    model: SourceModel, requested: QuantConfig, dtype: str
+) -> tuple[QuantConfig, fp8.Fp8Checkpoint | None]:
+    """The engine's QuantConfig from what was asked and what the checkpoint is."""
+    wants_fp8 = requested.weights != "none" or requested.activations != "none"
+    if model.is_random:
+        if not wants_fp8:
+            return requested.resolved(dtype), None
+        scales = {"source": "random", "weights": "per-tensor amax/448, quantized at load",
+                  "activations": "dynamic"}
+        return QuantConfig("fp8", "fp8", requested.kv_cache, scales).resolved(dtype), None
+    ckpt = fp8.detect_fp8_checkpoint(model)
+    if ckpt is None:
+        if wants_fp8:
+            raise KilnError(
+                "FP8 weights are built from an FP8 checkpoint: run `kiln quantize SOURCE -o "
+                "CKPT --qformat fp8` first and build CKPT (modelopt and compressed-tensors FP8 "
+                "checkpoints are read directly); only random:<preset> sources quantize at build"
+            )
+        return requested.resolved(dtype), None
+    kv = requested.kv_cache
+    if kv == "auto":
+        kv = "fp8" if ckpt.kv_cache else dtype
+    scales: dict[str, Any] = {
+        "source": ckpt.scheme,
+        "producer": ckpt.producer,
+        "weights": "per-tensor; fused q/k/v and gate/up requantized to the max shard scale",
+        "activations": ckpt.activations,
+    }
+    if ckpt.calibration:
+        scales["calibration"] = ckpt.calibration
+    return QuantConfig("fp8", "fp8", kv, scales), ckpt
+
+
+def _record_kv_scales(spec: EngineSpec, report: dict[str, Any]) -> EngineSpec:
+    """Note where the KV scales came from in engine.json; warn loudly when they are 1.0."""
+    n = spec.model.num_layers
+    warning = fp8.kv_warning(report, n)
+    if warning:
+        Console(stderr=True).print(f"[bold red]WARNING:[/] {warning}")
+    if report.get("kv_missing"):
+        kv = f"1.0 (missing in the source for {report['kv_missing']}/{n} layers)"
+    elif report.get("kv_ones") == n:
+        kv = "checkpoint (all exactly 1.0)"
+    else:
+        kv = "checkpoint (calibrated)"
+    q = spec.quantization
+    scales = {**(q.scales or {"source": "none"}), "kv_cache": kv}
+    return dataclasses.replace(spec, quantization=dataclasses.replace(q, scales=scales))
+
+
+def _write_weights(
+    model: SourceModel, tmp: Path, dtype: str, console: Console,
+    quantization: QuantConfig | None = None, report: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     cfg = model.config
     shapes = runtime_shapes(cfg)
+    target = TORCH_DTYPES[dtype]
+    q = quantization or QuantConfig()
+    report = {} if report is None else report
+    if q.weights == "fp8" or q.kv_cache == "fp8":
+        plan = tensor_plan(cfg)
+        kv_fp8 = q.kv_cache == "fp8"
+        layout = fp8.fp8_layout(model, cfg, plan, shapes, target, kv_fp8=kv_fp8)
+        shapes = {name: shape for name, (shape, _) in layout.items()}
+        dtypes = {name: dt for name, (_, dt) in layout.items()}
+        groups = fp8.prepare_fp8_groups(model, cfg, plan, target, kv_fp8=kv_fp8, report=report)
+    else:
+        dtypes = None
+        groups = prepare_groups(model, dtype)
     writer = SafetensorsStreamWriter(
-        tmp / WEIGHTS_FILE, shapes, TORCH_DTYPES[dtype], metadata={"format": "pt", "kiln": "1"}
+        tmp / WEIGHTS_FILE, shapes, target, metadata={"format": "pt", "kiln": "1"},
+        dtypes=dtypes,
     )
     bar = Progress(
         TextColumn("[bold]Building[/] {task.description}"),
@@ -141,7 +215,7 @@ def _write_weights(model: SourceModel, tmp: Path, dtype: str, console: Console) 
     try:
         with bar:
             task = bar.add_task("weights", total=cfg.num_layers + 2)
-            for group in prepare_groups(model, dtype):
+            for group in groups:
                 for name, tensor in group.items():
                     writer.write(name, tensor)
                 bar.advance(task)

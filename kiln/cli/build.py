@@ -55,6 +55,18 @@ def build(
     ngram_match: int | None = typer.Option(
         None, "--ngram-match", help="Longest n-gram matched by ngram (prompt lookup) mode."
     ),
+    kv_cache_dtype: str = typer.Option(
+        "auto",
+        "--kv-cache-dtype",
+        help="KV cache dtype: auto (fp8 when the checkpoint has FP8 KV scales, else --dtype), "
+        "bfloat16, float16, float32 or fp8 (without calibrated scales: 1.0, with a warning).",
+    ),
+    quantization: str = typer.Option(
+        "none",
+        "--quantization",
+        help="none, or fp8 for random:<preset> sources (random FP8 weights with per-tensor "
+        "scales). Real models: build an FP8 checkpoint from `kiln quantize`.",
+    ),
     force: bool = typer.Option(
         False, "--force", help="Replace OUT if it exists and is not empty."
     ),
@@ -63,7 +75,7 @@ def build(
     ),
 ) -> None:
     """Build an engine directory (engine.json, weights, tokenizer) from a model source."""
-    from kiln.builder import build_engine
+    from kiln.builder import QuantConfig, build_engine
     from kiln.builder.speculative import SpeculativeConfig
 
     speculative = SpeculativeConfig.from_cli(
@@ -81,6 +93,8 @@ def build(
         max_input_len=max_input_len,
         max_num_tokens=max_num_tokens,
         speculative=speculative,
+        quantization=QuantConfig(weights=quantization, activations=quantization,
+                                 kv_cache=kv_cache_dtype),
         progress=not as_json,
         force=force,
     )

@@ -13,8 +13,9 @@ import torch
 
 from kiln.config import ModelConfig
 from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.kv_cache import BlockManager, KVCache
+from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention import get_backend
+from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import Sampler
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
@@ -75,7 +76,7 @@ class LLMEngine:
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.tokenizer = tokenizer
-        weights = {k: v.to(self.device, dtype) for k, v in weights.items()}
+        weights = place_weights(weights, self.device, dtype)  # FP8 + scales keep their dtype
         self.model = LlamaModel(model_config, weights, get_backend(config.attention_backend),
                                 self.device)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
@@ -85,8 +86,11 @@ class LLMEngine:
                 f"tokens than max_seq_len={limits.max_seq_len}; one request must always fit: "
                 f"use at least {-(-limits.max_seq_len // config.block_size)} blocks"
             )
+        kv_scales = fp8_kv_scales(weights, model_config.num_layers)  # None: KV in `dtype`
         self.cache = KVCache(model_config.num_layers, num_blocks, config.block_size,
-                             model_config.num_kv_heads, model_config.head_dim, dtype, self.device)
+                             model_config.num_kv_heads, model_config.head_dim,
+                             dtype if kv_scales is None else torch.float8_e4m3fn, self.device,
+                             *(kv_scales or ()))
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.blocks,

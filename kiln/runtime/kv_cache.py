@@ -146,16 +146,31 @@ class BlockManager:
 
 
 class KVCache:
-    """K and V tensors of every layer: [num_layers, num_blocks, block_size, kv_heads, head_dim]."""
+    """K and V tensors of every layer: [num_layers, num_blocks, block_size, kv_heads, head_dim].
+
+    With ``dtype=torch.float8_e4m3fn`` the cache stores e4m3(k / k_scale[layer]) and readers
+    dequantize with ``.to(dtype) * k_scale[layer]`` (same for v); ``k_scale``/``v_scale`` are
+    float32 [num_layers] (calibrated per-tensor scales; 1.0 when there were none).
+    """
 
     def __init__(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, dtype: torch.dtype, device: torch.device | str,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        self.is_fp8 = dtype == torch.float8_e4m3fn
+        ones = torch.ones(num_layers, dtype=torch.float32)
+        self.k_scale = (ones if k_scale is None else k_scale.float().reshape(-1)).to(device)
+        self.v_scale = (ones if v_scale is None else v_scale.float().reshape(-1)).to(device)
+        if self.k_scale.numel() != num_layers or self.v_scale.numel() != num_layers:
+            raise ValueError(
+                f"KV scales have {self.k_scale.numel()}/{self.v_scale.numel()} entries; "
+                f"need one per layer ({num_layers})"
+            )
 
     @staticmethod
     def bytes_per_block(
@@ -163,3 +178,15 @@ class KVCache:
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def fp8_kv_scales(
+    weights: dict[str, torch.Tensor], num_layers: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(k_scale, v_scale) [num_layers] float32 when the engine has an FP8 KV cache (its
+    weights carry ``layers.{i}.k_scale`` / ``v_scale``), else None."""
+    if "layers.0.k_scale" not in weights:
+        return None
+    k = torch.stack([weights[f"layers.{i}.k_scale"].float().reshape(()) for i in range(num_layers)])
+    v = torch.stack([weights[f"layers.{i}.v_scale"].float().reshape(()) for i in range(num_layers)])
+    return k, v

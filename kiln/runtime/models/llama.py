@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
+from kiln.runtime.layers.linear import linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
@@ -67,7 +68,7 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "input_norm.weight"], cfg.rms_norm_eps)
-            qkv = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias"))
+            qkv = linear(x, w, p + "qkv")
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -78,9 +79,9 @@ class LlamaModel:
             q = Rotary.apply(q, cos, sin)
             k = Rotary.apply(k, cos, sin)
             o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
-            h = h + F.linear(o.reshape(n, cfg.q_size), w[p + "o_proj.weight"])
+            h = h + linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
             x = rms_norm(h, w[p + "post_norm.weight"], cfg.rms_norm_eps)
-            gate, up = F.linear(x, w[p + "gate_up.weight"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w[p + "down.weight"])
+            gate, up = linear(x, w, p + "gate_up").chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, w, p + "down")
         h = rms_norm(h.index_select(0, logit_rows), w["norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

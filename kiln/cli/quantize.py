@@ -1,0 +1,57 @@
+"""`kiln quantize SOURCE -o CKPT`: FP8 post-training quantization with nvidia-modelopt."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def quantize(
+    source: str = typer.Argument(
+        ..., metavar="SOURCE",
+        help="Model: a local HF directory, a .gguf file, a hub id org/name or smollm2-135m.",
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="Checkpoint directory to write."),
+    qformat: str = typer.Option(
+        "fp8", "--qformat", help="Weight format: fp8 (E4M3 per-tensor, static activations)."
+    ),
+    kv_cache_dtype: str = typer.Option(
+        "fp8", "--kv-cache-dtype", help="fp8 (calibrate per-layer K/V scales) or none."
+    ),
+    calib_size: int = typer.Option(64, "--calib-size", help="Most calibration samples."),
+    calib_seq_len: int = typer.Option(256, "--calib-seq-len", help="Tokens per sample."),
+    calib_data: str | None = typer.Option(
+        None, "--calib-data",
+        help="Calibration text: a .txt file (documents separated by a line =====) or a .jsonl "
+        "file with a \"text\" field; default: kiln's built-in calibration set.",
+    ),
+    exclude: str = typer.Option(
+        "lm_head,embed_tokens", "--exclude",
+        help="Comma-separated module name patterns left unquantized (lm_head and embed_tokens "
+        "always are: kiln runs them in the engine dtype).",
+    ),
+    device: str | None = typer.Option(
+        None, "--device", help="cpu or cuda (default: cuda when available)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the calibration summary as JSON on stdout."
+    ),
+) -> None:
+    """Calibrate FP8 weight, activation and KV cache scales; export a modelopt HF checkpoint
+    that `kiln build` (and vLLM, SGLang, TensorRT-LLM) can load."""
+    from kiln.quantize import quantize as run
+
+    summary = run(
+        source, output, qformat=qformat, kv_cache_dtype=kv_cache_dtype, calib_size=calib_size,
+        calib_seq_len=calib_seq_len, calib_data=calib_data, exclude=exclude.split(","),
+        device=device, progress=not as_json, force=force,
+    )
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("quantize")(quantize)

@@ -1,0 +1,190 @@
+"""FP8 post-training quantization with nvidia-modelopt, exported in modelopt's HF format.
+
+Pipeline: load the source as a transformers model (float32 on CPU, bfloat16 on CUDA) →
+``mtq.quantize`` with FP8_DEFAULT_CFG (E4M3 per-tensor weights, static per-tensor input
+scales; max calibration) plus FP8_KV_CFG (per-tensor K/V scales from the attention's
+k/v bmm quantizers, i.e. after RoPE: what the KV cache stores) → modelopt's
+``export_hf_checkpoint``. The result (config.json with ``quantization_config``,
+hf_quant_config.json, weights as e4m3 ``weight`` + f32 ``weight_scale`` / ``input_scale``,
+``k_proj.k_scale`` / ``v_proj.v_scale`` per layer) loads in vLLM, SGLang and TensorRT-LLM,
+and in ``kiln build``.
+
+The export format is that of ``MODELOPT_VERSION`` (pinned in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import kiln
+from kiln.errors import KilnError
+from kiln.quantize.calib import calibration_chunks, load_text_set
+
+MODELOPT_VERSION = "0.47.0"
+ALWAYS_EXCLUDED = ("lm_head", "embed_tokens")  # kiln runs them in the engine dtype
+QFORMATS = ("fp8",)
+KV_DTYPES = ("none", "fp8")
+CALIB_FILE = "kiln_quantize.json"
+
+
+def _modelopt() -> tuple[Any, Any]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "transformers X is not tested" on import
+            import modelopt
+            import modelopt.torch.quantization as mtq
+            from modelopt.torch.export import export_hf_checkpoint
+    except ImportError as e:
+        raise KilnError(
+            f"kiln quantize needs nvidia-modelopt=={MODELOPT_VERSION} ({e}); "
+            f"pip install 'nvidia-modelopt=={MODELOPT_VERSION}'"
+        ) from e
+    if modelopt.__version__ != MODELOPT_VERSION:
+        Console(stderr=True).print(
+            f"[yellow]warning:[/] nvidia-modelopt {modelopt.__version__} is installed; kiln's "
+            f"FP8 checkpoint format is tested with {MODELOPT_VERSION}"
+        )
+    return mtq, export_hf_checkpoint
+
+
+def quant_config(mtq: Any, kv_cache_dtype: str, exclude: list[str]) -> dict[str, Any]:
+    """modelopt config: FP8 weights + static activations, FP8 KV scales, exclusions."""
+    base = mtq.FP8_DEFAULT_CFG
+    rules = list(base["quant_cfg"])
+    if kv_cache_dtype == "fp8":
+        rules += list(mtq.FP8_KV_CFG["quant_cfg"])
+    for name in dict.fromkeys([*ALWAYS_EXCLUDED, *exclude]):
+        rules.append({"quantizer_name": f"*{name}*", "enable": False})
+    return {"quant_cfg": rules, "algorithm": base.get("algorithm", "max")}
+
+
+def _load_hf_model(spec: str, device: str, progress: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """(transformers model on ``device``, tokenizer, provenance) for a kiln source spec."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kiln.sources import open_source
+
+    if spec.startswith("random:"):
+        raise KilnError("random:<preset> sources have no weights to calibrate; build them with "
+                        "`kiln build random:<preset> --quantization fp8`")
+    source = open_source(spec, progress=progress)  # tokenizer + provenance; weights lazy
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    prov = source.provenance
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if prov.get("kind") in ("local", "hub"):
+        where = prov["path"]
+    else:  # builtin alias or .gguf file: transformers dequantizes the GGUF
+        from kiln.sources.builtin import BUILTINS, fetch_builtin
+
+        gguf = Path(fetch_builtin(spec, progress=progress) if spec in BUILTINS else spec)
+        where, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    status = Console(stderr=True, quiet=not progress).status("Loading the model…")
+    with status, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    return model.to(device).eval(), source.tokenizer, prov
+
+
+def quantize(
+    source: str,
+    out_dir: str | Path,
+    *,
+    qformat: str = "fp8",
+    kv_cache_dtype: str = "fp8",
+    calib_size: int = 64,
+    calib_seq_len: int = 256,
+    calib_data: str | Path | None = None,
+    exclude: list[str] | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Calibrate ``source`` and write a modelopt FP8 checkpoint to ``out_dir`` (atomically).
+
+    Returns the summary also written to ``out_dir/kiln_quantize.json``.
+    """
+    import torch
+
+    if qformat not in QFORMATS:
+        raise KilnError(f"--qformat {qformat!r} is not supported; use one of {list(QFORMATS)}")
+    if kv_cache_dtype not in KV_DTYPES:
+        raise KilnError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; use one of {list(KV_DTYPES)}"
+        )
+    out_dir = Path(out_dir).expanduser()
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise KilnError(f"output {out_dir} exists and is not empty; pass --force to replace it")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise KilnError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KilnError("--device cuda but CUDA is not available; use --device cpu")
+    exclude = [e.strip() for e in (exclude or []) if e.strip()]
+    mtq, export_hf_checkpoint = _modelopt()
+    console = Console(stderr=True, quiet=not progress)
+
+    t0 = time.perf_counter()
+    model, tokenizer, prov = _load_hf_model(source, device, progress)
+    text = load_text_set(calib_data, "calib")
+    chunks = calibration_chunks(tokenizer, text, calib_size, calib_seq_len)
+
+    bar = Progress(
+        TextColumn("[bold]Calibrating[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=True, disable=console.quiet,
+    )
+
+    def forward_loop(m: Any) -> None:
+        with bar:
+            task = bar.add_task(f"{len(chunks)} x {calib_seq_len} tokens", total=len(chunks))
+            for chunk in chunks:
+                m(torch.tensor([chunk], device=device))
+                bar.advance(task)
+
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mtq.quantize(model, quant_config(mtq, kv_cache_dtype, exclude), forward_loop)
+
+    summary = {
+        "tool": "kiln quantize",
+        "kiln_version": kiln.__version__,
+        "modelopt_version": MODELOPT_VERSION,
+        "qformat": qformat,
+        "kv_cache_dtype": kv_cache_dtype,
+        "calib_size": len(chunks),
+        "calib_seq_len": calib_seq_len,
+        "calib_tokens": sum(len(c) for c in chunks),
+        **text.provenance,
+        "exclude": list(dict.fromkeys([*ALWAYS_EXCLUDED, *exclude])),
+        "device": device,
+        "source": prov,
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quantizing-", dir=out_dir.parent))
+    try:
+        with console.status("Exporting the FP8 checkpoint…"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            export_hf_checkpoint(model, export_dir=str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        summary["seconds"] = round(time.perf_counter() - t0, 1)
+        (tmp / CALIB_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    console.print(f"[green]quantized[/] {out_dir} (FP8 weights"
+                  f"{' + FP8 KV cache' if kv_cache_dtype == 'fp8' else ''}, "
+                  f"{len(chunks)} calibration samples)")
+    return summary

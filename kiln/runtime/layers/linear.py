@@ -1,0 +1,102 @@
+"""Linear layers over prepared engine weights: plain (bf16/fp16/fp32) and FP8 E4M3.
+
+An FP8 linear ``prefix`` has, in the weights dict (see kiln/builder/weights.py):
+
+    {prefix}.weight        [N, K] float8_e4m3fn    W ~= weight.float() * weight_scale
+    {prefix}.weight_scale  [] float32              per-tensor dequantization scale
+    {prefix}.input_scale   [] float32              static activation scale (optional; absent
+                                                   means dynamic per-tensor activation scale)
+    {prefix}.bias          [N]                     optional, engine dtype
+
+CUDA runs ``torch._scaled_mm`` (FP8 tensor cores); everything else, and shapes _scaled_mm
+refuses, runs the dequantized matmul. Both paths quantize activations the same way
+(x -> e4m3(x / s)), so the CPU result is the GPU result up to accumulation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448.0
+_SCALE_MIN = 1e-12
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(x / scale), saturating at +-448 (round to nearest even, like modelopt)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scale amax / 448 as a float32 0-dim tensor (never 0)."""
+    return (x.detach().abs().amax().float() / FP8_MAX).clamp(min=_SCALE_MIN)
+
+
+def scaled_mm_ok(m: int, k: int, n: int) -> bool:
+    """torch._scaled_mm shape rules: K and N multiples of 16 (M is padded by us)."""
+    return k % 16 == 0 and n % 16 == 0 and m > 0
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ W.T (+ bias) with FP8 weights; x [..., K] in the compute dtype, returns x.dtype.
+
+    Activations are quantized per tensor with ``input_scale`` (static, from calibration) or
+    with their own amax (dynamic).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [M, K]
+    n, k = weight.shape
+    x_scale = fp8_scale(x2) if input_scale is None else input_scale.float()
+    xq = quantize_fp8(x2, x_scale)  # [M, K] e4m3
+    if x.is_cuda and scaled_mm_ok(x2.shape[0], k, n):
+        m = x2.shape[0]
+        pad = -m % 16  # older torch/cuBLAS want M % 16 too; padding rows is cheap
+        if pad:
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+        # weight is [N, K] row-major, so weight.t() is the column-major [K, N] _scaled_mm wants
+        y = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=weight_scale.float().reshape(()),
+            out_dtype=x.dtype,
+        )[:m]
+    else:
+        # The reference: the same quantized activations, dequantized, in the compute dtype
+        # (float32 accumulation on CPU).
+        acc = torch.float32 if x.device.type == "cpu" else x.dtype
+        xd = xq.to(acc) * x_scale.to(acc)
+        wd = weight.to(acc) * weight_scale.to(acc)
+        y = F.linear(xd, wd).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], n)
+
+
+def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above)."""
+    weight = w[prefix + ".weight"]
+    bias = w.get(prefix + ".bias")
+    if weight.dtype != FP8:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),
+                      bias)
+
+
+def place_weights(
+    weights: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Move weights to ``device``: FP8 tensors stay FP8, scales (``*_scale``) stay float32,
+    everything else becomes ``dtype``."""
+    out = {}
+    for name, t in weights.items():
+        if t.dtype == FP8 or name.endswith("_scale"):
+            out[name] = t.to(device)
+        else:
+            out[name] = t.to(device, dtype)
+    return out
