@@ -36,6 +36,9 @@ class ServerMetrics:
             "Engine steps that produced tokens, summed over requests; generation_tokens / this "
             "is the speculative acceptance (tokens per step, 1.0 without speculation).",
             registry=r)
+        self.aborted = Counter("kiln_requests_aborted",
+                               "Engine requests aborted because the client went away.",
+                               registry=r)
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kiln_inter_token_latency_seconds",
@@ -48,10 +51,14 @@ class ServerMetrics:
         self.running = Gauge("kiln_num_requests_running", "Requests being decoded.", registry=r)
         self.kv_used = Gauge("kiln_kv_blocks_used", "KV cache blocks in use.", registry=r)
         self.kv_total = Gauge("kiln_kv_blocks_total", "KV cache blocks in the pool.", registry=r)
+        self.spec_steps = Counter("kiln_spec_decode_steps",
+                                  "Speculative steps of finished requests.", registry=r)
+        self.spec_tokens = Counter("kiln_spec_decode_tokens",
+                                   "Tokens committed by those speculative steps.", registry=r)
         self.spec_acceptance = Gauge(
             "kiln_spec_decode_tokens_per_step",
-            "Mean tokens per request-step of finished requests (speculative acceptance).",
-            registry=r)
+            "Speculative acceptance: spec_decode_tokens / spec_decode_steps (0 until a "
+            "speculative step ran).", registry=r)
         info = Gauge("kiln_model_info", "The served model.", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 
@@ -68,15 +75,17 @@ class ServerMetrics:
         self.itl.observe(seconds)
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, steps: int,
-                         e2e_s: float | None) -> None:
+                         e2e_s: float | None, spec_steps: int = 0, spec_tokens: int = 0) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         self.request_steps.inc(steps)
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
-        total_steps = self.request_steps._value.get()
-        if total_steps:
-            self.spec_acceptance.set(self.generation_tokens._value.get() / total_steps)
+        if spec_steps:
+            self.spec_steps.inc(spec_steps)
+            self.spec_tokens.inc(spec_tokens)
+            self.spec_acceptance.set(self.spec_tokens._value.get()
+                                     / self.spec_steps._value.get())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -102,9 +102,13 @@ class Generation:
                 self.choices[rid] = Choice(idx, len(ids))
 
     def abort(self) -> None:
+        """Abort every unfinished choice (called however the HTTP request ends)."""
         for rid, c in self.choices.items():
             if c.finish_reason is None:
+                c.finish_reason = "abort"
                 self.et.abort(rid)
+                if self.et.metrics is not None:
+                    self.et.metrics.aborted.inc()
 
     @property
     def done(self) -> bool:
@@ -129,8 +133,10 @@ class Generation:
             m = self.et.metrics
             if m is not None:
                 end = out.metrics.finished_time
-                m.observe_finished(c.prompt_len, c.num_tokens, out.metrics.num_steps,
-                                   end - out.metrics.arrival_time if end else None)
+                rm = out.metrics
+                m.observe_finished(c.prompt_len, c.num_tokens, rm.num_steps,
+                                   end - rm.arrival_time if end else None,
+                                   getattr(rm, "spec_steps", 0), getattr(rm, "spec_tokens", 0))
         return c, item, new_lps
 
     # -- formatting ----------------------------------------------------------------------

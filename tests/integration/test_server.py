@@ -9,7 +9,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from kiln.server.testing import ServerProcess  # noqa: E402
+from kiln.server.testing import ServerProcess
 
 KEY = "sk-test"
 
@@ -133,7 +133,7 @@ def test_stop_string(client):
 
 
 def test_seed_and_n(client):
-    kw = dict(prompt="seed", max_tokens=8, temperature=1.0, ignore_eos=True)
+    kw = {"prompt": "seed", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
     a = completion(client, seed=7, **kw)["choices"][0]["text"]
     assert completion(client, seed=7, **kw)["choices"][0]["text"] == a
     many = completion(client, seed=7, n=3, **kw)
