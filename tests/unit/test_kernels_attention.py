@@ -15,6 +15,7 @@ from kiln.runtime.kernels.paged_attention import (
     paged_attention,
     paged_attention_ref,
 )
+from kiln.runtime.kernels.testing import random_paged_batch, rel_err, tree_mask
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import (
     AttentionMetadata,
@@ -26,46 +27,10 @@ from kiln.runtime.layers.attention import (
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def tree_mask(n: int) -> torch.Tensor:
-    """A random [n, n] tree mask: each query sees itself and a random subset of earlier ones."""
-    m = torch.rand(n, n) < 0.5
-    return (m.tril() | torch.eye(n, dtype=torch.bool))
-
-
 def make_batch(specs, heads, kv_heads, dim, block_size, dtype, cache_dtype=None):
-    """specs: (prefix_len, query_len, masked). Random q, random whole cache, shuffled blocks."""
-    cache_dtype = cache_dtype or dtype
-    need = sum(-(-(p + n) // block_size) for p, n, _ in specs)
-    num_blocks = need + 3
-    perm = torch.randperm(num_blocks)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
-    max_blocks = max(-(-(p + n) // block_size) for p, n, _ in specs) + 1
-    tables = torch.randint(0, num_blocks, (len(specs), max_blocks), dtype=torch.int32)
-    qsl, ctx, masks, offs, used = [0], [], [], [], 0
-    for s, (p, n, masked) in enumerate(specs):
-        nb = -(-(p + n) // block_size)
-        tables[s, :nb] = perm[used : used + nb].to(torch.int32)
-        used += nb
-        qsl.append(qsl[-1] + n)
-        ctx.append(p + n)
-        if masked:
-            offs.append(sum(m.numel() for m in masks))
-            masks.append(tree_mask(n).reshape(-1))
-        else:
-            offs.append(-1)
-    q = torch.randn(qsl[-1], heads, dim).to(dtype)
-    i32 = torch.int32
-    mask = torch.cat(masks) if masks else None
-    mask_offsets = torch.tensor(offs, dtype=i32) if masks else None
-    return (q, k_cache, v_cache, tables, torch.tensor(qsl, dtype=i32),
-            torch.tensor(ctx, dtype=i32), mask, mask_offsets)
+    b = random_paged_batch(specs, heads, kv_heads, dim, block_size, dtype,
+                           cache_dtype=cache_dtype)
+    return (*b.args(), b.mask, b.mask_offsets)
 
 
 MIXED = [(13, 1, False), (0, 7, False), (5, 6, True), (9, 1, False), (3, 4, True)]

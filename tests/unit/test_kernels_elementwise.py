@@ -12,15 +12,10 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.kernels import activation, kv_write, rms_norm, rotary
+from kiln.runtime.kernels.testing import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

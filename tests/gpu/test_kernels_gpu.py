@@ -1,0 +1,186 @@
+"""Triton kernels vs their torch references on CUDA at real shapes. Skipped without CUDA.
+
+Run in its own process (not after tests/unit/test_kernels_*, which switch triton to its
+CPU interpreter):  python -m pytest -q tests/gpu/test_kernels_gpu.py
+Shapes: llama-3-8b (32 heads, 8 kv heads, head_dim 128, hidden 4096, I 14336) and
+smollm2-135m (9 heads, 3 kv heads, head_dim 64, hidden 576, I 1536).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is set in this process; run tests/gpu alone"),
+]
+
+SHAPES = {  # heads, kv_heads, head_dim, hidden, intermediate
+    "llama-3-8b": (32, 8, 128, 4096, 14336),
+    "smollm2": (9, 3, 64, 576, 1536),
+}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DEV = "cuda"
+
+
+def _rel(out, ref):
+    from kiln.runtime.kernels.testing import rel_err
+
+    return rel_err(out, ref)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_elementwise_kernels(shape, dtype):
+    from kiln.runtime.kernels import activation, rms_norm, rotary
+
+    heads, kv_heads, dim, hidden, inter = SHAPES[shape]
+    t = 333
+    x = torch.randn(t, 2 * inter, device=DEV).to(dtype)
+    out = torch.full((t, inter), float("nan"), device=DEV, dtype=dtype)
+    activation.silu_and_mul(x, out=out)
+    assert torch.equal(out, activation.silu_and_mul_ref(x)) or _rel(
+        out, activation.silu_and_mul_ref(x)) < TOL[dtype]
+
+    a, r = torch.randn(t, hidden, device=DEV).to(dtype), torch.randn(t, hidden, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(dtype)
+    o, res = rms_norm.fused_add_rms_norm(a, r, w, 1e-5)
+    ro, rres = rms_norm.fused_add_rms_norm_ref(a, r, w, 1e-5)
+    assert torch.equal(res, rres)  # the add rounds exactly like eager
+    assert _rel(o, ro) < TOL[dtype]
+
+    inv = 1.0 / (500000 ** (torch.arange(0, dim, 2, device=DEV).float() / dim))
+    cache = rotary.build_cos_sin_cache(inv, 8192)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=DEV).to(dtype)
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    rq, rk = rotary.rotary_embedding_ref(q, k, pos, cache)
+    rotary.rotary_embedding_(q, k, pos, cache)
+    assert _rel(q, rq) < TOL[dtype] and _rel(k, rk) < TOL[dtype]
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_reshape_and_cache(shape, cache_dtype):
+    from kiln.runtime.kernels.kv_write import reshape_and_cache, reshape_and_cache_ref
+
+    _, kv_heads, dim, _, _ = SHAPES[shape]
+    t, blocks, bs = 300, 64, 16
+    k = torch.randn(t, kv_heads, dim, device=DEV, dtype=torch.bfloat16) * 4
+    v = torch.randn(t, kv_heads, dim, device=DEV, dtype=torch.bfloat16) * 4
+    k[0, 0, :4] = 1e4  # saturates in fp8
+    slots = torch.randperm(blocks * bs, device=DEV)[:t]
+    slots[5] = -1
+    init = torch.randn(blocks, bs, kv_heads, dim, device=DEV).to(cache_dtype)
+    kc, vc, rk, rv = init.clone(), init.clone(), init.clone(), init.clone()
+    ks = torch.tensor([0.37], device=DEV)
+    reshape_and_cache_ref(k, v, rk, rv, slots, ks, 1.9)
+    reshape_and_cache(k, v, kc, vc, slots, ks, 1.9)
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+
+
+def _mixed_specs(q_len_prefill: int, ctx: int) -> list[tuple[int, int, bool]]:
+    return [(ctx - 1, 1, False), (ctx // 2 + 7, 1, False), (0, q_len_prefill, False),
+            (ctx // 3, q_len_prefill // 2 + 3, False), (ctx - 40, 40, True), (513, 16, True),
+            (5, 1, False)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_paged_attention_mixed_batch(shape, dtype, num_splits):
+    from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref
+    from kiln.runtime.kernels.testing import random_paged_batch
+
+    heads, kv_heads, dim, _, _ = SHAPES[shape]
+    b = random_paged_batch(_mixed_specs(300, 1000), heads, kv_heads, dim, 16, dtype, DEV)
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention(*b.args(), dim**-0.5, max_query_len=b.max_query_len,
+                    max_context_len=b.max_context_len, num_splits=num_splits, out=out,
+                    **b.kwargs())
+    ref = paged_attention_ref(*b.args(), dim**-0.5, **b.kwargs())
+    assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_paged_attention_fp8_cache_and_gqa_1(shape):
+    from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref
+    from kiln.runtime.kernels.testing import random_paged_batch
+
+    heads, kv_heads, dim, _, _ = SHAPES[shape]
+    for kvh, cache_dtype in ((kv_heads, torch.float8_e4m3fn), (heads, torch.bfloat16)):
+        b = random_paged_batch(_mixed_specs(70, 600), heads, kvh, dim, 16, torch.bfloat16,
+                               DEV, cache_dtype=cache_dtype)
+        ks, vs = torch.tensor([0.8], device=DEV), torch.tensor([1.3], device=DEV)
+        out = paged_attention(*b.args(), dim**-0.5, max_query_len=b.max_query_len,
+                              max_context_len=b.max_context_len, k_scale=ks, v_scale=vs,
+                              **b.kwargs())
+        ref = paged_attention_ref(*b.args(), dim**-0.5, k_scale=ks, v_scale=vs, **b.kwargs())
+        assert _rel(out, ref) < 1e-2
+
+
+def test_paged_attention_cuda_graph():
+    """Capturable (no host syncs): replay after changing the inputs in place."""
+    from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref
+    from kiln.runtime.kernels.testing import random_paged_batch
+
+    b = random_paged_batch([(900, 1, False)] * 4 + [(300, 8, True)], 32, 8, 128, 16,
+                           torch.bfloat16, DEV)
+
+    def run():
+        return paged_attention(*b.args(), 128**-0.5, max_query_len=8, max_context_len=1024,
+                               num_splits=4, **b.kwargs())
+
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    b.q.copy_(torch.randn_like(b.q))
+    b.context_lens[:4] -= torch.tensor([0, 100, 200, 300], device=DEV, dtype=torch.int32)
+    g.replay()
+    ref = paged_attention_ref(*b.args(), 128**-0.5, **b.kwargs())
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_backend_matches_torch_backend(dtype):
+    from kiln.runtime.kernels.testing import tree_mask
+    from kiln.runtime.kv_cache import KVCache
+    from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention, get_backend
+
+    heads, kv_heads, dim, bs, nb = 32, 8, 128, 16, 256
+    specs = [(700, 1, False), (0, 200, False), (300, 30, True), (33, 1, False)]
+    caches = [KVCache(2, nb, bs, kv_heads, dim, dtype, DEV) for _ in range(2)]
+    init = torch.randn(caches[0].k.shape, device=DEV).to(dtype)
+    for c in caches:
+        c.k.copy_(init)
+        c.v.copy_(init.flip(0))
+    perm = torch.randperm(nb).tolist()
+    seqs, slots, t0 = [], [], 0
+    for p, n, masked in specs:
+        need = -(-(p + n) // bs)
+        table, perm = torch.tensor(perm[:need]), perm[need:]
+        idx = torch.arange(p + n)
+        key_slots = (table[idx // bs] * bs + idx % bs).to(DEV)
+        slots.append(key_slots[p:])
+        seqs.append(SeqAttention(t0, n, p + n, key_slots,
+                                 tree_mask(n).to(DEV) if masked else None))
+        t0 += n
+    meta = AttentionMetadata(torch.cat(slots), seqs)
+    q = torch.randn(t0, heads, dim, device=DEV).to(dtype)
+    k = torch.randn(t0, kv_heads, dim, device=DEV).to(dtype)
+    v = torch.randn(t0, kv_heads, dim, device=DEV).to(dtype)
+    ref = get_backend("torch").forward(1, q, k, v, caches[0], meta, dim**-0.5)
+    out = get_backend("triton").forward(1, q, k, v, caches[1], meta, dim**-0.5)
+    assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+    assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
