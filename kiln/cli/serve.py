@@ -7,7 +7,6 @@ engine directory is built once into ``$KILN_CACHE/engines/<name>`` and reused.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -112,7 +111,6 @@ def serve(
         raise KilnError(f"the engine stopped: {type(et.dead).__name__}: {et.dead}")
     if not server.started:
         raise KilnError(f"could not start the server on {host}:{port}")
-    os.environ.pop("KILN_API_KEY", None)
 
 
 def register(app: typer.Typer) -> None:
