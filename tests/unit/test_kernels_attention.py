@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.kernels.paged_attention import (
+    choose_num_splits,
     paged_attention,
     paged_attention_ref,
 )
@@ -56,6 +57,25 @@ def test_paged_attention_long_prefill_and_block_size_6():
                           mask=mask, mask_offsets=offs)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.2, mask=mask, mask_offsets=offs)
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_attention_splits_over_long_context(num_splits):
+    # contexts of several 64-key tiles, so several splits hold keys and one holds the
+    # prefix/in-step boundary; the tree-masked sequence starts its step mid-tile
+    specs = [(150, 1, False), (130, 5, True), (70, 2, False)]
+    q, kc, vc, bt, qsl, ctx, mask, offs = make_batch(specs, 4, 2, 16, 16, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=5, max_context_len=151,
+                    mask=mask, mask_offsets=offs, num_splits=num_splits, out=out)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25, mask=mask, mask_offsets=offs)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(8, 2048, 132, 64) == 8  # batch-1 decode: split the keys
+    assert choose_num_splits(8, 100, 132, 64) == 1  # short context: nothing to split
+    assert choose_num_splits(512, 2048, 132, 64) == 1  # enough programs already
 
 
 def test_paged_attention_fp8_cache():

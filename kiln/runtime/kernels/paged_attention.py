@@ -51,6 +51,60 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend(
+    m_i, l_i, acc, q, lo, hi, kc_ptr, vc_ptr, bt_row, stride_kb, stride_ks, stride_vb,
+    stride_vs, k_scale, v_scale, qk_scale, qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
+    HAS_MASK: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online-softmax update over keys [lo, hi) of one sequence (pointers at its kv head).
+
+    STEP=False: prefix keys, all visible. STEP=True: in-step keys, causal or tree-masked.
+    """
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        k = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks + d[:, None],
+                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+        v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if IEEE:  # float32 inputs, or bf16 under the interpreter (see _dot_in_fp32)
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if STEP:
+            j = kpos[None, :] - prefix  # in-step key index
+            see = j <= qi[:, None]
+            if HAS_MASK:
+                tree = tl.where(m_off >= 0, j >= 0, False)  # [1, BLOCK_N]
+                mval = tl.load(mask_ptr + m_off + qi[:, None] * q_len + j,
+                               mask=tree & row_ok[:, None] & k_ok[None, :], other=0)
+                see = tl.where(tree, mval != 0, see)
+            see = see & row_ok[:, None] & k_ok[None, :]
+        else:
+            see = k_ok[None, :]
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, ctx_ptr, mask_ptr, mask_off_ptr,
@@ -98,49 +152,29 @@ def _paged_attn_kernel(
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    if not HAS_MASK:
+        m_off = -1
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        k_ok = kpos < kv_hi
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        off = kpos % BLOCK_SIZE
-        k = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
-                    + kvh * stride_kh + d[:, None],
-                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
-        v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-        if KV_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        if IEEE:  # float32 inputs, or bf16 under the interpreter (see _dot_in_fp32)
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        j = kpos[None, :] - prefix  # in-step key index (< 0: prefix)
-        see = j <= qi[:, None]
-        if HAS_MASK:
-            use_mask = tl.where(m_off >= 0, j >= 0, False)  # [1, BLOCK_N]
-            mval = tl.load(mask_ptr + m_off + qi[:, None] * q_len + j,
-                           mask=use_mask & row_ok[:, None] & k_ok[None, :], other=0)
-            see = tl.where(use_mask, mval != 0, see)
-        see = see & row_ok[:, None] & k_ok[None, :]
-        s = tl.where(see, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    kv_base = kvh * stride_kh
+    vv_base = kvh * stride_vh
+    # Two passes: the cached prefix (every key visible: no masking work), then this step's
+    # keys (causal or tree mask).
+    m_i, l_i, acc = _attend(
+        m_i, l_i, acc, q, kv_lo, tl.minimum(kv_hi, prefix), kc_ptr + kv_base, vc_ptr + vv_base,
+        bt_row, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, qk_scale,
+        qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
+        BLOCK_SIZE, BLOCK_N, False, HAS_MASK, KV_FP8, IEEE)
+    m_i, l_i, acc = _attend(
+        m_i, l_i, acc, q, tl.maximum(kv_lo, prefix), kv_hi, kc_ptr + kv_base, vc_ptr + vv_base,
+        bt_row, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, qk_scale,
+        qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
+        BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE)
 
     o_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -191,11 +225,12 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 def choose_num_splits(
     num_programs: int, max_context_len: int, num_sms: int = 132, block_n: int = 64,
 ) -> int:
-    """Key-splits so that about 2 programs per SM run: decode at batch 1 needs them."""
-    if num_programs >= num_sms:
+    """Key-splits so that about 4 programs per SM run (decode at small batch needs them);
+    each split keeps at least 4 key tiles."""
+    if num_programs >= 2 * num_sms:
         return 1
-    want = triton.cdiv(2 * num_sms, num_programs)
-    return max(1, min(want, triton.cdiv(max_context_len, 2 * block_n), 64))
+    want = triton.cdiv(4 * num_sms, num_programs)
+    return max(1, min(want, triton.cdiv(max_context_len, 4 * block_n), 64))
 
 
 def paged_attention(
@@ -320,8 +355,10 @@ def paged_attention_ref(
         n = q1 - q0
         idx = torch.arange(ctx, device=q.device)
         blocks = block_tables[s].long()[idx // block_size]
-        ks = k_cache[blocks, idx % block_size].float() * k_scale  # [ctx, KVH, D]
-        vs = v_cache[blocks, idx % block_size].float() * v_scale
+        ks = k_cache[blocks, idx % block_size].float()  # [ctx, KVH, D]
+        vs = v_cache[blocks, idx % block_size].float()
+        if k_cache.dtype in FP8_DTYPES:
+            ks, vs = ks * k_scale, vs * v_scale
         see = torch.ones(n, ctx, dtype=torch.bool, device=q.device)
         if offs[s] >= 0:
             see[:, ctx - n:] = mask[offs[s] : offs[s] + n * n].view(n, n).bool()
