@@ -150,8 +150,9 @@ def requantize_fused(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate FP8 shards (w_i e4m3 [N_i, K], s_i []) on dim 0 under one scale.
 
-    s = max(s_i); w = e4m3(w_i.float() * (s_i / s)). The shard with the largest scale is
-    copied bit for bit; the others shrink by s_i/s <= 1 and are rounded to nearest e4m3.
+    s = max(s_i); w = e4m3((w_i.float() * s_i) / s) in float32: dequantize, then quantize
+    with the shared scale. The shard with the largest scale is copied bit for bit; the others
+    shrink by s_i/s <= 1 and are rounded to nearest e4m3.
     """
     scales = [s.float().reshape(()) for _, s in parts]
     s_max = torch.stack(scales).max()
@@ -160,7 +161,7 @@ def requantize_fused(
         if torch.equal(s, s_max):
             out.append(w)
         else:
-            out.append((w.float() * (s / s_max)).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+            out.append(((w.float() * s) / s_max).clamp(-FP8_MAX, FP8_MAX).to(FP8))
     return torch.cat(out, dim=0), s_max
 
 

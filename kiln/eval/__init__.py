@@ -1,0 +1,1 @@
+"""Accuracy evaluation of built engines (``kiln eval``)."""

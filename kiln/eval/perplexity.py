@@ -1,0 +1,92 @@
+"""Token-weighted perplexity of an engine over a text set (built-in eval set or a file).
+
+The text is tokenized (each document wrapped in bos/eos when the tokenizer has them),
+concatenated and cut into non-overlapping windows of ``seq_len`` tokens. Each window runs
+as one prefill through the engine's model into its own KV cache (so an FP8 KV cache is
+exercised exactly as in serving: K/V are stored and read back quantized), with logits for
+every position. Token t of a window is scored given tokens 0..t-1 of that window; the first
+token of each window is not scored. perplexity = exp(sum NLL / scored tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.quantize.calib import load_text_set, token_stream
+
+DEFAULT_SEQ_LEN = 512
+
+
+def window_nll(engine: Any, ids: list[int]) -> float:
+    """Sum of next-token NLLs of ``ids[1:]`` given their prefixes, one prefill through
+    ``engine.model`` into ``engine.cache`` (slots 0..len-1; the engine must be idle)."""
+    from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
+
+    dev = engine.device
+    n = len(ids)
+    slots = torch.arange(n, device=dev)
+    meta = AttentionMetadata(slot_mapping=slots, seqs=[
+        SeqAttention(query_start=0, query_len=n, context_len=n, key_slots=slots)])
+    tokens = torch.tensor(ids, dtype=torch.long, device=dev)
+    logits = engine.model.forward(tokens, slots, engine.cache, meta, slots[:-1])  # [n-1, V]
+    return float(F.cross_entropy(logits.float(), tokens[1:], reduction="sum"))
+
+
+def perplexity(
+    engine_dir: str | Path, *, data: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
+    device: str | None = None, progress: bool = True,
+) -> dict[str, Any]:
+    """{"perplexity", "tokens" (scored), "windows", "seq_len", "data", "seconds"}."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from kiln.errors import KilnError
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+
+    t0 = time.perf_counter()
+    probe = RuntimeConfig(device=device)
+    from kiln.builder import load_engine
+
+    spec = load_engine(engine_dir).spec
+    seq_len = min(seq_len, spec.limits.max_seq_len)
+    if seq_len < 2:
+        raise KilnError(f"--seq-len must be >= 2, got {seq_len}")
+    blocks = -(-spec.limits.max_seq_len // probe.block_size)
+    engine = LLMEngine.from_engine_dir(
+        engine_dir, RuntimeConfig(device=device, num_kv_blocks=blocks,
+                                  enable_prefix_caching=False))
+    text = load_text_set(data, "eval")
+    ids = token_stream(engine.tokenizer, text.documents)
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise KilnError(f"{text.name} has fewer than 2 tokens")
+    bar = Progress(TextColumn("[bold]Perplexity[/]"), BarColumn(), MofNCompleteColumn(),
+                   console=Console(stderr=True), transient=True, disable=not progress)
+    nll, count = 0.0, 0
+    with bar:
+        task = bar.add_task("windows", total=len(windows))
+        for w in windows:
+            nll += window_nll(engine, w)
+            count += len(w) - 1
+            bar.advance(task)
+    q = spec.quantization
+    return {
+        "perplexity": math.exp(nll / count),
+        "tokens": count,
+        "windows": len(windows),
+        "seq_len": seq_len,
+        **text.provenance,
+        "engine": str(engine_dir),
+        "dtype": spec.dtype,
+        "quantization": {"weights": q.weights, "activations": q.activations,
+                         "kv_cache": q.kv_cache},
+        "device": str(engine.device),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
