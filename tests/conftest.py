@@ -87,12 +87,11 @@ REFERENCE_ARCHS = {
 
 
 @pytest.fixture(scope="session")
-def tiny_reference(tmp_path_factory) -> Callable[[str], tuple]:
-    """Factory ``(arch) -> (transformers model on CPU, float32 engine dir)``, cached."""
+def tiny_reference_source(tmp_path_factory) -> Callable[[str], tuple]:
+    """Factory ``(arch) -> (transformers model on CPU, HF checkpoint dir)``, cached."""
     import torch
     import transformers
 
-    from kiln.builder import build_engine
     from kiln.sources import make_byte_tokenizer
 
     made: dict[str, tuple] = {}
@@ -113,10 +112,31 @@ def tiny_reference(tmp_path_factory) -> Callable[[str], tuple]:
         src = tmp_path_factory.mktemp(f"ref-{arch}")
         model.save_pretrained(src, safe_serialization=True)
         make_byte_tokenizer().save_pretrained(src)
-        out = tmp_path_factory.mktemp("ref-engines") / arch
-        build_engine(str(src), out, dtype="float32", max_seq_len=128, max_num_tokens=64,
-                     max_batch_size=8, progress=False)
-        made[arch] = (model, out)
+        made[arch] = (model, src)
         return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_reference_source, tmp_path_factory) -> Callable[..., tuple]:
+    """Factory ``(arch, **build_kwargs) -> (transformers model, float32 engine dir)``.
+
+    Default limits: max_seq_len 128, max_num_tokens 64, max_batch_size 8; ``build_kwargs``
+    (e.g. ``speculative=``) are passed to ``build_engine``. Cached per arguments.
+    """
+    from kiln.builder import build_engine
+
+    made: dict[tuple, tuple] = {}
+
+    def make(arch: str, **kwargs) -> tuple:
+        key = (arch, repr(sorted(kwargs.items())))
+        if key not in made:
+            model, src = tiny_reference_source(arch)
+            out = tmp_path_factory.mktemp("ref-engines") / arch
+            opts = {"max_seq_len": 128, "max_num_tokens": 64, "max_batch_size": 8, **kwargs}
+            build_engine(str(src), out, dtype="float32", progress=False, **opts)
+            made[key] = (model, out)
+        return made[key]
 
     return make

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kiln.builder.speculative import SpeculativeConfig, validate_request_window
 from kiln.config import ModelConfig
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
@@ -19,10 +20,13 @@ from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import Sampler
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
-from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.outputs import RequestOutput, TokenLogprob
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import ScheduledBatch, Scheduler
+from kiln.runtime.speculative.lookahead import LookaheadWorker
+from kiln.runtime.speculative.ngram import NgramWorker
+from kiln.runtime.speculative.worker import DraftWorker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache budget on CPU when the size is not given (CPU memory is shared with everything).
@@ -48,6 +52,20 @@ class RuntimeConfig:
     attention_backend: str = "torch"
 
 
+@dataclass
+class StepResult:
+    """Tokens each request commits this step, and how many of its tokens now have KV.
+
+    ``advance`` overrides the scheduled token count (speculative steps keep fewer);
+    ``draft_logits`` holds draft plans' rows for the speculative worker to verify.
+    """
+
+    tokens: dict[Request, list[int]] = field(default_factory=dict)
+    logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
+    advance: dict[Request, int] = field(default_factory=dict)
+    draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """The subset of the engine's recorded limits the runtime enforces."""
@@ -65,6 +83,7 @@ class LLMEngine:
         self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Any,
         limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
         spec: Any = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         config = config or RuntimeConfig()
         self.config = config
@@ -104,6 +123,10 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        if speculative is None and spec is not None:
+            speculative = spec.speculative
+        self.speculative = speculative or SpeculativeConfig()
+        self.spec_worker = _make_worker(self.speculative)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -174,6 +197,9 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.eos_token_ids)
         if params.guided is not None:
             req.matcher = self.guided_compiler.compile(params.guided)
+        window = self._spec_window(params)
+        if window is not None:
+            self.spec_worker.init_request(req, window)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -193,6 +219,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that got tokens or finished."""
+        if self.spec_worker is not None:
+            self.spec_worker.propose_all(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -200,23 +228,63 @@ class LLMEngine:
                     "no request fits the KV cache even alone; give the engine more KV blocks"
                 )
             return []
-        logits, sampling = self.runner.execute(batch)
-        self.scheduler.after_step(batch)
+        if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
+            result = self.spec_worker.step(self, batch)
+        else:
+            result = self.forward_and_sample(batch)
         self.num_steps += 1
-        logits = self._apply_guided(logits, sampling)
-        tokens, logprobs = self.sampler(
-            logits, [r.params for r in sampling], [r.all_token_ids for r in sampling],
-            [r.generator for r in sampling],
-        )
         now = time.perf_counter()
+        committed: dict[Request, int] = {}
+        for req, toks in result.tokens.items():
+            committed[req] = self._commit(req, toks, result.logprobs.get(req), now)
+            if req in result.advance:
+                result.advance[req] = min(result.advance[req], committed[req])
+        self.scheduler.after_step(batch, result.advance)
         outputs = []
-        for req, tok, lp in zip(sampling, tokens, logprobs):
+        for req in result.tokens:
+            if req.spec_state is not None and self.spec_worker is not None:
+                self.spec_worker.on_commit(req, committed[req])
+            self.detokenizer.update(req, final=req.is_finished)
+            if req.is_finished:
+                self.scheduler.finish(req)
+                self._requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def forward_and_sample(self, batch: ScheduledBatch) -> StepResult:
+        """Run the model; sample one token for each request that reached its last token.
+
+        Draft plans' logits are returned untouched in ``draft_logits`` for the worker.
+        """
+        fwd = self.runner.execute(batch)
+        result = StepResult()
+        reqs = list(fwd.sample_rows)
+        if reqs:
+            logits = fwd.logits[list(fwd.sample_rows.values())]
+            logits = self._apply_guided(logits, reqs)
+            tokens, logprobs = self.sampler(
+                logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
+                [r.generator for r in reqs],
+            )
+            for req, tok, lp in zip(reqs, tokens, logprobs):
+                result.tokens[req] = [tok]
+                if lp is not None:
+                    result.logprobs[req] = [lp]
+        for req, (first, count) in fwd.draft_rows.items():
+            result.draft_logits[req] = fwd.logits[first : first + count]
+        return result
+
+    def _commit(self, req: Request, tokens: list[int], logprobs, now: float) -> int:
+        """Append tokens until one finishes the request; returns how many were appended."""
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.num_steps += 1
+        appended = 0
+        for i, tok in enumerate(tokens):
             req.append_token(tok)
-            if req.logprobs is not None and lp is not None:
-                req.logprobs.append(lp)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.num_steps += 1
+            appended += 1
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[i])
             req.check_stop_token(self.limits.max_seq_len)
             if req.matcher is not None and not req.is_finished:
                 if not req.matcher.accept(tok):
@@ -226,12 +294,30 @@ class LLMEngine:
                     )
                 if req.matcher.is_terminated():
                     req.finish("stop")
-            self.detokenizer.update(req, final=req.is_finished)
             if req.is_finished:
-                self.scheduler.finish(req)
-                self._requests.pop(req.request_id, None)
-            outputs.append(self._output(req))
-        return outputs
+                break
+        return appended
+
+    def _spec_window(self, params: SamplingParams) -> tuple[int, int, int] | None:
+        """The request's (w, n, g) when it speculates, else None (validated against the
+        engine's window; a request outside it is rejected with both named)."""
+        spec = self.speculative
+        if params.lookahead is not None:
+            w, n, g = validate_request_window(spec, *params.lookahead)
+            if (w, n, g) == (1, 1, 0):
+                return None
+        elif spec.mode == "lookahead":
+            w, n, g = spec.lookahead
+        elif spec.mode == "ngram":
+            w, n, g = 1, 1, 0
+        else:
+            return None
+        # Speculation here verifies with the plain sampler's distribution only; requests
+        # that need per-token state the verifier does not replay decode plainly.
+        if (params.guided is not None or params.logprobs is not None
+                or params.repetition_penalty != 1.0):
+            return None
+        return (w, n, g)
 
     @property
     def guided_compiler(self):
@@ -312,3 +398,11 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
+
+
+def _make_worker(spec: SpeculativeConfig) -> DraftWorker | None:
+    if spec.mode == "lookahead":
+        return LookaheadWorker()
+    if spec.mode == "ngram":
+        return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
+    return None

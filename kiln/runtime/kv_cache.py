@@ -172,6 +172,16 @@ class KVCache:
                 f"need one per layer ({num_layers})"
             )
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V of every layer from slots ``src`` to ``dst`` ([n] each, on the device).
+
+        Used to keep accepted speculative tokens: their KV was written at in-step rows and
+        belongs at their final token index. Sources are read before any write.
+        """
+        for cache in (self.k, self.v):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[-2:])
+            flat[:, dst] = flat[:, src]
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

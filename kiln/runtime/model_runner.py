@@ -1,6 +1,8 @@
-"""Turns a scheduled batch into model inputs, runs the model, returns sampling logits."""
+"""Turns a scheduled batch into model inputs, runs the model, returns the logits it needs."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,6 +11,19 @@ from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class ForwardOutput:
+    """Logits [rows, vocab] (float32) and which rows belong to whom.
+
+    ``sample_rows``: requests whose step reached their last token -> their one logits row.
+    ``draft_rows``: requests that ran a draft plan -> (first row, count) of the plan's rows.
+    """
+
+    logits: torch.Tensor
+    sample_rows: dict[Request, int] = field(default_factory=dict)
+    draft_rows: dict[Request, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -20,43 +35,53 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Cache slots of token indices [start, end) of a request (CPU LongTensor)."""
-        idx = torch.arange(start, end)
+    def slots_of(self, block_table: list[int], indices: list[int] | torch.Tensor) -> torch.Tensor:
+        """Cache slots of a request's token indices (CPU LongTensor)."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
         table = torch.tensor(block_table, dtype=torch.long)
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, batch: ScheduledBatch) -> ForwardOutput:
         """Run one forward over the batch.
 
-        Returns logits [num_sampling, vocab] (float32) and the requests they belong to:
-        those whose scheduled tokens reach their last token (partial prefill chunks do not
-        sample).
+        A request scheduled with exactly its draft plan's token count runs the plan (tree
+        mask, positions from the plan, logits for every row); others run their next
+        ``n`` tokens causally and get logits only when they reach their last token.
         """
         input_ids: list[int] = []
-        positions: list[int] = []
+        positions: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
         seqs: list[SeqAttention] = []
         logit_rows: list[int] = []
-        sampling: list[Request] = []
+        out = ForwardOutput(torch.empty(0))
         for req, n in batch.items:
             start = req.num_computed_tokens
             end = start + n
             q0 = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            key_slots = self._slots(req.block_table, 0, end)
+            plan = req.draft if req.draft is not None and req.draft.num_tokens == n else None
+            key_slots = self.slots_of(req.block_table, torch.arange(end))
             slot_chunks.append(key_slots[start:end])
-            seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device, non_blocking=True)))
-            if end == req.num_tokens:
-                logit_rows.append(q0 + n - 1)
-                sampling.append(req)
+            if plan is None:
+                input_ids.extend(req.all_token_ids[start:end])
+                positions.append(torch.arange(start, end))
+                seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device)))
+                if end == req.num_tokens:
+                    out.sample_rows[req] = len(logit_rows)
+                    logit_rows.append(q0 + n - 1)
+            else:
+                input_ids.extend(plan.token_ids)
+                offs = plan.position_offsets
+                positions.append(start + (offs if offs is not None else torch.arange(n)))
+                seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device),
+                                         step_mask=plan.step_mask))
+                out.draft_rows[req] = (len(logit_rows), n)
+                logit_rows.extend(range(q0, q0 + n))
         dev = self.device
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
-        logits = self.model.forward(
+        out.logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.cat(positions).to(dev),
             self.cache, meta,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
-        return logits, sampling
+        return out

@@ -25,6 +25,13 @@ class RequestMetrics:
     num_steps: int = 0  # decode steps that produced tokens for this request
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    spec_steps: int = 0  # speculative steps (lookahead / ngram) this request took
+    spec_tokens: int = 0  # tokens those steps committed
+
+    @property
+    def tokens_per_spec_step(self) -> float | None:
+        """Mean committed tokens per speculative step (acceptance), None without any."""
+        return self.spec_tokens / self.spec_steps if self.spec_steps else None
 
 
 @dataclass

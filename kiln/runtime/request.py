@@ -44,6 +44,8 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.matcher = None  # GuidedMatcher when params.guided is set
+        self.spec_state = None  # the speculative worker's per-request state, if it speculates
+        self.draft = None  # DraftPlan for the next step (cleared after every step)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()

@@ -27,12 +27,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     guided: GuidedSpec | None = None
+    # Per-request lookahead window (w, n, g), bounded by the engine's (W, N, G); None takes
+    # the engine's; (1, 1, 0) is plain decoding. In ngram engines, (1, 1, 0) turns drafting off.
+    lookahead: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.lookahead is not None:
+            if len(self.lookahead) != 3:
+                raise ValueError(f"lookahead={self.lookahead!r} must be three integers (w, n, g)")
+            object.__setattr__(self, "lookahead", tuple(int(v) for v in self.lookahead))
         checks = [
             (self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),

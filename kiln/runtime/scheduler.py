@@ -70,7 +70,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            if req.draft is not None:
+                # A draft step goes whole or not at all (then it is a plain decode step).
+                if n == 1 and req.draft.num_tokens <= budget:
+                    n = req.draft.num_tokens
+                else:
+                    req.draft = None
+            n = min(n, budget)
             target = req.num_computed_tokens + n
             while not self.blocks.can_allocate(req.block_table, target):
                 victim = self.running[-1]
@@ -115,6 +122,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.block_table)
         req.block_hashes = []
+        req.draft = None
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.metrics.num_preemptions += 1
@@ -125,10 +133,15 @@ class Scheduler:
         if any(r is req for r, _ in batch.items):
             raise RuntimeError(f"preempted request {req.request_id} that was already scheduled")
 
-    def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts, register full blocks in the prefix cache."""
+    def after_step(self, batch: ScheduledBatch, advance: dict[Request, int] | None = None) -> None:
+        """Advance computed counts, register full blocks in the prefix cache.
+
+        ``advance`` overrides the scheduled count for requests whose step kept fewer tokens'
+        KV (speculative steps keep x and the accepted drafts only).
+        """
+        advance = advance or {}
         for req, n in batch.items:
-            req.num_computed_tokens += n
+            req.num_computed_tokens += advance.get(req, n)
             self.blocks.cache_full_blocks(
                 req.block_table, req.block_hashes, req.all_token_ids, req.num_computed_tokens
             )

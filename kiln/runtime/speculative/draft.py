@@ -1,0 +1,28 @@
+"""What a speculative worker proposes for one request's next step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DraftPlan:
+    """The tokens one request feeds in its next step: x (the last committed token) first.
+
+    ``position_offsets`` [T] (offset from x's position; None = 0..T-1, a chain) and
+    ``step_mask`` [T, T] bool (None = causal) describe the in-step tree. Row ``r`` writes
+    its KV at the request's token index ``p + r`` (p = x's position); the worker moves the
+    accepted rows' KV to their final indices afterwards. ``data`` is the worker's own.
+    """
+
+    token_ids: list[int]
+    position_offsets: torch.Tensor | None = None
+    step_mask: torch.Tensor | None = None
+    data: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,129 @@
+"""Lookahead decoding worker (Fu et al. 2024; TensorRT-LLM's algorithm; LOOKAHEAD.md).
+
+Per request: a Jacobi window of W columns x (N-1) levels seeded from prompt tokens, an
+n-gram pool keyed by first token (at most G per key, seeded with the prompt's n-grams and
+fed with committed output). Each step feeds x, the window and up to G pool candidates in
+one forward with a tree mask; the longest verified candidate prefix plus the bonus token
+is committed and only its KV is kept.
+
+Simplification vs the paper: all levels are seeded from the prompt at once (no N-2 warm-up
+steps with a growing window), so every step has the same shape. Output is unaffected:
+verification alone decides what is committed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.layers.sampler import warp
+from kiln.runtime.request import Request
+from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.lookahead_math import (
+    NgramPool, StepLayout, build_step_layout, greedy_verify, verify_position,
+)
+from kiln.runtime.speculative.worker import DraftWorker
+
+
+@dataclass
+class LookaheadState:
+    """One request's window and pool. ``window[l][j]``: level l, column j (level 0 col 0 is
+    refreshed with x at every proposal)."""
+
+    w: int
+    n: int
+    g: int
+    window: list[list[int]]
+    pool: NgramPool
+    layouts: dict[int, StepLayout] = field(default_factory=dict)
+
+    def layout(self, g_actual: int) -> StepLayout:
+        if g_actual not in self.layouts:
+            self.layouts[g_actual] = build_step_layout(self.w, self.n, g_actual)
+        return self.layouts[g_actual]
+
+
+class LookaheadWorker(DraftWorker):
+    """Proposes lookahead steps and verifies them (greedy or sampled)."""
+
+    name = "lookahead"
+
+    def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
+        w, n, g = window
+        prompt = req.prompt_token_ids
+        rng = random.Random(0 if req.params.seed is None else req.params.seed)
+        levels = max(n - 1, 1)
+        grid = [[rng.choice(prompt) for _ in range(w)] for _ in range(levels)]
+        pool = NgramPool(n, g)
+        pool.seed_from_tokens(prompt)
+        req.spec_state = LookaheadState(w, n, g, grid, pool)
+
+    def propose(self, req: Request) -> DraftPlan | None:
+        st: LookaheadState = req.spec_state
+        x = req.all_token_ids[-1]
+        cands = st.pool.candidates(x, st.g)
+        layout = st.layout(len(cands))
+        tokens = [x] + st.window[0][1:]
+        for level in st.window[1:]:
+            tokens += level
+        for c in cands:
+            tokens += list(c)
+        return DraftPlan(tokens, layout.position_offsets, layout.mask, data=(layout, cands))
+
+    def verify(self, req: Request, logits: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
+        """logits [T, V] of the step's rows -> (committed tokens, KV moves (src row, dst off))."""
+        st: LookaheadState = req.spec_state
+        plan: DraftPlan = req.draft
+        layout, cands = plan.data
+        argmax = logits.argmax(-1).tolist()
+        tokens = plan.token_ids
+        # Lookahead branch (always greedy): the last level's outputs are the new tokens.
+        new = [argmax[r] for r in layout.last_level_rows.tolist()]
+        for j in range(st.w):
+            chain = [tokens[int(layout.window_rows[lvl, j])] for lvl in range(len(st.window))]
+            if st.n >= 2:
+                st.pool.add(chain[: st.n - 1] + [new[j]])
+        cand_rows = layout.candidate_rows.tolist()
+        if req.params.greedy:
+            best, accepted = greedy_verify(
+                cands, [[argmax[r] for r in rows] for rows in cand_rows], argmax[0]
+            )
+        else:
+            best, accepted = self._sample_verify(req, logits, cands, cand_rows)
+        moves = []
+        if best is not None:
+            moves = [(cand_rows[best][k], k + 1) for k in range(len(accepted) - 1)]
+        # Shift the window one position; the top level takes the new tokens.
+        if len(st.window) > 1:
+            st.window = [[0] + st.window[1][1:]] + st.window[2:] + [new]
+        else:
+            st.window = [[0] + new[1:]]
+        return accepted, moves
+
+    @staticmethod
+    def _sample_verify(req, logits, cands, cand_rows):
+        """Paper Algorithm 4 over the candidates that still agree with what was accepted."""
+        p = req.params
+        alive = list(range(len(cands)))
+        row = 0
+        accepted: list[int] = []
+        depth = len(cand_rows[0]) if cand_rows else 0
+        for k in range(depth):
+            drafts = list(dict.fromkeys(cands[i][k] for i in alive))
+            tok, idx = verify_position(warp(logits[row], p), drafts, req.generator)
+            accepted.append(tok)
+            if idx is None:
+                return (alive[0] if k > 0 else None), accepted
+            alive = [i for i in alive if cands[i][k] == tok]
+            row = cand_rows[alive[0]][k]
+        tok, _ = verify_position(warp(logits[row], p), [], req.generator)
+        accepted.append(tok)
+        return (alive[0] if depth and alive and len(accepted) > 1 else None), accepted
+
+    def on_commit(self, req: Request, num_new: int) -> None:
+        st: LookaheadState = req.spec_state
+        ids = req.all_token_ids
+        for end in range(max(len(ids) - num_new + 1, st.n), len(ids) + 1):
+            st.pool.add(ids[end - st.n : end])

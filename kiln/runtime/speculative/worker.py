@@ -1,0 +1,80 @@
+"""Draft-and-verify workers over the engine's one model (lookahead, ngram).
+
+``DraftWorker.step(engine, batch)`` (final, from ``SpeculativeWorker``) runs the forward
+for a batch that holds draft steps, verifies each draft, moves accepted KV into place and
+returns the committed tokens. Draft plans are per-step state: they are cleared whatever
+happens, so a step that raises (an OOM in the forward, a bug in verification) leaves every
+request exactly as it was before the step: ``num_computed_tokens`` unchanged, KV beyond it
+unused, and the next step simply recomputes.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.runtime.request import Request
+from kiln.runtime.speculative.base import SpeculativeWorker
+from kiln.runtime.speculative.draft import DraftPlan
+
+if TYPE_CHECKING:
+    from kiln.runtime.engine import LLMEngine, StepResult
+    from kiln.runtime.scheduler import ScheduledBatch
+
+
+class DraftWorker(SpeculativeWorker):
+    """Base of the one-model workers; subclasses propose and verify, the base runs steps."""
+
+    name = "draft"
+
+    @abstractmethod
+    def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
+        """Create ``req.spec_state`` for a request that speculates."""
+
+    @abstractmethod
+    def propose(self, req: Request) -> DraftPlan | None:
+        """The next step's plan for a request whose only uncomputed token is its last."""
+
+    @abstractmethod
+    def verify(self, req: Request, logits: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
+        """logits [T, V] of the plan's rows -> (committed tokens, KV moves).
+
+        A move (row, k) says: the KV written by in-step row ``row`` belongs at offset ``k``
+        from x's index (the accepted draft's final position).
+        """
+
+    def on_commit(self, req: Request, num_new: int) -> None:
+        """Called after ``num_new`` tokens were committed to ``req``."""
+
+    # -- the step ----------------------------------------------------------------------------
+    def propose_all(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            if req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1:
+                req.draft = self.propose(req)
+
+    def _save_state(self, engine: LLMEngine, batch: ScheduledBatch) -> None:
+        planned = [r for r, _ in batch.items if r.draft is not None]
+
+        def clear_plans() -> None:
+            for r in planned:
+                r.draft = None
+
+        self.saved.push("draft plans", clear_plans)
+
+    def _step_impl(self, engine: LLMEngine, batch: ScheduledBatch) -> StepResult:
+        result = engine.forward_and_sample(batch)
+        cache = engine.cache
+        for req, logits in result.draft_logits.items():
+            accepted, moves = self.verify(req, logits)
+            if moves:
+                base = req.num_computed_tokens  # x's token index
+                src = engine.runner.slots_of(req.block_table, [base + r for r, _ in moves])
+                dst = engine.runner.slots_of(req.block_table, [base + k for _, k in moves])
+                cache.move_slots(src.to(cache.k.device), dst.to(cache.k.device))
+            result.tokens[req] = accepted
+            result.advance[req] = len(accepted)  # x + accepted drafts have KV
+            req.metrics.spec_steps += 1
+            req.metrics.spec_tokens += len(accepted)
+        return result
