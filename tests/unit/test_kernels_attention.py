@@ -73,7 +73,7 @@ def test_paged_attention_splits_over_long_context(num_splits):
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(8, 2048, 132, 64) == 8  # batch-1 decode: split the keys
+    assert choose_num_splits(8, 2048, 132, 64) == 16  # batch-1 decode: split the keys
     assert choose_num_splits(8, 100, 132, 64) == 1  # short context: nothing to split
     assert choose_num_splits(512, 2048, 132, 64) == 1  # enough programs already
 
