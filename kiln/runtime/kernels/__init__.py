@@ -21,4 +21,7 @@ import importlib.util
 
 def available() -> bool:
     """Whether triton can be imported (the kernels need it; the torch path does not)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
