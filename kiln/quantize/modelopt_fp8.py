@@ -14,9 +14,11 @@ The export format is that of ``MODELOPT_VERSION`` (pinned in pyproject.toml).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -93,6 +95,15 @@ def _load_hf_model(spec: str, device: str, progress: bool) -> tuple[Any, Any, di
     with status, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        if "gguf_file" in kwargs:
+            # transformers marks a GGUF-loaded model as gguf-quantized and refuses to save it;
+            # its weights are already dequantized: move them into a plain model
+            cfg = model.config
+            if hasattr(cfg, "quantization_config"):
+                del cfg.quantization_config
+            plain = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            plain.load_state_dict(model.state_dict())
+            model = plain
     return model.to(device).eval(), source.tokenizer, prov
 
 
@@ -151,7 +162,9 @@ def quantize(
                 m(torch.tensor([chunk], device=device))
                 bar.advance(task)
 
-    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+    # modelopt prints on stdout: keep stdout for --json
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings(), \
+            contextlib.redirect_stdout(sys.stderr):
         warnings.simplefilter("ignore")
         model = mtq.quantize(model, quant_config(mtq, kv_cache_dtype, exclude), forward_loop)
 
@@ -172,7 +185,8 @@ def quantize(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quantizing-", dir=out_dir.parent))
     try:
-        with console.status("Exporting the FP8 checkpoint…"), warnings.catch_warnings():
+        with console.status("Exporting the FP8 checkpoint…"), warnings.catch_warnings(), \
+                contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
             export_hf_checkpoint(model, export_dir=str(tmp))
         tokenizer.save_pretrained(str(tmp))

@@ -1,0 +1,150 @@
+"""FP8 checkpoints in `kiln build`: compressed-tensors (written here), KV scale handling."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.builder import build_engine, load_engine
+from kiln.builder.fp8 import quantize_per_tensor
+from kiln.errors import SourceError
+from kiln.eval.perplexity import perplexity
+from kiln.quantize.calib import load_text_set
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.layers.linear import FP8
+from kiln.runtime.sampling_params import SamplingParams
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+
+
+def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool):
+    """A compressed-tensors float-quantized FP8 checkpoint (what llm-compressor writes)."""
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    new = {}
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR:
+            q, s = quantize_per_tensor(t)
+            new[name], new[module + ".weight_scale"] = q, s.reshape(1)
+            if not dynamic:  # a plausible static activation scale
+                new[module + ".input_scale"] = torch.tensor([4.0 / 448])
+        else:
+            new[name] = t
+    if kv:
+        for i in range(2):
+            new[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02 + i / 100)
+            new[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.01 + i / 100)
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "version": "0.9.0",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {**FP8_SCHEME, "dynamic": False},
+            "input_activations": {**FP8_SCHEME, "dynamic": dynamic},
+        }},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": {**FP8_SCHEME, "dynamic": False} if kv else None,
+    }
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("dynamic,kv", [(False, True), (True, False)])
+def test_compressed_tensors_fp8_builds_and_runs(tiny_hf_model, tmp_path, capsys, dynamic, kv):
+    src = tiny_hf_model("llama")
+    ckpt = write_compressed_tensors(src, tmp_path / "ct", dynamic=dynamic, kv=kv)
+    spec = build_engine(str(ckpt), tmp_path / "e", dtype="float32", max_seq_len=256,
+                        progress=False)
+    q = spec.quantization
+    assert (q.weights, q.activations) == ("fp8", "fp8")
+    assert q.kv_cache == ("fp8" if kv else "float32")
+    assert q.scales["source"] == "compressed-tensors"
+    assert q.scales["activations"] == ("dynamic" if dynamic else "static")
+    if kv:
+        assert q.scales["kv_cache"] == "checkpoint (calibrated)"
+        assert "WARNING" not in capsys.readouterr().err
+    w = load_engine(tmp_path / "e").load_weights()
+    assert w["layers.0.qkv.weight"].dtype == FP8 and w["layers.0.down.weight"].dtype == FP8
+    assert ("layers.0.qkv.input_scale" in w) == (not dynamic)
+    assert w["embed_tokens.weight"].dtype == torch.float32
+
+    engine = LLMEngine.from_engine_dir(tmp_path / "e", RuntimeConfig(device="cpu"))
+    if kv:
+        assert engine.cache.k.dtype == FP8
+        torch.testing.assert_close(engine.cache.k_scale, torch.tensor([0.02, 0.03]))
+    out = engine.generate([[256, 72, 105]], SamplingParams(max_tokens=6, temperature=0,
+                                                            ignore_eos=True))
+    assert len(out[0].token_ids) == 6
+
+    # same model unquantized: FP8 perplexity stays close
+    build_engine(str(src), tmp_path / "ref", dtype="float32", max_seq_len=256, progress=False)
+    text = tmp_path / "text.txt"
+    text.write_text(load_text_set(None, "eval").documents[1][:1500])
+    ref = perplexity(tmp_path / "ref", data=text, seq_len=128, progress=False)
+    got = perplexity(tmp_path / "e", data=text, seq_len=128, progress=False)
+    assert got["tokens"] == ref["tokens"] > 1000
+    assert abs(math.log(got["perplexity"] / ref["perplexity"])) < 0.02
+
+
+def test_kv_fp8_without_scales_warns(tiny_hf_model, tmp_path, capsys):
+    from kiln.builder import QuantConfig
+
+    spec = build_engine(str(tiny_hf_model("llama")), tmp_path / "e", dtype="float32",
+                        quantization=QuantConfig(kv_cache="fp8"), progress=False)
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "no k_scale/v_scale" in err
+    assert spec.quantization.weights == "none" and spec.quantization.kv_cache == "fp8"
+    assert spec.quantization.scales["kv_cache"].startswith("1.0 (missing")
+    engine = LLMEngine.from_engine_dir(tmp_path / "e", RuntimeConfig(device="cpu"))
+    assert engine.cache.k.dtype == FP8 and float(engine.cache.k_scale.min()) == 1.0
+    assert engine.cache.k.dtype == FP8
+    out = engine.generate([[256, 72]], SamplingParams(max_tokens=3, temperature=0,
+                                                      ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_kv_scales_all_one_warns(tiny_hf_model, tmp_path, capsys):
+    ckpt = write_compressed_tensors(tiny_hf_model("llama"), tmp_path / "ct", dynamic=True,
+                                    kv=True)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for k in tensors:
+        if k.endswith(("k_scale", "v_scale")):
+            tensors[k] = torch.tensor(1.0)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    spec = build_engine(str(ckpt), tmp_path / "e", progress=False)
+    assert "exactly 1.0" in capsys.readouterr().err
+    assert spec.quantization.scales["kv_cache"] == "checkpoint (all exactly 1.0)"
+
+
+def test_unsupported_quantization_is_refused(tiny_hf_model, tmp_path):
+    ckpt = write_compressed_tensors(tiny_hf_model("llama"), tmp_path / "ct", dynamic=True,
+                                    kv=False)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "channel"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="per-tensor"):
+        build_engine(str(ckpt), tmp_path / "e", progress=False)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="gptq"):
+        build_engine(str(ckpt), tmp_path / "e", progress=False)
+
+
+def test_fp8_weights_need_a_checkpoint(tiny_hf_model, tmp_path):
+    from kiln.builder import QuantConfig
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match="kiln quantize"):
+        build_engine(str(tiny_hf_model("llama")), tmp_path / "e", progress=False,
+                     quantization=QuantConfig("fp8", "fp8"))
