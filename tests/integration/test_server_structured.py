@@ -125,7 +125,7 @@ async def _stream_client(c: httpx.AsyncClient, i: int, disconnect: bool) -> str:
     elif i % 3 == 1:
         body["regex"] = REGEX
     else:
-        body["ignore_eos"] = True
+        body.update(ignore_eos=True, max_tokens=180)
     text = ""
     async with c.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -160,20 +160,25 @@ def test_no_hang_concurrent_streams_with_disconnects(server):
     assert re.search(r"^kiln_kv_blocks_used 0\.0$", metrics, re.MULTILINE), metrics
     assert re.search(r"^kiln_num_requests_running 0\.0$", metrics, re.MULTILINE)
     aborted = float(re.search(r"^kiln_requests_aborted_total (\S+)$", metrics, re.MULTILINE)[1])
-    assert aborted >= 8, metrics  # most leavers were still generating
+    assert aborted >= 4, metrics  # the long (ignore_eos) leavers were still generating
 
 
 def test_non_streaming_disconnect_aborts(server):
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as c:
-            with pytest.raises(httpx.TimeoutException):
-                await c.post("/v1/completions", json={
-                    "prompt": "long", "max_tokens": 250, "ignore_eos": True})
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json={
+                "prompt": "long", "max_tokens": 250, "ignore_eos": True, "n": 8}))
+            while not (await c.get("/debug/kv")).json()["has_unfinished"]:
+                assert not task.done(), "finished before it could be abandoned"
+                await asyncio.sleep(0.01)
+            task.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await task
 
     before = _aborted(server.url)
     run(main())
     wait_all_free(server.url)
-    assert _aborted(server.url) == before + 1
+    assert _aborted(server.url) >= before + 1
 
 
 def _aborted(url: str) -> float:
