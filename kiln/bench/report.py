@@ -138,6 +138,30 @@ def render_latency(result: dict, console: Console | None = None) -> None:
          ("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])],
     ))
     console.print(f"output tokens/s: {result['output_tokens_per_s']:.1f}")
+    if result.get("speculative"):
+        render_speculative(result["speculative"], console)
+
+
+def render_speculative(result: dict, console: Console) -> None:
+    """Plain vs speculative decoding per prompt set."""
+    cfg = result["config"]
+    window = cfg["request_window"] or cfg["engine_window"]
+    title = (f"Plain vs {cfg['mode']}"
+             + (f" {tuple(window)}" if window else f" (max draft {cfg['max_draft_len']})")
+             + f", batch 1, greedy, {cfg['output_len']} tokens")
+    t = Table(title=title, title_justify="left")
+    for col in ("prompts", "plain tok/s", "speculative tok/s", "speed-up", "tokens/step",
+                "same output"):
+        t.add_column(col, justify="left" if col == "prompts" else "right")
+
+    def fmt(v, spec="{:.1f}"):
+        return "-" if v is None else spec.format(v)
+
+    for name, s in result["sets"].items():
+        t.add_row(name, fmt(s["plain_tokens_per_s"]), fmt(s["spec_tokens_per_s"]),
+                  fmt(s["speedup"], "{:.2f}x"), fmt(s["tokens_per_step"], "{:.2f}"),
+                  "yes" if s["same_output"] else "NO")
+    console.print(t)
 
 
 def render_serve(result: dict, console: Console | None = None) -> None:

@@ -99,17 +99,39 @@ def latency(
     seed: int = typer.Option(0, "--seed", help="Seed for the synthetic prompts."),
     json_file: Path | None = typer.Option(None, "--json", help=_JSON_HELP),
     device: str | None = typer.Option(None, "--device", help=_DEVICE_HELP),
+    spec_prompts: int = typer.Option(
+        3, "--spec-prompts", min=1,
+        help="Speculative engines: bundled code and chat prompts per set for the plain vs "
+        "speculative comparison (batch 1, greedy, --output-len tokens).",
+    ),
+    lookahead: str | None = typer.Option(
+        None, "--lookahead",
+        help="Speculative engines: request window W,N,G for the comparison (default: the "
+        "engine's).",
+    ),
 ) -> None:
-    """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations."""
+    """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
+
+    On an engine built with speculative decoding it also runs plain vs speculative decoding
+    on bundled code and chat prompts (same engine, same run) and prints the speed-up and
+    tokens per step.
+    """
     from kiln.bench.offline import run_latency
     from kiln.bench.report import render_latency
+    from kiln.bench.speculative import PROMPT_SETS, run_speculative_latency
+    from kiln.builder.speculative import parse_window
     from kiln.cli.generate import check_engine_dir, load_engine
 
+    window = parse_window(lookahead) if lookahead else None
     check_engine_dir(engine_dir)
     engine, _ = load_engine(engine_dir, device)
     with _progress("latency", num_iters) as advance:
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)
+    if engine.speculative.mode != "none":
+        with _progress("plain vs speculative", spec_prompts * len(PROMPT_SETS)) as advance:
+            result["speculative"] = run_speculative_latency(
+                engine, output_len, spec_prompts, window, progress=advance)
     _finish(result, engine, engine_dir, json_file, render_latency)
 
 

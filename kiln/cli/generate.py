@@ -75,8 +75,14 @@ def generate(
     device: str | None = typer.Option(None, "--device",
                                       help="Device to run on (cuda, cuda:1, cpu); default "
                                       "cuda when available."),
+    lookahead: str | None = typer.Option(
+        None, "--lookahead",
+        help="Lookahead window W,N,G for this request, within the engine's (see `kiln "
+        "inspect`); 1,1,0 is plain decoding. Default: the engine's.",
+    ),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
+    from kiln.builder.speculative import parse_window, validate_request_window
     from kiln.runtime.sampling_params import SamplingParams
 
     # Validate the flags before the (slow) engine load: a bad value is a one-line error.
@@ -84,7 +90,14 @@ def generate(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, seed=seed, repetition_penalty=repetition_penalty,
         stop=tuple(stop or ()), ignore_eos=ignore_eos,
+        lookahead=parse_window(lookahead) if lookahead else None,
     )
+    if params.lookahead is not None:
+        check_engine_dir(engine_dir)
+        from kiln.builder import load_engine as read_engine
+
+        spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
+        validate_request_window(spec, *params.lookahead)
     text = _read_prompt(prompt)
     engine, load_s = load_engine(engine_dir, device)
     request: str | list[int] = text
@@ -126,6 +139,13 @@ def generate(
             "finish_reason": out.finish_reason,
             "timings": {"ttft_s": ttft, "total_s": total, "tokens_per_s": tps,
                         "load_s": load_s},
+            "speculative": {
+                "mode": engine.speculative.mode,
+                "steps": out.metrics.num_steps,
+                "spec_steps": out.metrics.spec_steps,
+                "spec_tokens": out.metrics.spec_tokens,
+                "tokens_per_step": n / out.metrics.num_steps if out.metrics.num_steps else None,
+            },
         }
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
@@ -136,9 +156,12 @@ def generate(
     from rich.console import Console
 
     ttft_ms = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
+    per_step = ""
+    if out.metrics.spec_steps:
+        per_step = f", {n / out.metrics.num_steps:.2f} tokens/step ({engine.speculative.mode})"
     Console(stderr=True).print(
         f"{n} tokens in {total:.2f} s, {tps:.1f} tokens/s, TTFT {ttft_ms}, "
-        f"load {load_s:.1f} s, finish: {out.finish_reason}",
+        f"load {load_s:.1f} s, finish: {out.finish_reason}{per_step}",
         style="dim", highlight=False,
     )
 

@@ -56,7 +56,8 @@ def inspect(
     console.print(_table("Model", model))
     console.print(_table("Limits", spec.limits.to_dict()))
     console.print(_table("Quantization", spec.quantization.to_dict()))
-    console.print(_table("Speculative decoding", spec.speculative.to_dict()))
+    console.print(_table("Speculative decoding", {
+        **spec.speculative.to_dict(), "tokens_per_step": spec.speculative.tokens_per_step}))
     console.print(_table("Provenance", spec.provenance))
     weights: dict[str, Any] = {"format": spec.weights.get("format")}
     if spec.is_random:
