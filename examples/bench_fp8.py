@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -28,8 +29,19 @@ from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.layers.linear import FP8, fp8_linear, fp8_scale, quantize_fp8
 from kiln.runtime.sampling_params import SamplingParams
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
 
 def cuda_us(fn, iters: int = 200, warmup: int = 20) -> float:
+    if DEV != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -42,16 +54,16 @@ def cuda_us(fn, iters: int = 200, warmup: int = 20) -> float:
     return start.elapsed_time(end) / iters * 1000
 
 
-def linear_bench() -> list[dict]:
+def linear_bench(shapes: tuple[tuple[int, int], ...]) -> list[dict]:
     rows = []
-    for n, k in ((14336, 4096), (4096, 14336)):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    for n, k in shapes:
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
         q, s = quantize_per_tensor(w)
         for m in (1, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             xs = fp8_scale(x)
             xq = quantize_fp8(x, xs)
-            xq16 = torch.zeros(max(16, m), k, device="cuda", dtype=torch.uint8)
+            xq16 = torch.zeros(max(16, m), k, device=DEV, dtype=torch.uint8)
             xq16[:m] = xq.view(torch.uint8)
             xq16 = xq16.view(FP8)
             ref = F.linear(x, w).float()
@@ -62,7 +74,8 @@ def linear_bench() -> list[dict]:
                 "N": n, "K": k, "M": m,
                 "bf16_linear_us": cuda_us(lambda: F.linear(x, w)),
                 "fp8_scaled_mm_us": cuda_us(lambda: torch._scaled_mm(
-                    xq16, q.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16)),
+                    xq16, q.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16,
+                )) if DEV == "cuda" else float("nan"),
                 "fp8_linear_static_us": cuda_us(lambda: fp8_linear(x, q, s, xs)),
                 "fp8_linear_dynamic_us": cuda_us(lambda: fp8_linear(x, q, s)),
                 "fp8_vs_bf16_rel_err": float((y - ref).norm() / ref.norm()),
@@ -78,16 +91,16 @@ def linear_bench() -> list[dict]:
 
 def decode_bench(path: Path, batch: int, prompt_len: int = 32, gen: int = 32) -> dict:
     engine = LLMEngine.from_engine_dir(path, RuntimeConfig(
-        device="cuda", num_kv_blocks=512, enable_prefix_caching=False,
+        device=DEV, num_kv_blocks=512, enable_prefix_caching=False,
         attention_backend="torch"))
     prompts = [[(i * 31 + j * 7) % 250 + 1 for j in range(prompt_len)] for i in range(batch)]
 
     def run(max_tokens: int) -> float:
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                        ignore_eos=True))
-        torch.cuda.synchronize()
+        sync()
         assert all(len(o.token_ids) == max_tokens for o in outs)
         return time.perf_counter() - t
 
@@ -98,7 +111,9 @@ def decode_bench(path: Path, batch: int, prompt_len: int = 32, gen: int = 32) ->
               "prefill_s": prefill, "total_s": total,
               "decode_tok_s": batch * gen / (total - prefill), "kv_dtype": str(engine.cache.k.dtype)}
     del engine
-    torch.cuda.empty_cache()
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -108,9 +123,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-engines", action="store_true")
     args = ap.parse_args()
-    print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "linear": linear_bench(), "engines": {}}
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)"
+    print("device", name, "torch", torch.__version__, flush=True)
+    shapes = ((14336, 4096), (4096, 14336)) if DEV == "cuda" else ((64, 32),)
+    report = {"device": name, "torch": torch.__version__, "linear": linear_bench(shapes),
+              "engines": {}}
     if not args.skip_engines:
         tmp = Path(tempfile.mkdtemp())
         variants = {
@@ -120,7 +137,7 @@ def main() -> None:
         }
         for name, quant in variants.items():
             build_engine(f"random:{args.preset}", tmp / name, dtype="bfloat16",
-                         quantization=quant, max_seq_len=2048, progress=False)
+                         quantization=quant, progress=False)
             report["engines"][name] = []
             for batch in (1, 64):
                 r = decode_bench(tmp / name, batch)

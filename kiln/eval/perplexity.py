@@ -49,18 +49,18 @@ def perplexity(
     from kiln.errors import KilnError
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
 
-    t0 = time.perf_counter()
-    probe = RuntimeConfig(device=device)
     from kiln.builder import load_engine
 
+    t0 = time.perf_counter()
     spec = load_engine(engine_dir).spec
     seq_len = min(seq_len, spec.limits.max_seq_len)
     if seq_len < 2:
         raise KilnError(f"--seq-len must be >= 2, got {seq_len}")
-    blocks = -(-spec.limits.max_seq_len // probe.block_size)
-    engine = LLMEngine.from_engine_dir(
-        engine_dir, RuntimeConfig(device=device, num_kv_blocks=blocks,
-                                  enable_prefix_caching=False))
+    block_size = RuntimeConfig().block_size
+    # a KV cache of one max_seq_len sequence: windows reuse slots 0..seq_len-1
+    engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
+        device=device, block_size=block_size,
+        num_kv_blocks=-(-spec.limits.max_seq_len // block_size), enable_prefix_caching=False))
     text = load_text_set(data, "eval")
     ids = token_stream(engine.tokenizer, text.documents)
     windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]

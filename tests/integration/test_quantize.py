@@ -1,0 +1,109 @@
+"""`kiln quantize` → `kiln build` → `kiln generate` / `kiln eval perplexity` on a tiny model,
+and the exported checkpoint against modelopt's HF format."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+pytest.importorskip("modelopt")
+
+FP8 = torch.float8_e4m3fn
+
+
+def kiln(*args, check=True):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True,
+                       check=False,
+                       text=True, env=env, timeout=300)
+    if check and r.returncode != 0:
+        raise AssertionError(f"kiln {args} failed ({r.returncode}):\n{r.stderr}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_hf_model, tmp_path_factory):
+    src = tiny_hf_model("llama")
+    ckpt = tmp_path_factory.mktemp("q") / "ckpt"
+    r = kiln("quantize", src, "-o", ckpt, "--qformat", "fp8", "--kv-cache-dtype", "fp8",
+             "--calib-size", "6", "--calib-seq-len", "64", "--device", "cpu", "--json")
+    return src, ckpt, json.loads(r.stdout)
+
+
+def test_checkpoint_matches_modelopt_format(quantized):
+    src, ckpt, summary = quantized
+    assert summary["calib_size"] == 6 and summary["calib_tokens"] == 6 * 64
+    assert summary["data"] == "builtin:calib" and summary["modelopt_version"] == "0.47.0"
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())
+    assert hq["producer"]["name"] == "modelopt"
+    assert hq["quantization"]["quant_algo"] == "FP8"
+    assert hq["quantization"]["kv_cache_quant_algo"] == "FP8"
+    assert {"lm_head", "model.embed_tokens"} <= set(hq["quantization"]["exclude_modules"])
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "FP8"
+    assert qc["kv_cache_scheme"]["type"] == "float" and qc["kv_cache_scheme"]["num_bits"] == 8
+    assert (ckpt / "tokenizer.json").is_file()
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f, \
+            safe_open(str(src / "model.safetensors"), "pt") as orig:
+        names = set(f.keys())
+        for i in range(2):
+            for mod in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                p = f"model.layers.{i}.{mod}"
+                w, s = f.get_tensor(p + ".weight"), f.get_tensor(p + ".weight_scale")
+                assert w.dtype == FP8 and s.dtype == torch.float32 and s.numel() == 1
+                x = f.get_tensor(p + ".input_scale")
+                assert x.dtype == torch.float32 and x.numel() == 1 and float(x) > 0
+                # per-tensor max calibration: scale = amax / 448, dequantized ~= original
+                o = orig.get_tensor(p + ".weight")
+                torch.testing.assert_close(s, o.abs().max() / 448, rtol=1e-5, atol=0)
+                assert ((w.float() * s - o).abs() <= o.abs() / 16 + s).all()
+            for kind in ("k", "v"):
+                t = f.get_tensor(f"model.layers.{i}.self_attn.{kind}_proj.{kind}_scale")
+                assert t.dtype == torch.float32 and 0 < float(t) != 1.0
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+        assert not any(n.startswith("lm_head.") and n != "lm_head.weight" for n in names)
+
+
+def test_quantize_build_generate_eval(quantized, tmp_path):
+    src, ckpt, _ = quantized
+    engine = tmp_path / "e"
+    r = kiln("build", ckpt, "-o", engine, "--dtype", "float32", "--max-seq-len", "256")
+    assert "WARNING" not in r.stderr
+    spec = json.loads((engine / "engine.json").read_text())
+    q = spec["quantization"]
+    assert (q["weights"], q["activations"], q["kv_cache"]) == ("fp8", "fp8", "fp8")
+    assert q["scales"]["source"] == "modelopt" and q["scales"]["activations"] == "static"
+    assert q["scales"]["kv_cache"] == "checkpoint (calibrated)"
+    assert q["scales"]["calibration"]["calib_size"] == 6
+
+    r = kiln("generate", engine, "Hello", "--max-tokens", "8", "--temperature", "0",
+             "--ignore-eos")
+    assert "8 tokens" in r.stderr + r.stdout
+
+    fp32 = tmp_path / "fp32"
+    kiln("build", src, "-o", fp32, "--dtype", "float32", "--max-seq-len", "256")
+    got = json.loads(kiln("eval", "perplexity", engine, "--json", "--seq-len", "256").stdout)
+    ref = json.loads(kiln("eval", "perplexity", fp32, "--json", "--seq-len", "256").stdout)
+    assert set(got) == {"perplexity", "tokens"} and got["tokens"] == ref["tokens"] > 5000
+    assert abs(got["perplexity"] / ref["perplexity"] - 1) < 0.02
+
+
+def test_quantize_errors(tiny_hf_model, tmp_path):
+    src = tiny_hf_model("llama")
+    r = kiln("quantize", src, "-o", tmp_path / "x", "--qformat", "int4", check=False)
+    assert r.returncode == 1 and "--qformat 'int4' is not supported" in r.stderr
+    r = kiln("quantize", "random:tiny-llama", "-o", tmp_path / "x", check=False)
+    assert r.returncode == 1 and "--quantization fp8" in r.stderr
+    bad = tmp_path / "calib.jsonl"
+    bad.write_text('{"txt": "no text field"}\n')
+    r = kiln("quantize", src, "-o", tmp_path / "x", "--calib-data", bad, check=False)
+    assert r.returncode == 1 and 'no string "text" field' in r.stderr
