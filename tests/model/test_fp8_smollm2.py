@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("modelopt")
 
 # Measured (notes/NOTES.md): whole eval set, all 13 calibration samples: fp32 18.94, FP8
-# weights + activations + KV 19.73 (+4.2%). This test's setting (4 samples, 3 documents):
-# fp32 14.30, FP8 14.87 (+4.0%, log-ratio 0.039). Bound: log-ratio < 0.06 (+6.2%), and FP8
-# may not beat fp32 by more than noise.
+# weights + activations + KV 19.73 (+4.2%). This test's setting (3 samples, 2 documents):
+# fp32 27.92, FP8 28.84 (+3.3%, log-ratio 0.032). Bound: log-ratio < 0.06 (+6.2%), and FP8
+# may not beat fp32 by more than noise. ~66 s on 2 CPU cores.
 MAX_LOG_RATIO = 0.06
 
 
@@ -42,20 +42,20 @@ def test_smollm2_fp8_perplexity_close_to_fp32(smollm2_gguf, tmp_path):
     AutoTokenizer.from_pretrained(d, gguf_file=name).save_pretrained(hf)
     del model
 
-    summary = quantize(str(hf), tmp_path / "ckpt", calib_size=4, calib_seq_len=256,
+    summary = quantize(str(hf), tmp_path / "ckpt", calib_size=3, calib_seq_len=256,
                        device="cpu", progress=False)
-    assert summary["calib_size"] == 4
+    assert summary["calib_size"] == 3
     build_engine(str(hf), tmp_path / "fp32", dtype="float32", max_seq_len=512, progress=False)
     spec = build_engine(str(tmp_path / "ckpt"), tmp_path / "fp8", dtype="float32",
                         max_seq_len=512, progress=False)
     assert (spec.quantization.weights, spec.quantization.kv_cache) == ("fp8", "fp8")
 
-    # the first documents of the built-in eval set (~1100 tokens) keep the test fast
+    # the first two documents of the built-in eval set (929 tokens) keep the test fast
     text = tmp_path / "eval.txt"
-    text.write_text("\n=====\n".join(load_text_set(None, "eval").documents[:3]))
+    text.write_text("\n=====\n".join(load_text_set(None, "eval").documents[:2]))
     ref = perplexity(tmp_path / "fp32", data=text, device="cpu", progress=False)
     got = perplexity(tmp_path / "fp8", data=text, device="cpu", progress=False)
-    assert got["tokens"] == ref["tokens"] > 1000
+    assert got["tokens"] == ref["tokens"] > 900
     assert 5 < ref["perplexity"] < 40, ref  # a real model on real text
     log_ratio = math.log(got["perplexity"] / ref["perplexity"])
     print(f"smollm2-135m perplexity fp32 {ref['perplexity']:.3f} fp8 {got['perplexity']:.3f}")
