@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -49,7 +50,10 @@ class RuntimeConfig:
     max_num_tokens: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.85
-    attention_backend: str = "torch"
+    # "auto": the Triton kernels on CUDA when triton imports, else the torch reference.
+    # KILN_ATTENTION_BACKEND=torch|triton overrides the default.
+    attention_backend: str = field(
+        default_factory=lambda: os.environ.get("KILN_ATTENTION_BACKEND", "auto"))
 
 
 @dataclass
@@ -96,7 +100,8 @@ class LLMEngine:
         )
         self.tokenizer = tokenizer
         weights = place_weights(weights, self.device, dtype)  # FP8 + scales keep their dtype
-        self.model = LlamaModel(model_config, weights, get_backend(config.attention_backend),
+        self.attention_backend = _resolve_backend(config.attention_backend, self.device)
+        self.model = LlamaModel(model_config, weights, get_backend(self.attention_backend),
                                 self.device)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         if num_blocks * config.block_size < limits.max_seq_len:
@@ -406,3 +411,14 @@ def _make_worker(spec: SpeculativeConfig) -> DraftWorker | None:
     if spec.mode == "ngram":
         return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
     return None
+
+
+def _resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        from kiln.runtime import kernels
+
+        if kernels.available():
+            return "triton"
+    return "torch"

@@ -19,40 +19,85 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_match_transformers_on_cuda(arch, tiny_reference):
+def test_tiny_models_match_transformers_on_cuda(arch, backend, tiny_reference):
     model, engine_dir = tiny_reference(arch)
     model = model.to("cuda")
     prompts = mixed_prompts()
     refs = [hf_greedy(model, p, 24) for p in prompts]
     eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
-        device="cuda", block_size=4, num_kv_blocks=32, max_num_tokens=16))
+        device="cuda", block_size=4, num_kv_blocks=32, max_num_tokens=16,
+        attention_backend=backend))
     outs = eng.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs
     eng.blocks.check_all_free()
     model.to("cpu")
 
 
-def test_smollm2_first_32_greedy_tokens_match_transformers_on_cuda(smollm2_gguf, tmp_path):
+@pytest.fixture(scope="module")
+def smol32(smollm2_gguf, tmp_path_factory):
+    """A float32 smollm2 engine built with lookahead (7,7,7) (plain requests use (1,1,0))."""
+    from kiln.builder import build_engine
+    from kiln.builder.speculative import SpeculativeConfig
+
+    out = tmp_path_factory.mktemp("smol32") / "engine"
+    build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_num_tokens=4096,
+                 max_batch_size=32, progress=False,
+                 speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_first_32_greedy_tokens_match_transformers_on_cuda(smollm2_gguf, smol32,
+                                                                   backend):
     from transformers import AutoModelForCausalLM
 
-    from kiln.builder import build_engine
-
-    out = tmp_path / "smol32"
-    build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, progress=False)
-    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda"))
+    eng = LLMEngine.from_engine_dir(smol32, RuntimeConfig(device="cuda",
+                                                          attention_backend=backend))
     hf = AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).to("cuda").eval()
     prompts = [eng.apply_chat_template([{"role": "user", "content": p}])
                for p in CHAT_PROMPTS[:4]]
-    outs = eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                                lookahead=(1, 1, 0)))
     rows = []
     for text, prompt, o in zip(CHAT_PROMPTS, prompts, outs):
         ref = hf_greedy(hf, prompt, 32)
         rows.append((text, len(ref), o.token_ids == ref, o.text[:60].replace("\n", " ")))
-    print("\nsmollm2-135m float32 CUDA, kiln vs transformers, first 32 greedy tokens")
+    print(f"\nsmollm2-135m float32 CUDA ({backend} attention), kiln vs transformers, "
+          "first 32 greedy tokens")
     for r in rows:
         print(f"  {r[2]!s:5}  n={r[1]}  {r[0]!r:60} -> {r[3]!r}")
     assert all(r[2] for r in rows)
+    eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_lookahead_equals_plain_greedy_on_cuda(smol32, backend):
+    """4 prompts x 128 tokens, every window, one continuous batch, float32."""
+    from kiln.bench.prompts import CODE_PROMPTS
+
+    eng = LLMEngine.from_engine_dir(smol32, RuntimeConfig(device="cuda",
+                                                          attention_backend=backend))
+    texts = [CODE_PROMPTS[0], CHAT_PROMPTS[0], CODE_PROMPTS[2], CHAT_PROMPTS[2]]
+    prompts = [eng.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    plain = [o.token_ids for o in eng.generate(
+        prompts, SamplingParams(max_tokens=128, temperature=0, lookahead=(1, 1, 0)))]
+    windows = [(2, 2, 1), (4, 3, 4), (5, 5, 5), (7, 7, 7), (3, 2, 3)]
+    jobs = [(w, i) for w in windows for i in range(4)]
+    outs = eng.generate([prompts[i] for _, i in jobs],
+                        [SamplingParams(max_tokens=128, temperature=0, lookahead=w)
+                         for w, _ in jobs])
+    rows = {}
+    for (w, i), o in zip(jobs, outs):
+        assert o.token_ids == plain[i], (w, i)
+        steps, toks = rows.get(w, (0, 0))
+        rows[w] = (steps + o.metrics.spec_steps, toks + o.metrics.spec_tokens)
+    print(f"\nsmollm2 fp32 CUDA ({backend}): lookahead == plain for 4 x 128; tokens/step",
+          {w: round(t / s, 2) for w, (s, t) in rows.items()})
     eng.blocks.check_all_free()
