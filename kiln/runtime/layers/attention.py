@@ -63,8 +63,27 @@ def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
     """Store new K/V at their slots (cache viewed as [num_blocks * block_size, heads, dim])."""
     kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
     vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
+    if cache.is_fp8:
+        # e4m3(k / k_scale), copied as bytes (index_copy_ has no float8 kernel on CPU)
+        k8 = (k.float() / cache.k_scale[layer]).clamp(-448.0, 448.0).to(kc.dtype)
+        v8 = (v.float() / cache.v_scale[layer]).clamp(-448.0, 448.0).to(vc.dtype)
+        kc.view(torch.uint8).index_copy_(0, slot_mapping, k8.view(torch.uint8))
+        vc.view(torch.uint8).index_copy_(0, slot_mapping, v8.view(torch.uint8))
+        return
     kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
     vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+
+def read_kv(layer: int, cache: KVCache, slots: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V at ``slots`` as [len(slots), kv_heads, head_dim] in ``dtype`` (FP8 dequantized)."""
+    kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
+    vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
+    ks, vs = kc.index_select(0, slots), vc.index_select(0, slots)
+    if cache.is_fp8:
+        return ((ks.float() * cache.k_scale[layer]).to(dtype),
+                (vs.float() * cache.v_scale[layer]).to(dtype))
+    return ks.to(dtype), vs.to(dtype)
 
 
 class TorchAttention(AttentionBackend):
@@ -74,14 +93,11 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer, q, k, v, cache, meta, scale):
         write_kv(layer, k, v, cache, meta.slot_mapping)
-        kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
-        vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for s in meta.seqs:
             qs = q[s.query_start : s.query_start + s.query_len]  # [q, H, D]
-            ks = kc.index_select(0, s.key_slots).to(q.dtype)  # [ctx, KVH, D]
-            vs = vc.index_select(0, s.key_slots).to(q.dtype)
+            ks, vs = read_kv(layer, cache, s.key_slots, q.dtype)  # [ctx, KVH, D] each
             mask = _seq_mask(s, q.device)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
