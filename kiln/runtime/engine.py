@@ -68,6 +68,7 @@ class StepResult:
     logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
     advance: dict[Request, int] = field(default_factory=dict)
     draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
+    verified: set[Request] = field(default_factory=set)  # requests whose draft was verified
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,6 @@ class LLMEngine:
         self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Any,
         limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
         spec: Any = None,
-        speculative: SpeculativeConfig | None = None,
     ):
         config = config or RuntimeConfig()
         self.config = config
@@ -128,14 +128,14 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        if speculative is None and spec is not None:
-            speculative = spec.speculative
-        self.speculative = speculative or SpeculativeConfig()
+        # Speculative settings come from the engine artifact only (validated at build).
+        self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
         self.spec_worker = _make_worker(self.speculative)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, config: RuntimeConfig | None = None) -> LLMEngine:
@@ -247,6 +247,11 @@ class LLMEngine:
         self.scheduler.after_step(batch, result.advance)
         outputs = []
         for req in result.tokens:
+            if req in result.verified:  # a verified speculative step
+                req.metrics.spec_steps += 1
+                req.metrics.spec_tokens += committed[req]
+                self.spec_stats["steps"] += 1
+                self.spec_stats["accepted_tokens"] += committed[req]
             if req.spec_state is not None and self.spec_worker is not None:
                 self.spec_worker.on_commit(req, committed[req])
             self.detokenizer.update(req, final=req.is_finished)
@@ -399,6 +404,12 @@ class LLMEngine:
                             return
         finally:
             self.abort(rid)
+
+    @property
+    def tokens_per_spec_step(self) -> float | None:
+        """Mean tokens committed per speculative step over the engine's life."""
+        s = self.spec_stats
+        return s["accepted_tokens"] / s["steps"] if s["steps"] else None
 
     @property
     def num_free_blocks(self) -> int:

@@ -94,3 +94,32 @@ def test_bench_latency_compares_plain_and_lookahead(la_engine, tmp_path):
     for name in ("code", "chat"):
         s = spec["sets"][name]
         assert s["same_output"] and s["speedup"] > 0 and s["tokens_per_step"] >= 1
+
+
+def test_the_lookahead_engine_serves_with_per_request_windows(la_engine):
+    """The field report's case end to end: --lookahead-config 5,5,5 builds and serves; a
+    request may shrink the window; one beyond it is a 400 naming both, and the server
+    keeps serving."""
+    import httpx
+
+    from kiln.server.testing import ServerProcess
+
+    with ServerProcess(la_engine) as server:
+        base = {"model": httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"],
+                "prompt": "hello hello hello", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        plain = httpx.post(f"{server.url}/v1/completions",
+                           json={**base, "lookahead": {"w": 1, "n": 1, "g": 0}}, timeout=60)
+        small = httpx.post(f"{server.url}/v1/completions",
+                           json={**base, "lookahead": {"w": 3, "n": 3, "g": 2}}, timeout=60)
+        default = httpx.post(f"{server.url}/v1/completions", json=base, timeout=60)
+        assert plain.status_code == small.status_code == default.status_code == 200
+        texts = {r.json()["choices"][0]["text"] for r in (plain, small, default)}
+        assert len(texts) == 1  # greedy speculation never changes the output
+        bad = httpx.post(f"{server.url}/v1/completions",
+                         json={**base, "lookahead": {"w": 6, "n": 5, "g": 5}}, timeout=60)
+        assert bad.status_code == 400
+        err = bad.json()["error"]
+        assert err["param"] == "lookahead" and "(6,5,5)" in err["message"]
+        assert "(5,5,5)" in err["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 200

@@ -75,6 +75,5 @@ class DraftWorker(SpeculativeWorker):
                 cache.move_slots(src.to(cache.k.device), dst.to(cache.k.device))
             result.tokens[req] = accepted
             result.advance[req] = len(accepted)  # x + accepted drafts have KV
-            req.metrics.spec_steps += 1
-            req.metrics.spec_tokens += len(accepted)
+            result.verified.add(req)  # the engine counts what it commits
         return result
