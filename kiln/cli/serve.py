@@ -74,7 +74,9 @@ def serve(
     t0 = time.perf_counter()
     engine_dir, _ = _engine_dir_for(engine_or_source, device)
     engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device=device))
-    name = served_model_name or engine_dir.name
+    # A source (smollm2-135m, a HF dir) is served under its own name, an engine under its dir's.
+    from_source = engine_dir != Path(engine_or_source).expanduser()
+    name = served_model_name or (Path(engine_or_source).name if from_source else engine_dir.name)
     aliases = tuple({engine_or_source, str(engine_dir), str(engine_dir.resolve())} - {name})
     config = ServerConfig(name, aliases, api_key or None, max_queue, max_body_bytes)
     holder: dict[str, uvicorn.Server] = {}
