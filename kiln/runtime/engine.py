@@ -322,9 +322,10 @@ class LLMEngine:
             w, n, g = 1, 1, 0
         else:
             return None
-        # Speculation here verifies with the plain sampler's distribution only; requests
-        # that need per-token state the verifier does not replay decode plainly.
-        if (params.guided is not None or params.logprobs is not None
+        # Speculation here verifies with the plain sampler's distribution (and, for greedy
+        # structured output, the grammar); requests that need per-token state the verifier
+        # does not replay decode plainly.
+        if ((params.guided is not None and not params.greedy) or params.logprobs is not None
                 or params.repetition_penalty != 1.0):
             return None
         return (w, n, g)

@@ -86,7 +86,13 @@ class LookaheadWorker(DraftWorker):
             if st.n >= 2:
                 st.pool.add(chain[: st.n - 1] + [new[j]])
         cand_rows = layout.candidate_rows.tolist()
-        if req.params.greedy:
+        if req.matcher is not None:  # structured output: drafts checked against the grammar
+            best, accepted = None, self.guided_chain(req, logits, [], [])
+            for i, (cand, rows) in enumerate(zip(cands, cand_rows)):
+                got = self.guided_chain(req, logits, list(cand), rows)
+                if len(got) > len(accepted):
+                    best, accepted = i, got
+        elif req.params.greedy:
             best, accepted = greedy_verify(
                 cands, [[argmax[r] for r in rows] for rows in cand_rows], argmax[0]
             )

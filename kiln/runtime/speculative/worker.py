@@ -48,6 +48,42 @@ class DraftWorker(SpeculativeWorker):
     def on_commit(self, req: Request, num_new: int) -> None:
         """Called after ``num_new`` tokens were committed to ``req``."""
 
+    @staticmethod
+    def guided_chain(req: Request, logits: torch.Tensor, chain: list[int],
+                     rows: list[int]) -> list[int]:
+        """Greedy verification of one draft chain under the request's grammar.
+
+        ``logits[0]`` is the row at x; ``rows[k]`` the row of ``chain[k]``. Each position's
+        target token is the argmax over what the grammar allows after the tokens before it
+        (the same choice plain guided decoding makes), so accepted drafts are grammatical.
+        Returns matched tokens + the correction/bonus token; the matcher is left unchanged.
+        """
+        matcher = req.matcher
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
+
+        def target(row: int) -> int:
+            mask.zero_()
+            matcher.fill_mask(mask)
+            masked = logits[row].masked_fill(~mask.to(logits.device), float("-inf"))
+            return int(masked.argmax())
+
+        accepted: list[int] = []
+        row = 0
+        try:
+            for tok, next_row in zip(chain, rows):
+                t = target(row)
+                if t != tok or not matcher.accept(tok):
+                    accepted.append(t)
+                    return accepted
+                accepted.append(tok)
+                row = next_row
+            accepted.append(target(row))
+            return accepted
+        finally:
+            matched = len(accepted) - 1
+            if matched:
+                matcher.rollback(matched)
+
     # -- the step ----------------------------------------------------------------------------
     def propose_all(self, reqs: list[Request]) -> None:
         for req in reqs:
