@@ -58,10 +58,13 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         # logits: [rows, V] float32
-        rows = []
-        for i, p in enumerate(params):
-            rows.append(apply_repetition_penalty(logits[i], seen[i], p.repetition_penalty))
-        processed = torch.stack(rows) if rows else logits
+        processed = logits
+        penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if penalized:  # copy the logits only when some row changes them
+            processed = logits.clone()
+            for i in penalized:
+                processed[i] = apply_repetition_penalty(logits[i], seen[i],
+                                                        params[i].repetition_penalty)
         tokens = processed.argmax(-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
