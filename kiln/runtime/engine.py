@@ -54,6 +54,12 @@ class RuntimeConfig:
     # KILN_ATTENTION_BACKEND=torch|triton overrides the default.
     attention_backend: str = field(
         default_factory=lambda: os.environ.get("KILN_ATTENTION_BACKEND", "auto"))
+    # CUDA graphs for decode / speculative / short steps (CUDA + the triton backend only).
+    # KILN_CUDA_GRAPHS=0 turns them off.
+    cuda_graphs: bool = field(
+        default_factory=lambda: os.environ.get("KILN_CUDA_GRAPHS", "1") not in ("0", ""))
+    # Steps of at most this many tokens may run as graphs (larger ones run eagerly).
+    max_graph_tokens: int = 1024
 
 
 @dataclass
@@ -89,6 +95,7 @@ class LLMEngine:
         limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
         spec: Any = None,
     ):
+        t_start = time.perf_counter()
         config = config or RuntimeConfig()
         self.config = config
         self.spec = spec
@@ -101,8 +108,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         weights = place_weights(weights, self.device, dtype)  # FP8 + scales keep their dtype
         self.attention_backend = _resolve_backend(config.attention_backend, self.device)
+        # The Triton kernels (fused norm / rotary / activation) go with the Triton backend
+        # (off CUDA that backend runs only under TRITON_INTERPRET, in tests).
+        fused = self.attention_backend == "triton"
         self.model = LlamaModel(model_config, weights, get_backend(self.attention_backend),
-                                self.device)
+                                self.device, fused=fused,
+                                max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
+        t_model = time.perf_counter()
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
         if num_blocks * config.block_size < limits.max_seq_len:
             raise ValueError(
@@ -121,15 +133,31 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs or limits.max_batch_size,
             max_num_tokens=config.max_num_tokens or limits.max_num_tokens,
         )
+        t_cache = time.perf_counter()
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        # Speculative settings come from the engine artifact only (validated at build).
+        self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
+        graphs_s = 0.0
+        if config.cuda_graphs and fused:
+            from kiln.runtime.cuda_graph import CudaGraphRunner
+
+            self.runner.graphs = CudaGraphRunner(
+                self.model, self.cache, self.scheduler.max_num_seqs,
+                self.scheduler.max_num_tokens, limits.max_seq_len,
+                self.speculative.tokens_per_step if self.speculative.enabled else 1,
+                self.device, config.max_graph_tokens,
+            )
+            graphs_s = self.runner.graphs.capture()
+        # Seconds from the constructor's start; from_engine_dir adds the weight loading.
+        self.startup_times = {"place_weights_s": t_model - t_start,
+                              "kv_cache_s": t_cache - t_model, "cuda_graphs_s": graphs_s,
+                              "total_s": time.perf_counter() - t_start}
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(tokenizer)
         eos = set(model_config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        # Speculative settings come from the engine artifact only (validated at build).
-        self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
         self.spec_worker = _make_worker(self.speculative)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
@@ -146,12 +174,21 @@ class LLMEngine:
         art = load_engine(path)
         spec = art.spec
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        from kiln.runtime.kernels import tuning  # build-time tuned kernel configs (no re-tuning)
+
+        tuning.install(spec.kernel_configs, device)
         dtype = DTYPES[spec.dtype]
         lim = spec.limits
         limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
                               lim.max_num_tokens)
-        return cls(spec.model, art.load_weights(device, dtype), art.load_tokenizer(), limits,
-                   dtype, config, spec=spec)
+        t0 = time.perf_counter()
+        weights = art.load_weights(device, dtype)
+        tokenizer = art.load_tokenizer()
+        load_s = time.perf_counter() - t0
+        engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec)
+        engine.startup_times = {"load_weights_s": load_s, **engine.startup_times,
+                                "total_s": load_s + engine.startup_times["total_s"]}
+        return engine
 
     def _auto_num_blocks(self) -> int:
         c = self.model_config

@@ -34,6 +34,7 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
+        self.graphs = None  # a CudaGraphRunner when CUDA graphs are on (set by the engine)
 
     def slots_of(self, block_table: list[int], indices: list[int] | torch.Tensor) -> torch.Tensor:
         """Cache slots of a request's token indices (CPU LongTensor)."""
@@ -48,6 +49,12 @@ class ModelRunner:
         mask, positions from the plan, logits for every row); others run their next
         ``n`` tokens causally and get logits only when they reach their last token.
         """
+        if self.graphs is not None:
+            out = ForwardOutput(torch.empty(0))
+            bucket = self.graphs.prepare(batch, out)
+            if bucket is not None:
+                out.logits = self.graphs.replay(bucket)
+                return out
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []

@@ -27,6 +27,8 @@ class TritonAttentionMetadata:
     max_context_len: int
     mask: torch.Tensor | None = None  # packed [sum query_len²] uint8 tree masks
     mask_offsets: torch.Tensor | None = None  # [num_seqs] int32, -1 = causal
+    # Set by the CUDA graph runner, which passes this metadata straight to the model:
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot per token, -1 = skip
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int,
@@ -105,13 +107,16 @@ class TritonAttention(AttentionBackend):
         from kiln.runtime.kernels.kv_write import reshape_and_cache
         from kiln.runtime.kernels.paged_attention import paged_attention
 
-        dm = self.device_metadata(meta, cache, q.device)
+        if isinstance(meta, TritonAttentionMetadata):  # prepared on the device (CUDA graphs)
+            dm, slot_mapping = meta, meta.slot_mapping
+        else:
+            dm, slot_mapping = self.device_metadata(meta, cache, q.device), meta.slot_mapping
         kc, vc = cache.k[layer], cache.v[layer]
         fp8 = getattr(cache, "is_fp8", False)
         # [1] views of the per-layer device scales: read by the kernels, no host sync
         k_scale = cache.k_scale[layer : layer + 1] if fp8 else 1.0
         v_scale = cache.v_scale[layer : layer + 1] if fp8 else 1.0
-        reshape_and_cache(k, v, kc, vc, meta.slot_mapping, k_scale, v_scale)
+        reshape_and_cache(k, v, kc, vc, slot_mapping, k_scale, v_scale)
         return paged_attention(
             q, kc, vc, dm.block_tables, dm.query_start_loc, dm.context_lens, scale,
             max_query_len=dm.max_query_len, max_context_len=dm.max_context_len,

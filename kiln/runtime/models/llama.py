@@ -3,6 +3,13 @@
 Covers Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
 Weights use the engine's prepared names (fused ``qkv`` and ``gate_up``), see
 kiln/builder/weights.py. Tokens of all sequences are flattened into one batch.
+
+Two formulations of the same layer: the reference (plain torch ops, the oracle) and the
+fused one (Triton kernels: add+RMSNorm, in-place rotary, SiLU-and-mul), used on CUDA with the
+Triton attention backend. The fused kernels keep the reference's rounding points (the
+residual add is rounded to the compute dtype, RMSNorm statistics in float32) except rotary,
+which computes in float32 and rounds once; float32 results are identical up to FMA
+contraction.
 """
 
 from __future__ import annotations
@@ -23,11 +30,17 @@ class LlamaModel:
 
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
-        device: torch.device,
+        device: torch.device, fused: bool = False, max_positions: int = 8192,
     ):
         self.cfg = cfg
         self.attention = attention
         self.rotary = Rotary(cfg, device)
+        self.fused = fused
+        if fused:
+            from kiln.runtime.kernels.rotary import build_cos_sin_cache
+
+            # [max_positions, head_dim] float32 cos | sin, read by the rotary kernel
+            self.cos_sin_cache = build_cos_sin_cache(self.rotary.inv_freq, max_positions)
         self.scale = cfg.head_dim ** -0.5
         missing = [n for n in self.expected_names() if n not in weights]
         if missing:
@@ -61,6 +74,8 @@ class LlamaModel:
 
         Returns float32 logits [num_rows, vocab]. Writes this step's K/V into ``cache``.
         """
+        if self.fused:
+            return self._forward_fused(input_ids, positions, cache, meta, logit_rows)
         cfg, w = self.cfg, self.w
         h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
@@ -68,14 +83,7 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "input_norm.weight"], cfg.rms_norm_eps)
-            qkv = linear(x, w, p + "qkv")
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(n, cfg.num_heads, cfg.head_dim)
-            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
-                k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+            q, k, v = self._qkv(x, p, n)
             q = Rotary.apply(q, cos, sin)
             k = Rotary.apply(k, cos, sin)
             o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
@@ -84,4 +92,42 @@ class LlamaModel:
             gate, up = linear(x, w, p + "gate_up").chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, w, p + "down")
         h = rms_norm(h.index_select(0, logit_rows), w["norm.weight"], cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _qkv(self, x: torch.Tensor, p: str, n: int):
+        cfg, w = self.cfg, self.w
+        qkv = linear(x, w, p + "qkv")
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+        return q, k, v
+
+    def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
+        """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
+        from kiln.runtime.kernels.activation import silu_and_mul
+        from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+        from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
+        from kiln.runtime.kernels.rotary import rotary_embedding_
+
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        n = input_ids.shape[0]
+        h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden], the residual
+        x = k_rms_norm(h, w["layers.0.input_norm.weight"], eps)
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            q, k, v = self._qkv(x, p, n)
+            rotary_embedding_(q, k, positions, self.cos_sin_cache)  # in place
+            o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
+            attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
+            x, h = fused_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps)
+            mlp = linear(silu_and_mul(linear(x, w, p + "gate_up")), w, p + "down")
+            if i + 1 < cfg.num_layers:
+                x, h = fused_add_rms_norm(mlp, h, w[f"layers.{i + 1}.input_norm.weight"], eps)
+            else:
+                h = h + mlp
+        h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
         return F.linear(h, self.lm_head).float()

@@ -1,0 +1,163 @@
+"""Issue #6 targets on one GPU, in one run: the fast path vs kiln's own slower paths.
+
+    KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_fast_path.py --only smol,8b --out r.json
+
+Sections (``--only``, comma separated):
+  smol      smollm2-135m bf16 (the real GGUF in $KILN_CACHE, else random weights): batch 1 and
+            64 decode tokens/s for reference / triton-eager / fast (kernels + CUDA graphs),
+            then plain vs lookahead (7,7,7) on the bundled code and chat prompts (fast path)
+  8b        random:llama-3-8b bf16 and FP8 weights: batch 1, 128 in / 128 out, fast path vs
+            triton-eager; engine start-up time breakdown
+  tput      random:llama-3-8b bf16, N requests 512 in / 256 out (--tput-requests)
+Benchmarks, not tests. Prints a table last; all numbers go to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kiln.builder import QuantConfig, build_engine
+from kiln.builder.speculative import SpeculativeConfig
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.sampling_params import SamplingParams
+
+CONFIGS = {
+    "reference": {"attention_backend": "torch", "cuda_graphs": False},
+    "triton-eager": {"attention_backend": "triton", "cuda_graphs": False},
+    "fast": {"attention_backend": "triton", "cuda_graphs": True},
+}
+ROWS: list[tuple[str, str, str]] = []
+
+
+def load(path: Path, config: str, **kw) -> LLMEngine:
+    return LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", **CONFIGS[config], **kw))
+
+
+def free(*engines) -> None:
+    for e in engines:
+        del e
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def decode_tps(engine: LLMEngine, prompt: list[int], batch: int, new_tokens: int) -> float:
+    """Generated tokens / wall time of ``batch`` copies of ``prompt`` (prefill included)."""
+    plain = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True,
+                           lookahead=(1, 1, 0))
+    engine.generate([prompt] * batch, SamplingParams(max_tokens=8, temperature=0,
+                                                     ignore_eos=True, lookahead=(1, 1, 0)))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = engine.generate([prompt] * batch, plain)
+    torch.cuda.synchronize()
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def smol(res: dict, tmp: Path) -> None:
+    from kiln.bench.prompts import CHAT_PROMPTS
+    from kiln.bench.speculative import run_speculative_latency
+    from kiln.sources.builtin import BUILTINS, cached_path
+
+    # no GGUF in $KILN_CACHE: random weights of the same shapes (no lookahead numbers)
+    gguf = cached_path(BUILTINS["smollm2-135m"])
+    source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
+    out = tmp / "smol"
+    build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
+                 max_batch_size=64, progress=False,
+                 speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+    r = res.setdefault("smol", {"source": source})
+    for name in CONFIGS:
+        eng = load(out, name)
+        r.setdefault("startup", {})[name] = eng.startup_times
+        prompt = eng.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[0]}])
+        b1 = decode_tps(eng, prompt, 1, 256)
+        b64 = decode_tps(eng, prompt, 64, 256)
+        r[name] = {"batch1_tok_s": b1, "batch64_tok_s": b64}
+        ROWS.append((f"smollm2 bf16 b1 / b64 [{name}]", f"{b1:.0f} / {b64:.0f}", "tok/s"))
+        if name == "fast" and source == "smollm2-135m":
+            spec = run_speculative_latency(eng, output_len=256, prompts_per_set=3)
+            r["lookahead"] = spec
+            for set_name, s in spec["sets"].items():
+                ROWS.append((f"smollm2 {set_name}: plain -> lookahead (7,7,7) [fast]",
+                             f"{s['plain_tokens_per_s']:.0f} -> {s['spec_tokens_per_s']:.0f}",
+                             (f"x{s['speedup']:.2f}, {s['tokens_per_step']:.2f} tok/step, "
+                             f"same output {s['same_output']}")))
+        free(eng)
+
+
+def eight_b(res: dict, tmp: Path) -> None:
+    r = res.setdefault("8b", {})
+    prompt = list(range(1000, 1128))
+    for quant in ("bf16", "fp8"):
+        out = tmp / f"l3-{quant}"
+        build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
+                     max_num_tokens=8192, max_batch_size=256, progress=False,
+                     quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
+        for name in ("triton-eager", "fast"):
+            t0 = time.perf_counter()
+            eng = load(out, name)
+            wall = time.perf_counter() - t0
+            tps = decode_tps(eng, prompt, 1, 128)
+            r[f"{quant}-{name}"] = {"batch1_tok_s": tps, "startup": eng.startup_times,
+                                    "startup_wall_s": wall}
+            ROWS.append((f"llama-3-8b {quant} b1 128/128 [{name}]", f"{tps:.1f}", "tok/s"))
+            ROWS.append((f"llama-3-8b {quant} engine load [{name}]", f"{wall:.1f}",
+                         json.dumps({k: round(v, 2) for k, v in eng.startup_times.items()})))
+            free(eng)
+
+
+def tput(res: dict, tmp: Path, n: int) -> None:
+    out = tmp / "l3-bf16"
+    if not out.exists():
+        build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
+                     max_num_tokens=8192, max_batch_size=256, progress=False)
+    eng = load(out, "fast")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128000, (512,), generator=g).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    eng.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    gen = sum(len(o.token_ids) for o in outs)
+    res["tput"] = {"requests": n, "output_tok_s": gen / dt, "seconds": dt,
+                   "total_tok_s": (gen + 512 * n) / dt}
+    ROWS.append((f"llama-3-8b bf16 {n} req 512/256 [fast]", f"{gen / dt:.0f}", "output tok/s"))
+    free(eng)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="smol,8b")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tput-requests", type=int, default=1024)
+    args = ap.parse_args()
+    res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d")}
+    tmp = Path(tempfile.mkdtemp())
+    for part in args.only.split(","):
+        try:
+            {"smol": lambda: smol(res, tmp), "8b": lambda: eight_b(res, tmp),
+             "tput": lambda: tput(res, tmp, args.tput_requests)}[part]()
+        except Exception:  # noqa: BLE001 - report and go on to the next section
+            res.setdefault("errors", {})[part] = traceback.format_exc()
+            print(traceback.format_exc())
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    print(f"\n{res['card']}, torch {res['torch']}, {res['date']}")
+    for a, b, c in ROWS:
+        print(f"  {a:55} {b:>14}  {c}")
+
+
+if __name__ == "__main__":
+    main()
