@@ -12,6 +12,8 @@ triton is installed (``kiln.runtime.kernels.available()`` says whether it is).
 | rms_norm | ``rms_norm`` / ``fused_add_rms_norm`` | ``fused_add_rms_norm_ref`` |
 | rotary | ``rotary_embedding_`` (in place) | ``rotary_embedding_ref`` |
 | activation | ``silu_and_mul`` | ``silu_and_mul_ref`` |
+| gemv | ``gemv`` (M <= 8 rows; bf16/fp16 or FP8 W8A16 weights) | ``gemv_ref`` |
+| fp8_quant | ``quantize_fp8_padded`` (static or dynamic scale) | ``quantize_fp8_padded_ref`` |
 """
 
 from __future__ import annotations

@@ -8,12 +8,23 @@ An FP8 linear ``prefix`` has, in the weights dict (see kiln/builder/weights.py):
                                                    means dynamic per-tensor activation scale)
     {prefix}.bias          [N]                     optional, engine dtype
 
-CUDA runs ``torch._scaled_mm`` (FP8 tensor cores); everything else, and shapes _scaled_mm
-refuses, runs the dequantized matmul. Both paths quantize activations the same way
-(x -> e4m3(x / s)), so the CPU result is the GPU result up to accumulation order.
+CUDA runs ``torch._scaled_mm`` (FP8 tensor cores) after one fused Triton kernel quantizes
+the activations into an M-padded buffer (kiln/runtime/kernels/fp8_quant.py; dynamic scales
+add an amax kernel); everything else, and shapes _scaled_mm refuses, runs the dequantized
+matmul. Both paths quantize activations the same way (x -> e4m3(x / s), bit-exact), so the
+CPU result is the GPU result up to accumulation order.
+
+Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
+the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than
+cuBLAS (``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
+e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
+used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32
+weights, CPU and every other case keep the paths above unchanged.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -54,19 +65,17 @@ def fp8_linear(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [M, K]
     n, k = weight.shape
-    x_scale = fp8_scale(x2) if input_scale is None else input_scale.float()
-    xq = quantize_fp8(x2, x_scale)  # [M, K] e4m3
-    if x.is_cuda and scaled_mm_ok(x2.shape[0], k, n):
-        m = x2.shape[0]
-        pad = -m % 16  # older torch/cuBLAS want M % 16 too; padding rows is cheap
-        if pad:
-            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+    m = x2.shape[0]
+    if x.is_cuda and scaled_mm_ok(m, k, n):
+        xq, x_scale = _quantize_padded(x2, input_scale)  # [M rounded up to 16, K] e4m3
         # weight is [N, K] row-major, so weight.t() is the column-major [K, N] _scaled_mm wants
         y = torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=weight_scale.float().reshape(()),
             out_dtype=x.dtype,
         )[:m]
     else:
+        x_scale = fp8_scale(x2) if input_scale is None else input_scale.float()
+        xq = quantize_fp8(x2, x_scale)  # [M, K] e4m3
         # The reference: the same quantized activations, dequantized, in the compute dtype
         # (float32 accumulation on CPU).
         acc = torch.float32 if x.device.type == "cpu" else x.dtype
@@ -78,10 +87,63 @@ def fp8_linear(
     return y.reshape(*shape[:-1], n)
 
 
+def _quantize_padded(
+    x2: torch.Tensor, input_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3(x / s) into [M rounded up to 16, K] with zero pad rows (older torch/cuBLAS want
+    M % 16 too), and s: one Triton kernel (two with a dynamic scale), eager without triton."""
+    xs = None if input_scale is None else input_scale.float()
+    if _triton():
+        from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
+
+        return quantize_fp8_padded(x2 if x2.stride(-1) == 1 else x2.contiguous(), xs)
+    x_scale = fp8_scale(x2) if xs is None else xs
+    xq = quantize_fp8(x2, x_scale)
+    pad = -x2.shape[0] % 16
+    if pad:
+        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+    return xq, x_scale
+
+
+@functools.cache
+def _triton() -> bool:
+    from kiln.runtime.kernels import available
+
+    return available()
+
+
+def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
+                  prefix: str, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or not _triton():
+        return None
+    from kiln.runtime.kernels import gemv
+
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    n = weight.shape[0]
+    fp8 = weight.dtype == FP8
+    if not (1 <= m <= gemv.GEMV_MAX_M and (fp8 or weight.dtype == x.dtype)
+            and weight.shape[1] == k and weight.stride(-1) == 1
+            and (bias is None or bias.dtype == x.dtype) and gemv.gemv_wins(m, n, k, fp8)):
+        return None
+    scale = w.get(prefix + ".weight_scale") if fp8 else None
+    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() != 1):
+        return None
+    x2 = x.reshape(m, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return gemv.gemv(x2, weight, scale, bias).reshape(*x.shape[:-1], n)
+
+
 def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above)."""
     weight = w[prefix + ".weight"]
     bias = w.get(prefix + ".bias")
+    if x.is_cuda and weight.dtype != torch.float32:
+        y = _small_m_gemv(x, weight, w, prefix, bias)
+        if y is not None:
+            return y
     if weight.dtype != FP8:
         return F.linear(x, weight, bias)
     return fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),

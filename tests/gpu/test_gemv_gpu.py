@@ -1,0 +1,174 @@
+"""gemv (skinny GEMM) and the fused FP8 activation quant on CUDA at the real model shapes.
+
+Run in its own process (not after tests/unit/test_kernels_*, which switch triton to its
+CPU interpreter):  python -m pytest -q tests/gpu/test_gemv_gpu.py
+Shapes (K -> N): llama-3-8b qkv 4096->6144, o_proj 4096->4096, gate_up 4096->28672,
+down 14336->4096, lm_head 4096->128256; smollm2-135m 576->960, 576->576, 576->3072,
+1536->576, 576->49152.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is set in this process; run tests/gpu alone"),
+]
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+SHAPES = {  # name: (K, N)
+    "8b-qkv": (4096, 6144), "8b-o": (4096, 4096), "8b-gate_up": (4096, 28672),
+    "8b-down": (14336, 4096), "8b-lm_head": (4096, 128256),
+    "smol-qkv": (576, 960), "smol-o": (576, 576), "smol-gate_up": (576, 3072),
+    "smol-down": (1536, 576), "smol-lm_head": (576, 49152),
+}
+TOL = 1e-2  # bf16 output (one rounding of a float32 accumulation)
+
+
+def _rel(out, ref):
+    from kiln.runtime.kernels.testing import rel_err
+
+    return rel_err(out, ref)
+
+
+def _weights(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from kiln.builder.fp8 import quantize_per_tensor
+
+    w = torch.randn(n, k, device=DEV) * k**-0.5
+    q, s = quantize_per_tensor(w)
+    return w.to(BF16), q, s
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemv_real_shapes(shape):
+    from kiln.runtime.kernels.gemv import gemv, gemv_ref
+
+    k, n = SHAPES[shape]
+    w, q, s = _weights(k, n)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    for m in (1, 2, 4, 8):
+        x = torch.randn(m, k, device=DEV).to(BF16)
+        b = bias if m == 2 else None
+        assert _rel(gemv(x, w, bias=b), gemv_ref(x, w, bias=b)) < TOL, (shape, m, "bf16")
+        assert _rel(gemv(x, q, s, b), gemv_ref(x, q, s, b)) < TOL, (shape, m, "fp8")
+    # fp16, and a strided x (a row slice of a wider buffer)
+    x = torch.randn(3, k + 64, device=DEV).half()[:, :k]
+    assert _rel(gemv(x, w.half()), gemv_ref(x, w.half())) < 2e-3
+
+
+@pytest.mark.parametrize("shape", ["8b-down", "smol-down", "8b-o"])
+def test_gemv_every_candidate_config(shape):
+    """Every GEMV_CONFIGS entry and split-K variant the tuner may pick (it tunes M=1)
+    computes the same function."""
+    from kiln.runtime.kernels.gemv import GEMV_CONFIGS, gemv, gemv_ref, split_candidates
+
+    k, n = SHAPES[shape]
+    w, q, s = _weights(k, n)
+    x = torch.randn(1, k, device=DEV).to(BF16)
+    ref, ref8 = gemv_ref(x, w), gemv_ref(x, q, s)
+    for cfg in GEMV_CONFIGS:
+        for split in split_candidates(n, k, cfg):
+            c = dict(cfg, SPLIT_K=split)
+            assert _rel(gemv(x, w, config=c), ref) < TOL, (shape, c)
+            assert _rel(gemv(x, q, s, config=c), ref8) < TOL, (shape, c, "fp8")
+
+
+def test_gemv_cuda_graph_split_k():
+    """Capturable (no host syncs): replay after changing x and the scale in place."""
+    from kiln.runtime.kernels.gemv import gemv, gemv_ref
+
+    k, n = 14336, 4096
+    _, q, s = _weights(k, n)
+    x = torch.randn(2, k, device=DEV).to(BF16)
+    cfgs = [None, {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "USE_DOT": True,
+                   "num_warps": 4, "num_stages": 4}]
+    for cfg in cfgs:
+        gemv(x, q, s, config=cfg)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = gemv(x, q, s, config=cfg)
+        x.copy_(torch.randn_like(x))
+        s.mul_(1.5)
+        g.replay()
+        assert _rel(y, gemv_ref(x, q, s)) < TOL
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 300])
+@pytest.mark.parametrize("k", [576, 4096, 14336])
+def test_fp8_quant_bit_exact(m, k):
+    from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
+    from kiln.runtime.layers.linear import fp8_scale, quantize_fp8
+
+    x = (torch.randn(m, k, device=DEV) * 3).to(BF16)
+    x[0, :4] = torch.tensor([1e4, -1e4, 0.0, -0.0])  # saturates with the static scale
+    m_pad = -(-m // 16) * 16
+    static = torch.tensor(0.37, device=DEV)
+    for scale in (static, None):
+        ref_scale = fp8_scale(x) if scale is None else scale
+        ref = quantize_fp8(x, ref_scale)
+        q, s = quantize_fp8_padded(x, scale)
+        assert q.shape == (m_pad, k) and q.dtype == FP8
+        assert torch.equal(q[:m].view(torch.uint8), ref.view(torch.uint8)), scale
+        assert not q[m:].view(torch.uint8).any()  # pad rows zero
+        assert torch.equal(s.reshape(()), ref_scale.reshape(()))
+
+
+def test_fp8_linear_fused_quant_matches_eager_and_captures():
+    from kiln.builder.fp8 import quantize_per_tensor
+    from kiln.runtime.layers import linear as lin
+
+    w = torch.randn(4096, 4096, device=DEV) * 4096**-0.5
+    q, s = quantize_per_tensor(w)
+    for m in (9, 64, 333):
+        x = torch.randn(m, 4096, device=DEV).to(BF16)
+        for xs in (None, x.abs().amax().float() / 448):
+            y = lin.fp8_linear(x, q, s, xs)
+            # the eager CUDA formulation (same quantized operands, same _scaled_mm)
+            x_scale = lin.fp8_scale(x) if xs is None else xs
+            xq = lin.quantize_fp8(x, x_scale)
+            xq = torch.cat([xq.view(torch.uint8), torch.zeros(
+                -m % 16, 4096, dtype=torch.uint8, device=DEV)]).view(FP8)
+            ref = torch._scaled_mm(xq, q.t(), scale_a=x_scale.reshape(()),
+                                   scale_b=s.reshape(()), out_dtype=BF16)[:m]
+            assert torch.equal(y, ref)
+    x = torch.randn(64, 4096, device=DEV).to(BF16)
+    lin.fp8_linear(x, q, s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = lin.fp8_linear(x, q, s)
+    x.copy_(torch.randn_like(x) * 5)
+    g.replay()
+    assert torch.equal(y, lin.fp8_linear(x, q, s))
+
+
+def test_linear_dispatch_small_m():
+    """linear(): bf16 and FP8 weights at M <= GEMV_MAX_M take gemv (W8A16 for FP8) and
+    agree with F.linear / the dequantized reference; larger M keeps cuBLAS / _scaled_mm."""
+    import torch.nn.functional as F
+
+    from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.layers.linear import linear
+
+    w, q, s = _weights(4096, 6144)
+    weights = {"a.weight": w, "b.weight": q, "b.weight_scale": s,
+               "b.input_scale": torch.tensor(0.02, device=DEV)}
+    wd = (q.float() * s).to(BF16)
+    for m in (1, 3, gm.GEMV_MAX_M, gm.GEMV_MAX_M + 1, 64):
+        x = torch.randn(m, 4096, device=DEV).to(BF16)
+        assert _rel(linear(x, weights, "a"), F.linear(x, w)) < TOL
+        y8 = linear(x, weights, "b")
+        assert y8.shape == (m, 6144) and y8.dtype == BF16
+        tol = TOL if m <= gm.GEMV_MAX_M and gm.gemv_wins(m, 6144, 4096, True) else 0.08
+        assert _rel(y8, F.linear(x, wd)) < tol  # W8A8 adds activation quant error
+    x3 = torch.randn(1, 1, 4096, device=DEV).to(BF16)
+    assert linear(x3, weights, "a").shape == (1, 1, 6144)

@@ -1,0 +1,177 @@
+"""Skinny GEMM (gemv) and FP8 activation quant kernels vs their torch references, on CPU
+under TRITON_INTERPRET=1 (tiny shapes; the real shapes run in tests/gpu/test_gemv_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are built on import)
+
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.runtime import kernels
+from kiln.runtime.kernels import fp8_quant, gemv
+from kiln.runtime.kernels.testing import rel_err
+
+FP8 = torch.float8_e4m3fn
+# the interpreter truncates float32 -> bf16 casts (the GPU rounds to nearest)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+CUDA_CORE = gemv._cfg(8, 32, False)
+TENSOR_CORE = gemv._cfg(16, 32, True, stages=2)
+
+
+def _w(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if dtype == FP8:
+        return (torch.randn(n, k) * 40).to(FP8), torch.tensor(0.011)
+    return torch.randn(n, k).to(dtype), None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("cfg", [CUDA_CORE, TENSOR_CORE, dict(CUDA_CORE, SPLIT_K=3),
+                                 dict(TENSOR_CORE, SPLIT_K=2)], ids=["cc", "tc", "cc-sk", "tc-sk"])
+def test_gemv_matches_reference(dtype, wdtype, cfg):
+    # N not a multiple of BLOCK_N, K not a multiple of BLOCK_K, strided x rows, bias
+    for m, n, k in ((1, 40, 96), (5, 33, 80)):
+        w, s = _w(n, k, FP8 if wdtype == "fp8" else dtype)
+        x = torch.randn(m, k + 16).to(dtype)[:, :k]
+        b = torch.randn(n).to(dtype)
+        y = gemv.gemv(x, w, s, b, config=cfg)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_gemv_default_config_and_one_element_scale(m):
+    w, s = _w(48, 128, FP8)
+    x = torch.randn(m, 128, dtype=torch.bfloat16)
+    y = gemv.gemv(x, w, s.reshape(1))
+    assert rel_err(y, gemv.gemv_ref(x, w, s)) < TOL[torch.bfloat16]
+    wb = torch.randn(48, 128, dtype=torch.bfloat16)
+    assert rel_err(gemv.gemv(x, wb), gemv.gemv_ref(x, wb)) < TOL[torch.bfloat16]
+
+
+def test_gemv_default_config_rule():
+    for m in range(1, gemv.GEMV_MAX_M + 1):
+        for n, k in ((6144, 4096), (4096, 14336), (576, 1536), (128256, 4096)):
+            for fp8 in (False, True):
+                cfg = gemv.check_config(gemv.default_config(m, n, k, fp8))
+                assert cfg["SPLIT_K"] * cfg["BLOCK_K"] <= 2 * k
+
+
+def test_gemv_asks_the_tuning_table(monkeypatch):
+    asked = []
+
+    def lookup(kernel, key):
+        asked.append((kernel, key))
+        return dict(CUDA_CORE, SPLIT_K=2)
+
+    fake = types.SimpleNamespace(lookup=lookup)
+    monkeypatch.setitem(sys.modules, "kiln.runtime.kernels.tuning", fake)
+    monkeypatch.setattr(kernels, "tuning", fake, raising=False)
+    monkeypatch.setattr(gemv, "_TUNING", None)
+    w, s = _w(24, 64, FP8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    y = gemv.gemv(x, w, s)
+    assert rel_err(y, gemv.gemv_ref(x, w, s)) < TOL[torch.bfloat16]
+    wb = torch.randn(24, 64, dtype=torch.float16)
+    gemv.gemv(x.half(), wb)
+    assert asked == [("gemv", "3x24x64:fp8"), ("gemv", "3x24x64:float16")]
+    assert gemv.tuning_key(1, 2, 3, torch.bfloat16) == "1x2x3:bfloat16"
+
+
+def test_gemv_without_tuning_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kiln.runtime.kernels.tuning", None)  # ImportError
+    monkeypatch.delattr(kernels, "tuning", raising=False)
+    monkeypatch.setattr(gemv, "_TUNING", None)
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    assert rel_err(gemv.gemv(x, w), gemv.gemv_ref(x, w)) < TOL[torch.bfloat16]
+    assert gemv._TUNING is False
+
+
+def test_gemv_wrapper_errors():
+    bf = torch.bfloat16
+    x, w = torch.randn(2, 32, dtype=bf), torch.randn(16, 32, dtype=bf)
+    w8, s = _w(16, 32, FP8)
+    cases = [
+        ({"x": x.float(), "weight": w}, "x has dtype"),
+        ({"x": x, "weight": w.half()}, "weight has dtype"),
+        ({"x": x, "weight": torch.randn(16, 31, dtype=bf)}, "weight has shape"),
+        ({"x": x[0], "weight": w}, "x must have 2 dims"),
+        ({"x": torch.randn(9, 32, dtype=bf), "weight": w}, "x has 9 rows"),
+        ({"x": torch.randn(0, 32, dtype=bf), "weight": w}, "x has 0 rows"),
+        ({"x": x, "weight": w.to("meta")}, "weight is on meta"),
+        ({"x": x, "weight": w, "bias": torch.randn(15, dtype=bf)}, "bias has shape"),
+        ({"x": x, "weight": w, "bias": torch.randn(16)}, "bias has dtype"),
+        ({"x": x, "weight": w8}, "weight_scale is required"),
+        ({"x": x, "weight": w8, "weight_scale": s.double()}, "weight_scale has dtype"),
+        ({"x": x, "weight": w8, "weight_scale": torch.ones(2)}, "weight_scale has shape"),
+        ({"x": x, "weight": w8, "weight_scale": s.to("meta")}, "weight_scale is on meta"),
+        ({"x": x, "weight": w, "weight_scale": s}, "weight_scale is only for FP8"),
+        ({"x": x, "weight": w, "config": {"BLOCK_N": 12, "BLOCK_K": 32}}, "BLOCK_N=12"),
+        ({"x": x, "weight": w, "config": {"BLOCK_N": 8, "BLOCK_K": 32, "USE_DOT": True}},
+         "USE_DOT needs"),
+        ({"x": x, "weight": w, "config": {"BLOCK_N": 8, "BLOCK_K": 32, "TILE": 2}}, "only"),
+    ]
+    for kwargs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            gemv.gemv(**kwargs)
+
+
+def _e4m3_grid(m: int, k: int) -> torch.Tensor:
+    """Random values on the e4m3 grid (x / scale is exact, no rounding), with 448 in it."""
+    q = (torch.randn(m, k) * 60).to(FP8).float()
+    q[0, 0] = -448.0
+    return q
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 21])
+def test_fp8_quant_static_and_dynamic(m):
+    k = 48
+    # exact: values whose quotient is on the e4m3 grid (power-of-two scale), bf16 input
+    x = (_e4m3_grid(m, k) * 0.25).to(torch.bfloat16)
+    for scale in (torch.tensor(0.25), None):
+        q, s = fp8_quant.quantize_fp8_padded(x, scale)
+        rq, rs = fp8_quant.quantize_fp8_padded_ref(x, scale)
+        assert q.shape == (-(-m // 16) * 16, k) and q.dtype == FP8
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))  # pad rows zero too
+        assert s.shape == (1,) and torch.equal(s, rs)
+    # rounding and saturation: within the interpreter's e4m3 rounding (see
+    # test_reshape_and_cache_fp8), against the reference
+    x = torch.randn(m, k) * 3
+    x[0, 1] = 1e4
+    q, s = fp8_quant.quantize_fp8_padded(x, torch.tensor(0.5))
+    rq, _ = fp8_quant.quantize_fp8_padded_ref(x, torch.tensor(0.5))
+    assert q.float()[0, 1] == 448
+    assert (q.float() - rq.float()).abs().max() <= rq.float().abs().max() / 16
+
+
+def test_fp8_quant_errors():
+    with pytest.raises(ValueError, match="x has dtype"):
+        fp8_quant.quantize_fp8_padded(torch.ones(2, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="scale has shape"):
+        fp8_quant.quantize_fp8_padded(torch.ones(2, 16), torch.ones(2))
+    with pytest.raises(ValueError, match="scale has dtype"):
+        fp8_quant.quantize_fp8_padded(torch.ones(2, 16), torch.ones((), dtype=torch.float64))
+
+
+def test_linear_on_cpu_never_takes_the_kernels(monkeypatch):
+    from kiln.runtime.layers import linear as lin
+
+    def boom(*a, **k):
+        raise AssertionError("CPU must keep the torch path")
+
+    monkeypatch.setattr(gemv, "gemv", boom)
+    monkeypatch.setattr(fp8_quant, "quantize_fp8_padded", boom)
+    w8, s = _w(16, 32, FP8)
+    weights = {"a.weight": torch.randn(16, 32, dtype=torch.bfloat16), "b.weight": w8,
+               "b.weight_scale": s}
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    assert lin.linear(x, weights, "a").shape == (1, 16)
+    assert lin.linear(x, weights, "b").shape == (1, 16)
