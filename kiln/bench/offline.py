@@ -216,6 +216,19 @@ def run_throughput(
     }
 
 
+def latency_batches(
+    engine: Any, batch_size: int, input_len: int, output_len: int, num_iters: int,
+    warmup: int, seed: int = 0,
+) -> tuple[list[list[BenchRequest]], list[list[BenchRequest]]]:
+    """The (warm-up, timed) batches ``run_latency`` runs: seeds ``seed + 10_000 + i`` and
+    ``seed + i``. A baseline given the same batches runs the very same prompts."""
+    warm = [synthetic_requests(engine, batch_size, input_len, output_len, seed + 10_000 + i)
+            for i in range(warmup)]
+    timed = [synthetic_requests(engine, batch_size, input_len, output_len, seed + i)
+             for i in range(num_iters)]
+    return warm, timed
+
+
 def run_latency(
     engine: Any,
     batch_size: int = 1,
@@ -241,12 +254,12 @@ def run_latency(
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be >= 0")
     check_lengths(engine, input_len, output_len)
-    for i in range(warmup):
-        run_requests(engine, synthetic_requests(engine, batch_size, input_len, output_len,
-                                                seed + 10_000 + i))
+    warm_batches, batches = latency_batches(engine, batch_size, input_len, output_len,
+                                            num_iters, warmup, seed)
+    for reqs in warm_batches:
+        run_requests(engine, reqs)
     iters, ttft, tpots, e2e = [], [], [], []
-    for i in range(num_iters):
-        reqs = synthetic_requests(engine, batch_size, input_len, output_len, seed + i)
+    for reqs in batches:
         r = run_requests(engine, reqs)
         iters.append({
             "latency_s": r["elapsed_s"],

@@ -126,6 +126,9 @@ def render_throughput(result: dict, console: Console | None = None) -> None:
     console.print(t)
     console.print(_summary_table("Per request (all queued at once)",
                                  [("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])]))
+    render_startup(result, console)
+    if result.get("baseline"):
+        render_baseline(result["baseline"], console)
 
 
 def render_latency(result: dict, console: Console | None = None) -> None:
@@ -140,6 +143,42 @@ def render_latency(result: dict, console: Console | None = None) -> None:
     console.print(f"output tokens/s: {result['output_tokens_per_s']:.1f}")
     if result.get("speculative"):
         render_speculative(result["speculative"], console)
+    render_startup(result, console)
+    if result.get("baseline"):
+        render_baseline(result["baseline"], console)
+
+
+def render_startup(result: dict, console: Console) -> None:
+    """One line: the engine's start-up wall time and the engine's own breakdown."""
+    if result.get("startup_s") is None:
+        return
+    parts = [f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}"
+             for k, v in (result.get("startup_times") or {}).items()
+             if isinstance(v, (int, float)) and k != "total_s"]
+    detail = f" ({', '.join(parts)})" if parts else ""
+    console.print(f"engine start-up: {result['startup_s']:.2f} s{detail}", highlight=False)
+
+
+def render_baseline(b: dict, console: Console) -> None:
+    """kiln vs transformers on the same workload: both tokens/s and the ratio."""
+    t = Table(title=f"kiln vs transformers {b['version']} (same workload, same run)",
+              title_justify="left")
+    t.add_column("")
+    t.add_column("output tokens/s", justify="right")
+    t.add_column("how", justify="left", overflow="fold")
+    t.add_row("kiln", f"{b['kiln_tokens_per_s']:.1f}", "engine")
+    t.add_row("transformers", f"{b['tokens_per_s']:.1f}", b["mode"])
+    ratio = b.get("ratio")
+    t.add_row("kiln / transformers", "-" if ratio is None else f"{ratio:.2f}x", "")
+    console.print(t)
+    notes = [b.get("weights", "")]
+    done, total = b.get("num_requests"), b.get("kiln_num_requests")
+    if b.get("subset"):
+        notes.append(f"transformers ran {done} of {total} requests; the ratio is of "
+                     "output tokens/s")
+    notes += [f"fallback: {f}" for f in b.get("fallbacks") or []]
+    for note in filter(None, notes):
+        console.print(f"  {note}", style="dim", highlight=False)
 
 
 def render_speculative(result: dict, console: Console) -> None:

@@ -7,14 +7,24 @@ line, engine, device and versions) for pipelines. Progress bars go to stderr.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
+
+from kiln.errors import KilnError
 
 _ENGINE = typer.Argument(..., metavar="ENGINE", help="Engine directory written by `kiln build`.")
 _DEVICE_HELP = "Device to run on (cuda, cuda:1, cpu); default cuda when available."
 _JSON_HELP = "Also write the results (with command line, device, versions) to this JSON file."
+BASELINES = ("none", "hf")
+_BASELINE_HELP = (
+    "Also run the same workload through plain transformers in this run and print kiln / "
+    "transformers (output tokens/s): none or hf. The transformers model is made from the "
+    "engine's weights (FP8 dequantized to the engine dtype); the kiln engine is freed first."
+)
 
 
 @contextlib.contextmanager
@@ -29,12 +39,45 @@ def _progress(description: str, total: int) -> Iterator:
         yield lambda n: p.advance(task, n)
 
 
-def _finish(result: dict, engine, engine_dir: Path, json_file: Path | None, render) -> None:
+def _check_baseline(name: str) -> str:
+    """Fail before any loading when --baseline names nothing we can run."""
+    if name not in BASELINES:
+        raise KilnError(f"--baseline {name!r} is not a baseline; use one of: "
+                        f"{', '.join(BASELINES)} (hf: the same workload through transformers)")
+    return name
+
+
+def _load(engine_dir: Path, device: str | None) -> tuple[Any, dict]:
+    """Load the engine; returns (engine, start-up record). Imports are not start-up time."""
+    from kiln.cli.generate import check_engine_dir, load_engine
+
+    check_engine_dir(engine_dir)
+    import kiln.runtime.engine  # noqa: F401
+
+    t0 = time.perf_counter()
+    engine, _ = load_engine(engine_dir, device)
+    startup = {"startup_s": time.perf_counter() - t0,
+               "startup_times": getattr(engine, "startup_times", None)}
+    return engine, startup
+
+
+def _free_engine_and_build_hf(engine_dir: Path, device: Any) -> tuple[Any, dict]:
+    """Build the transformers model on ``device`` once the caller dropped its engine."""
     from rich.console import Console
 
-    from kiln.bench.report import environment, write_json
+    from kiln.bench.hf_baseline import build_hf_model, free_cuda_memory
 
-    result["environment"] = environment(engine, engine_dir)
+    free_cuda_memory()
+    with Console(stderr=True).status("building the transformers baseline", spinner="dots"):
+        return build_hf_model(str(engine_dir), device)
+
+
+def _finish(result: dict, env: dict, json_file: Path | None, render) -> None:
+    from rich.console import Console
+
+    from kiln.bench.report import write_json
+
+    result["environment"] = env
     render(result, Console())
     if json_file is not None:
         path = write_json(json_file, result)
@@ -57,14 +100,23 @@ def throughput(
     seed: int = typer.Option(0, "--seed", help="Seed for the synthetic prompts / sampling."),
     json_file: Path | None = typer.Option(None, "--json", help=_JSON_HELP),
     device: str | None = typer.Option(None, "--device", help=_DEVICE_HELP),
+    baseline: str = typer.Option("none", "--baseline", help=_BASELINE_HELP),
+    baseline_num_prompts: int | None = typer.Option(
+        None, "--baseline-num-prompts", min=1,
+        help="Run only the first N requests through the baseline (transformers is slow); "
+        "the ratio is then of output tokens/s. Default: all.",
+    ),
 ) -> None:
-    """Offline throughput: all requests queued at once, continuous batching to the end."""
-    from kiln.bench.offline import _limit, run_throughput, synthetic_requests
-    from kiln.bench.report import render_throughput
-    from kiln.cli.generate import check_engine_dir, load_engine
+    """Offline throughput: all requests queued at once, continuous batching to the end.
 
-    check_engine_dir(engine_dir)
-    engine, _ = load_engine(engine_dir, device)
+    With --baseline hf the same requests (prompts, output lengths, EOS ignored) then run
+    through transformers' continuous batching (generate_batch), greedy.
+    """
+    from kiln.bench.offline import _limit, run_throughput, synthetic_requests
+    from kiln.bench.report import environment, render_throughput
+
+    _check_baseline(baseline)
+    engine, startup = _load(engine_dir, device)
     if dataset is not None:
         from kiln.bench.datasets import load_requests
 
@@ -85,7 +137,25 @@ def throughput(
         result["config"]["output_len"] = output_len or 64
     else:
         result["config"]["dataset"] = str(dataset)
-    _finish(result, engine, engine_dir, json_file, render_throughput)
+    result.update(startup)
+    env = environment(engine, engine_dir)
+    if baseline == "hf":
+        from kiln.bench.hf_baseline import baseline_record, run_hf_throughput
+
+        hf_requests = requests[:baseline_num_prompts] if baseline_num_prompts else requests
+        where, batch = engine.device, engine.limits.max_batch_size
+        del engine  # free the engine (its KV cache holds most of the GPU) before transformers
+        model, info = _free_engine_and_build_hf(engine_dir, where)
+        from rich.console import Console
+
+        with Console(stderr=True).status(
+                f"transformers throughput: {len(hf_requests)} requests", spinner="dots"):
+            run = run_hf_throughput(model, hf_requests, fallback_batch_size=batch)
+        result["baseline"] = baseline_record(
+            run, info, result["output_tokens_per_s"], kiln_output_tokens=result["output_tokens"],
+            kiln_num_requests=result["num_requests"],
+            subset=len(hf_requests) < len(requests))
+    _finish(result, env, json_file, render_throughput)
 
 
 def latency(
@@ -109,22 +179,30 @@ def latency(
         help="Speculative engines: request window W,N,G for the comparison (default: the "
         "engine's).",
     ),
+    baseline: str = typer.Option("none", "--baseline", help=_BASELINE_HELP),
+    hf_compile: bool | None = typer.Option(
+        None, "--hf-compile/--no-hf-compile",
+        help="--baseline hf: compile transformers' decode step (torch.compile, mode "
+        "reduce-overhead, static cache). Default: on CUDA yes, on CPU no.",
+    ),
 ) -> None:
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 
     On an engine built with speculative decoding it also runs plain vs speculative decoding
     on bundled code and chat prompts (same engine, same run) and prints the speed-up and
     tokens per step.
+
+    With --baseline hf the same batches (same prompts, same lengths) then run through
+    transformers' generate with a static cache and a compiled decode step.
     """
-    from kiln.bench.offline import run_latency
-    from kiln.bench.report import render_latency
+    from kiln.bench.offline import latency_batches, run_latency
+    from kiln.bench.report import environment, render_latency
     from kiln.bench.speculative import PROMPT_SETS, run_speculative_latency
     from kiln.builder.speculative import parse_window
-    from kiln.cli.generate import check_engine_dir, load_engine
 
+    _check_baseline(baseline)
     window = parse_window(lookahead) if lookahead else None
-    check_engine_dir(engine_dir)
-    engine, _ = load_engine(engine_dir, device)
+    engine, startup = _load(engine_dir, device)
     with _progress("latency", num_iters) as advance:
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)
@@ -132,7 +210,28 @@ def latency(
         with _progress("plain vs speculative", spec_prompts * len(PROMPT_SETS)) as advance:
             result["speculative"] = run_speculative_latency(
                 engine, output_len, spec_prompts, window, progress=advance)
-    _finish(result, engine, engine_dir, json_file, render_latency)
+    result.update(startup)
+    env = environment(engine, engine_dir)
+    if baseline == "hf":
+        from kiln.bench.hf_baseline import baseline_record, run_hf_latency
+
+        warm, timed = latency_batches(engine, batch_size, input_len, output_len, num_iters,
+                                      warmup, seed)
+        where = engine.device
+        del engine  # free the engine (its KV cache holds most of the GPU) before transformers
+        model, info = _free_engine_and_build_hf(engine_dir, where)
+        compile_ = where.type == "cuda" if hf_compile is None else hf_compile
+        with _progress("transformers latency", num_iters) as advance:
+            run = run_hf_latency(
+                model, [[r.prompt_token_ids for r in b] for b in warm],
+                [[r.prompt_token_ids for r in b] for b in timed], output_len,
+                compile_=compile_, progress=advance)
+        kiln_iters = result["iterations"]
+        result["baseline"] = baseline_record(
+            run, info, result["output_tokens_per_s"],
+            kiln_output_tokens=sum(it["output_tokens"] for it in kiln_iters),
+            compile_requested=compile_)
+    _finish(result, env, json_file, render_latency)
 
 
 def _load_tokenizer(path: Path):
