@@ -149,7 +149,10 @@ class QuantConfig:
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything in engine.json. ``weights`` is {"format": "safetensors", "files": {name:
-    {"sha256", "size"}}} or {"format": "random", "seed": S, "std": 0.02}."""
+    {"sha256", "size"}}} or {"format": "random", "seed": S, "std": 0.02}.
+    ``kernel_configs`` is the build-time kernel tuning section (kiln.runtime.kernels.tuning:
+    {"tuned": true, "gpu", "triton", ..., "configs": {kernel: {key: config}}} or
+    {"tuned": false, "reason"}; empty in engines built before tuning existed)."""
 
     format_version: int
     kiln_version: str

@@ -58,6 +58,7 @@ def build_engine(
     quantization: QuantConfig | None = None,
     progress: bool = True,
     force: bool = False,
+    tune: bool | None = False,
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -65,6 +66,8 @@ def build_engine(
     the model). Everything is validated before weights are touched; the engine is written to
     a temp dir beside ``out_dir`` and renamed into place, so ``out_dir`` is never
     half-written. An existing non-empty ``out_dir`` is replaced only with ``force``.
+    ``tune``: time kernel launch configs on this machine's GPU and record the fastest in
+    engine.json ``kernel_configs`` (None: when CUDA is available; `kiln build`'s default).
     """
     out_dir = Path(out_dir).expanduser()
     if dtype not in DTYPES:
@@ -120,6 +123,7 @@ def build_engine(
         elif quantization.kv_cache == "fp8":
             spec = _record_kv_scales(spec, {"kv_missing": cfg.num_layers})
         _write_tokenizer(model, tmp / TOKENIZER_DIR)
+        spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
         (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -127,6 +131,49 @@ def build_engine(
         raise
     console.print(f"[green]built[/] {out_dir} ({cfg.architecture}, {dtype})")
     return spec
+
+
+def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict[str, Any]:
+    """The engine.json ``kernel_configs`` section: tuned on this GPU, or why not."""
+    import torch
+
+    from kiln.runtime.kernels import tuning
+
+    if tune is False:
+        return tuning.untuned("tuning not requested (--no-tune)")
+    if not torch.cuda.is_available():
+        reason = "no CUDA device at build time"
+        console.print(f"kernel tuning skipped: {reason} (the engine uses default kernel "
+                      "configs; build on the serving GPU to tune)")
+        return tuning.untuned(reason)
+    device = torch.device("cuda", torch.cuda.current_device())
+    q, sp = spec.quantization, spec.speculative
+    bar = Progress(
+        TextColumn("[bold]Tuning[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=True, disable=console.quiet,
+    )
+    task = bar.add_task(torch.cuda.get_device_name(device), total=None)
+
+    def advance(label: str, done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total, description=label)
+
+    try:
+        with bar:
+            section = tuning.tune(
+                spec.model, spec.limits, spec.dtype, device, advance,
+                kv_dtype="fp8" if q.kv_cache == "fp8" else spec.dtype,
+                weights_fp8=q.weights == "fp8", tokens_per_step=sp.tokens_per_step,
+                tree_mask=sp.mode == "lookahead")
+    except Exception as e:  # noqa: BLE001 - an engine with default configs still works
+        Console(stderr=True).print(f"[yellow]warning:[/] kernel tuning failed ({type(e).__name__}:"
+                                   f" {e}); the engine uses default kernel configs")
+        return tuning.untuned(f"tuning failed: {type(e).__name__}: {e}"[:300])
+    skipped = sum(section["skipped"].values())
+    rejected = sum(section["rejected"].values())
+    console.print(
+        f"tuned {tuning.num_configs(section)} kernel configs on {section['gpu']} in "
+        f"{section['tune_s']:.1f} s ({skipped} candidates skipped, {rejected} rejected)")
+    return section
 
 
 def _resolve_quantization(

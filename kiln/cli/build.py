@@ -70,6 +70,11 @@ def build(
     force: bool = typer.Option(
         False, "--force", help="Replace OUT if it exists and is not empty."
     ),
+    tune: bool | None = typer.Option(
+        None, "--tune/--no-tune",
+        help="Time kernel launch configs on this machine's GPU and record the fastest in "
+        "engine.json (default: tune when CUDA is available; `kiln serve` never re-tunes).",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
     ),
@@ -97,6 +102,7 @@ def build(
                                  kv_cache=kv_cache_dtype),
         progress=not as_json,
         force=force,
+        tune=tune,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))

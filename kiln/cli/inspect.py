@@ -65,8 +65,34 @@ def inspect(
     for name, info in spec.weights.get("files", {}).items():
         weights[name] = f"{info['size']:,} bytes, sha256 {info['sha256']}"
     console.print(_table("Weights", weights))
-    if spec.kernel_configs:
-        console.print(_table("Kernel configs", spec.kernel_configs))
+    console.print(_table("Kernel configs", _kernel_rows(spec.kernel_configs)))
+
+
+def _kernel_rows(section: dict[str, Any]) -> dict[str, Any]:
+    """The tuning section in a few rows (all of it is in --json)."""
+    if not section:
+        return {"tuned": "no (engine built before kernel tuning existed)"}
+    if not section.get("tuned"):
+        return {"tuned": f"no ({section.get('reason', 'no reason recorded')})"}
+    configs = section.get("configs") or {}
+    rows: dict[str, Any] = {
+        "tuned": "yes",
+        "gpu": section.get("gpu"),
+        "capability": ".".join(map(str, section.get("capability") or [])) or None,
+        "triton / torch": f"{section.get('triton')} / {section.get('torch')}",
+        "tuned at": section.get("tuned_at"),
+        "tune time": f"{section.get('tune_s', 0):.1f} s",
+        "configs": sum(len(v) for v in configs.values()),
+    }
+    for kernel, keys in configs.items():
+        stats = (section.get("stats") or {}).get(kernel, {})
+        speedups = [s["speedup"] for s in stats.values() if "speedup" in s]
+        best = f", best {max(speedups):.2f}x over default" if speedups else ""
+        skipped = (section.get("skipped") or {}).get(kernel, 0)
+        rejected = (section.get("rejected") or {}).get(kernel, 0)
+        rows[kernel] = (f"{len(keys)} configs{best} ({skipped} candidates skipped, "
+                        f"{rejected} rejected)")
+    return rows
 
 
 def register(app: typer.Typer) -> None:

@@ -95,6 +95,14 @@ class _CountRequests:
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
+def record_startup(app: FastAPI, total_s: float, phases: dict[str, float]) -> None:
+    """Publish start-up time (engine loading to accepting requests) in /health
+    (``startup_s`` and ``startup`` by phase) and /metrics (kiln_startup_seconds)."""
+    app.state.startup = {"startup_s": round(total_s, 3),
+                         "startup": {k: round(v, 3) for k, v in phases.items()}}
+    app.state.metrics.set_startup(total_s, phases)
+
+
 def create_app(engine: Any, config: ServerConfig,
                on_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app serving ``engine``; its lifespan runs the engine thread."""
@@ -118,6 +126,7 @@ def create_app(engine: Any, config: ServerConfig,
                   redoc_url=None, openapi_url=None)
     app.state.engine_thread = et
     app.state.metrics = metrics
+    app.state.startup = None  # set by record_startup once the server accepts requests
     app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.exception_handler(BadRequest)
@@ -223,7 +232,10 @@ def create_app(engine: Any, config: ServerConfig,
         if not et.alive:
             return error_response(503, f"the engine is not running: {et.dead!r}", None,
                                   "server_error", "engine_dead")
-        return {"status": "ok"}
+        body: dict[str, Any] = {"status": "ok"}
+        if app.state.startup is not None:
+            body.update(app.state.startup)
+        return body
 
     @app.get("/version")
     async def version():

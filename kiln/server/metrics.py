@@ -59,8 +59,22 @@ class ServerMetrics:
             "kiln_spec_decode_tokens_per_step",
             "Speculative acceptance: spec_decode_tokens / spec_decode_steps (0 until a "
             "speculative step ran).", registry=r)
+        self.startup = Gauge(
+            "kiln_startup_seconds",
+            "Seconds from the start of engine loading to the server accepting requests "
+            "(0 until ready).", registry=r)
+        self.startup_phase = Gauge(
+            "kiln_startup_phase_seconds",
+            "Start-up seconds by phase (load_weights, kv_cache, cuda_graphs, server, ...).",
+            ["phase"], registry=r)
         info = Gauge("kiln_model_info", "The served model.", ["model"], registry=r)
         info.labels(model=model_name).set(1)
+
+    def set_startup(self, total_s: float, phases: dict[str, float]) -> None:
+        """Record start-up time: ``phases`` maps e.g. ``load_weights_s`` to seconds."""
+        self.startup.set(total_s)
+        for name, seconds in phases.items():
+            self.startup_phase.labels(phase=name.removesuffix("_s")).set(seconds)
 
     def set_engine_state(self, waiting: int, running: int, kv_used: int, kv_total: int) -> None:
         self.waiting.set(waiting)

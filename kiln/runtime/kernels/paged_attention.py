@@ -16,13 +16,16 @@ partial (acc, max, sum) and ``_reduce_kernel`` merges them.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import tuning
 from kiln.runtime.kernels._checks import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -230,14 +233,47 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 
 def choose_num_splits(
     num_programs: int, max_context_len: int, num_sms: int = 132, block_n: int = 64,
+    tiles_per_split: int = 2,
 ) -> int:
     """Key-splits so that about 4 programs per SM run (decode at small batch needs them);
-    each split keeps at least 2 key tiles (a program's time is mostly its tile count times
-    the load latency at batch 1: 2 tiles per split measured 9.6 us, 5 tiles 15.8 us)."""
+    each split keeps at least ``tiles_per_split`` key tiles (default 2: a program's time is
+    mostly its tile count times the load latency at batch 1: 2 tiles per split measured
+    9.6 us, 5 tiles 15.8 us; a tuned config may choose another)."""
     if num_programs >= 2 * num_sms:
         return 1
     want = triton.cdiv(4 * num_sms, num_programs)
-    return max(1, min(want, triton.cdiv(max_context_len, 2 * block_n), 64))
+    return max(1, min(want, triton.cdiv(max_context_len, tiles_per_split * block_n), 64))
+
+
+def default_config(head_dim: int) -> dict:
+    """The launch config used when nothing is tuned for a shape (engine.json has none)."""
+    d_pad = next_pow2(max(head_dim, 16))
+    return {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2,
+            "tiles_per_split": 2}
+
+
+def query_class(max_query_len: int, qpk: int) -> str:
+    """decode (one query per sequence), multi (few: speculative steps, short chunks; BLOCK_M
+    16) or prefill (BLOCK_M 64). Configs are tuned per class: one class shares BLOCK_M, so a
+    config that compiled for one of its shapes compiles for all of them."""
+    if max_query_len <= 1:
+        return "decode"
+    return "prefill" if max_query_len * qpk >= 64 else "multi"
+
+
+@functools.lru_cache(maxsize=256)
+def tuning_key(kv_heads: int, qpk: int, head_dim: int, dtype: torch.dtype | str,
+               kv_dtype: torch.dtype | str, max_query_len: int) -> str:
+    """The key of ``tuning.lookup("paged_attention", key)``, e.g.
+    ``kvh8-qpk4-d128-bfloat16-kvbfloat16-decode``."""
+    def name(dt: torch.dtype | str) -> str:
+        return str(dt).removeprefix("torch.")
+
+    return (f"kvh{kv_heads}-qpk{qpk}-d{head_dim}-{name(dtype)}-kv{name(kv_dtype)}-"
+            f"{query_class(max_query_len, qpk)}")
+
+
+_warned_fallback: set[str] = set()
 
 
 def paged_attention(
@@ -247,6 +283,7 @@ def paged_attention(
     mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None,
     k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
     num_splits: int | None = None, out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over one layer's paged cache [num_blocks, block_size, KVH, D].
 
@@ -256,7 +293,10 @@ def paged_attention(
     split count; no host sync). mask: packed uint8/bool tree masks, mask_offsets [num_seqs]
     int32 (-1 = causal). An FP8 cache is dequantised with k_scale / v_scale (floats or
     1-element float32 device tensors, e.g. ``cache.k_scale[layer : layer + 1]``). num_splits
-    fixes the key-split count (CUDA graphs want a static one). Returns [T, H, D] in q's dtype.
+    fixes the key-split count (CUDA graphs want a static one). ``config`` forces a launch
+    config (BLOCK_N, num_warps, num_stages, tiles_per_split); by default the one tuned for
+    this shape (``tuning.lookup``, see ``tuning_key``) or ``default_config``. Returns
+    [T, H, D] in q's dtype.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     dev = q.device
@@ -306,19 +346,56 @@ def paged_attention(
         return out
 
     qpk = heads // kv_heads
+    default = default_config(dim)
+    key = None
+    if config is None:
+        key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len)
+        config = tuning.lookup("paged_attention", key) or default
+    args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
+            mask_offsets, scale * LOG2E, ks, vs, max_query_len, max_context_len, num_splits)
+    try:
+        _launch(*args, config)
+    except triton.runtime.errors.OutOfResources as e:
+        if key is None or config is default:
+            raise
+        # A tuned config that ran on the tuned shapes but does not fit this one (the key's
+        # shapes share BLOCK_M, so this should not happen): defaults, said once.
+        if key not in _warned_fallback:
+            _warned_fallback.add(key)
+            print(f"warning: tuned paged_attention config {config} for {key} does not fit "
+                  f"({e}); using the default config", file=sys.stderr)
+        _launch(*args, default)
+    return out
+
+
+def _launch(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+    mask: torch.Tensor | None, mask_offsets: torch.Tensor | None, qk_scale: float,
+    ks: torch.Tensor, vs: torch.Tensor, max_query_len: int, max_context_len: int,
+    num_splits: int | None, config: dict,
+) -> None:
+    """Launch the attention kernel (and the split reduction) with one launch config."""
+    t, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    dev = q.device
+    qpk = heads // kv_heads
     block_m = 64 if max_query_len * qpk >= 64 else 16
     block_m = max(block_m, next_pow2(qpk))
     block_q = block_m // qpk
     d_pad = next_pow2(max(dim, 16))
-    block_n = 64 if d_pad <= 128 else 32
+    block_n = int(config["BLOCK_N"])
     num_q_programs = t // block_q + num_seqs
     if num_splits is None:
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                if dev.type == "cuda" else 132)
         live = min(num_q_programs, num_seqs * triton.cdiv(max_query_len, block_q))
-        num_splits = choose_num_splits(live * kv_heads, max_context_len, sms, block_n)
+        num_splits = choose_num_splits(live * kv_heads, max_context_len, sms, block_n,
+                                       int(config.get("tiles_per_split", 2)))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
     if num_splits > 1:
         part_acc = torch.empty(t, heads, num_splits, d_pad, dtype=torch.float32, device=dev)
         part_ml = torch.empty(t, heads, num_splits, 2, dtype=torch.float32, device=dev)
@@ -328,14 +405,14 @@ def paged_attention(
         out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
         context_lens, mask if mask is not None else context_lens,
         mask_offsets if mask_offsets is not None else context_lens,
-        scale * LOG2E, ks, vs, num_seqs, heads,
+        qk_scale, ks, vs, num_seqs, heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
     )
     if num_splits > 1:
         _reduce_kernel[(t, heads)](
@@ -343,7 +420,6 @@ def paged_attention(
             HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
             S_PAD=next_pow2(num_splits), num_warps=4,
         )
-    return out
 
 
 def paged_attention_ref(
