@@ -9,6 +9,8 @@ Sections (``--only``, comma separated):
   8b        random:llama-3-8b bf16 and FP8 weights: batch 1, 128 in / 128 out, fast path vs
             triton-eager; engine start-up time breakdown
   tput      random:llama-3-8b bf16, N requests 512 in / 256 out (--tput-requests)
+  serve     `kiln serve` on a random:llama-3-8b bf16 engine: seconds from the command to the
+            first chat completion answered (the process's own ready line too)
 Benchmarks, not tests. Prints a table last; all numbers go to --out as JSON.
 """
 
@@ -136,6 +138,41 @@ def tput(res: dict, tmp: Path, n: int) -> None:
     free(eng)
 
 
+def serve(res: dict, tmp: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    out = tmp / "l3-bf16"
+    if not out.exists():
+        build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
+                     max_num_tokens=8192, max_batch_size=256, progress=False)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(out), "--port", "8765",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=os.environ.copy())
+    try:
+        ready_line = proc.stdout.readline()
+        ready_s = time.perf_counter() - t0
+        body = {"model": out.name, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hello"}]}
+        r = httpx.post("http://127.0.0.1:8765/v1/chat/completions", json=body, timeout=60)
+        first_s = time.perf_counter() - t0
+        res["serve"] = {"ready_line": ready_line.strip(), "ready_s": ready_s,
+                        "first_response_s": first_s, "status": r.status_code}
+        ROWS.append(("kiln serve llama-3-8b ready / first answer", f"{ready_s:.1f} / {first_s:.1f}",
+                     f"s (HTTP {r.status_code})"))
+    finally:
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=30)
+            res.setdefault("serve", {})["stderr_tail"] = err[-2000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="smol,8b")
@@ -148,7 +185,8 @@ def main() -> None:
     for part in args.only.split(","):
         try:
             {"smol": lambda: smol(res, tmp), "8b": lambda: eight_b(res, tmp),
-             "tput": lambda: tput(res, tmp, args.tput_requests)}[part]()
+             "tput": lambda: tput(res, tmp, args.tput_requests),
+             "serve": lambda: serve(res, tmp)}[part]()
         except Exception:  # noqa: BLE001 - report and go on to the next section
             res.setdefault("errors", {})[part] = traceback.format_exc()
             print(traceback.format_exc())
