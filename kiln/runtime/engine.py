@@ -307,7 +307,10 @@ class LLMEngine:
         result = StepResult()
         reqs = list(fwd.sample_rows)
         if reqs:
-            logits = fwd.logits[list(fwd.sample_rows.values())]
+            rows = list(fwd.sample_rows.values())
+            # rows 0..n-1 in order (always so for graph steps): a view, no gather
+            logits = (fwd.logits[: len(rows)] if rows == list(range(len(rows)))
+                      else fwd.logits[rows])
             logits = self._apply_guided(logits, reqs)
             tokens, logprobs = self.sampler(
                 logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
