@@ -46,9 +46,8 @@ class LlamaModel:
         if missing:
             raise ValueError(f"engine weights are missing {missing[:5]} ({len(missing)} in all)")
         self.w = weights
-        self.lm_head = weights["embed_tokens.weight"] if cfg.tie_word_embeddings else (
-            weights["lm_head.weight"]
-        )
+        # the output projection as a linear layer prefix (tied: the embedding matrix)
+        self.lm_head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
 
     def expected_names(self) -> list[str]:
         cfg = self.cfg
@@ -92,7 +91,7 @@ class LlamaModel:
             gate, up = linear(x, w, p + "gate_up").chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, w, p + "down")
         h = rms_norm(h.index_select(0, logit_rows), w["norm.weight"], cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, w, self.lm_head).float()
 
     def _qkv(self, x: torch.Tensor, p: str, n: int):
         cfg, w = self.cfg, self.w
@@ -130,4 +129,4 @@ class LlamaModel:
             else:
                 h = h + mlp
         h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, w, self.lm_head).float()
