@@ -4,7 +4,7 @@ Usage (on the GPU machine):
     PYTHONPATH=. python3 scripts/bench_gemv.py --warm-only          # compile in parallel
     PYTHONPATH=. python3 scripts/bench_gemv.py --sweep --out r.json # time (+ sweep configs)
 
-Variants per shape (K -> N) and M in {1, 8} (JSON also has M=2, 4 for the default config):
+Variants per shape (K -> N) and M in {1, 2, 4, 8} (the FP8 W8A8 variants at M = 1 and 8):
   F.linear bf16 | gemv bf16 | gemv fp8 (W8A16) | fp8_linear old (eager quant + pad +
   _scaled_mm, the code before the fused quant) | fp8_linear new (fused quant kernel), both
   with a static input scale, plus their dynamic-scale versions in the JSON.
@@ -12,8 +12,8 @@ Timing: each variant's calls over rotating weight copies (>= 256 MB touched, so 
 nothing: HBM numbers) are captured in one CUDA graph and replayed (device time, no launch
 overhead, as in a graph-captured decode step); CUDA events; median of the replays divided
 by the calls. GB/s counts weights + x + y once; the H200 copy ceiling is 4.23 TB/s.
-``--sweep`` also times every GEMV_CONFIGS entry x split_candidates (M=1; at M=8 those that
-fit in registers) and reports the best per shape. Prints a table last; --out writes JSON.
+``--sweep`` also times every GEMV_CONFIGS entry x split_candidates (M = 1, 2, 8, 4, those
+that fit in registers) and reports the best per shape. Prints a table last; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -40,15 +41,14 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 TOUCH = 256e6  # bytes of weights cycled through per timing (> 4x the 60 MB L2)
+SWEEP_M = (1, 2, 8, 4)  # in this order while the sweep budget lasts
 
 
 def _regs(cfg: dict, m: int) -> float:
     """float32 accumulator registers per thread of a CUDA-core config at M rows."""
-    from kiln.runtime.kernels._checks import next_pow2
-
     if cfg["USE_DOT"]:
         return 0.0
-    return cfg["BLOCK_N"] * next_pow2(m) * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
+    return cfg["BLOCK_N"] * m * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[dict]:
@@ -74,7 +74,7 @@ def all_jobs(sweep: bool) -> list[tuple]:
                 for bias in (False, True):
                     jobs.append((m, n, k, kind, bias, default_config(m, n, k, kind == "fp8")))
         if sweep:
-            for m in (1, 8):
+            for m in SWEEP_M:
                 for kind in ("bf16", "fp8"):
                     jobs += [(m, n, k, kind, False, c) for c in sweep_configs(m, n, k)]
     return list(dict.fromkeys((j[:5] + (json.dumps(j[5], sort_keys=True),)) for j in jobs))
@@ -232,7 +232,8 @@ def run(args) -> dict:
                    "default_bf16": default_config(m, n, k, False),
                    "default_fp8": default_config(m, n, k, True)}
             vs = variants(s, m)
-            names = list(vs) if m in (1, 8) else ["F.linear bf16", "gemv bf16", "gemv fp8"]
+            names = list(vs) if m in (1, 8) else ["F.linear bf16", "gemv bf16", "gemv fp8",
+                                                  "fp8_linear new"]
             for name in names:
                 fn, copies, elem = vs[name]
                 try:
@@ -248,7 +249,7 @@ def run(args) -> dict:
             except Exception as e:  # noqa: BLE001
                 row["check_error"] = f"{type(e).__name__}: {e}"[:300]
             result["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(row), file=args.log, flush=True)
         shapes[(k, n)] = s if args.sweep else None
         if not args.sweep:
             del s
@@ -257,7 +258,7 @@ def run(args) -> dict:
 
     if args.sweep:
         t0 = time.perf_counter()
-        order = [(m, kind, sh) for m in (1, 8) for kind in ("bf16", "fp8") for sh in SHAPES]
+        order = [(m, kind, sh) for m in SWEEP_M for kind in ("bf16", "fp8") for sh in SHAPES]
         for m, kind, (model, layer, k, n) in order:
             if time.perf_counter() - t0 > args.sweep_budget_s:
                 print(f"sweep budget spent; skipped {m} {kind} {model} {layer}", flush=True)
@@ -281,7 +282,8 @@ def run(args) -> dict:
                 best = min(ok, key=lambda r: r["us"])
                 entry["best"] = best
                 print(f"sweep M={m} {kind} {model} {layer}: best {best['us']:.2f} us "
-                      f"{best['GBps']:.0f} GB/s {json.dumps(best['config'])}", flush=True)
+                      f"{best['GBps']:.0f} GB/s {json.dumps(best['config'])}", file=args.log,
+                      flush=True)
             result["sweep"].append(entry)
         print(f"sweep: {time.perf_counter() - t0:.1f} s", flush=True)
     return result
@@ -303,8 +305,6 @@ def table(result: dict) -> str:
               "| fp8_linear old | fp8_linear new | old dyn | new dyn |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        if r["M"] not in (1, 8):
-            continue
         bb = best.get((r["K"], r["N"], r["M"], "bf16"))
         bf = best.get((r["K"], r["N"], r["M"], "fp8"))
         lines.append(
@@ -324,7 +324,9 @@ def main() -> None:
     ap.add_argument("--warm-only", action="store_true",
                     help="compile every kernel variant in parallel processes, then exit")
     ap.add_argument("--procs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
+    ap.add_argument("--log", help="per-row JSON and sweep lines go here (default: stdout)")
     args = ap.parse_args()
+    args.log = open(args.log, "w") if args.log else sys.stdout  # noqa: SIM115
     if args.warm_only:
         warm(True, args.procs)
         return

@@ -6,9 +6,9 @@ widened in registers, float32 accumulation, the scale applied once per output). 
 the whole cost is streaming W once, so the kernel is about bytes in flight:
 
 - ``USE_DOT=False`` (CUDA cores): a program owns BLOCK_N rows of W; each loop step loads a
-  [BLOCK_N, BLOCK_K] tile and the matching x columns and accumulates x * w elementwise into
-  a float32 [BLOCK_N, BLOCK_M, BLOCK_K] register tile ([BLOCK_N, BLOCK_K] at M = 1),
-  reduced over K once at the end (no shuffles in the loop). BLOCK_M = next_pow2(M).
+  [BLOCK_N, BLOCK_K] tile, widens it to float32 once and accumulates w * x[m] elementwise
+  into one float32 [BLOCK_N, BLOCK_K] register tile per row m (the M rows are unrolled),
+  reduced over K once at the end (no shuffles in the loop).
 - ``USE_DOT=True`` (tensor cores, "swap AB"): acc[BLOCK_N, 16] += W_tile @ x_tile^T with
   the M rows padded to 16 by masking (masked lanes read no memory); Triton pipelines the
   W tiles through shared memory ``num_stages`` deep.
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor, next_pow2
+from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
 
 GEMV_MAX_M = 8  # rows handled here; linear() sends larger batches to cuBLAS / _scaled_mm
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -51,9 +51,11 @@ GEMV_CONFIGS: list[dict] = [
     _cfg(4, 1024, False, warps=8),
     _cfg(8, 1024, False, warps=8),
     _cfg(16, 256, False),
-    _cfg(8, 512, False, stages=3),
+    _cfg(4, 256, False),
+    _cfg(16, 512, False),
+    _cfg(16, 1024, False, warps=8),
+    _cfg(8, 2048, False, warps=8),
     _cfg(16, 256, True, stages=4),
-    _cfg(16, 512, True, stages=3),
     _cfg(32, 256, True, stages=4),
     _cfg(64, 128, True, stages=4),
     _cfg(64, 256, True, warps=8, stages=3),
@@ -63,6 +65,33 @@ GEMV_CONFIGS: list[dict] = [
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _store_row(
+    v, row, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr, scale_ptr, bias_ptr, stride_ym,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Row ``row`` of the output, v [BLOCK_N] float32: a split-K partial, or scaled + bias."""
+    n_ok = offs_n < N
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * M + row) * N + offs_n, v, mask=n_ok)
+    else:
+        if HAS_SCALE:
+            v = v * tl.load(scale_ptr)
+        if HAS_BIAS:
+            v += tl.load(bias_ptr + rows_n).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + offs_n, v.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
+    if EVEN_K:
+        xv = tl.load(x_ptrs + row * stride_xm)
+    else:
+        xv = tl.load(x_ptrs + row * stride_xm, mask=k_ok, other=0.0)
+    return acc + w * xv.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -78,12 +107,13 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past N re-read row offs_n % N (valid memory, no mask in the loop) and are not stored
     rows_n = (offs_n % N).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     if USE_DOT:
-        # x^T tile [BLOCK_K, BLOCK_M]; acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T ("swap AB")
+        # x^T tile [BLOCK_K, BLOCK_M] (BLOCK_M = 16, rows >= M masked: no memory read);
+        # acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T ("swap AB")
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kk in range(0, K_SPLIT, BLOCK_K):
@@ -101,49 +131,82 @@ def _gemv_kernel(
                 acc = tl.dot(w.to(xt.dtype), xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    else:
-        # x tile [BLOCK_M, BLOCK_K]; elementwise products into [BLOCK_N, BLOCK_M, BLOCK_K]
-        if BLOCK_M == 1:  # one row: a 2D [BLOCK_N, BLOCK_K] accumulator
-            x_ptrs = x_ptr + offs_k
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for kk in range(0, K_SPLIT, BLOCK_K):
-                if EVEN_K:
-                    w = tl.load(w_ptrs)
-                    xv = tl.load(x_ptrs)
-                else:
-                    k_ok = offs_k + kk < K
-                    w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                    xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-                w_ptrs += BLOCK_K
-                x_ptrs += BLOCK_K
-            acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+        out_ok = (offs_n[:, None] < N) & m_ok[None, :]
+        if SPLIT:
+            p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+            tl.store(p_ptrs, acc, mask=out_ok)
         else:
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-            acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-            for kk in range(0, K_SPLIT, BLOCK_K):
-                if EVEN_K:
-                    w = tl.load(w_ptrs)
-                    xv = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                else:
-                    k_ok = offs_k + kk < K
-                    w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                    xv = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                acc3 += w.to(tl.float32)[:, None, :] * xv.to(tl.float32)[None, :, :]
-                w_ptrs += BLOCK_K
-                x_ptrs += BLOCK_K
-            acc = tl.sum(acc3, axis=2)  # [BLOCK_N, BLOCK_M]
-    out_ok = (offs_n[:, None] < N) & m_ok[None, :]
-    if SPLIT:
-        p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
-        tl.store(p_ptrs, acc, mask=out_ok)
+            if HAS_SCALE:
+                acc = acc * tl.load(scale_ptr)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
+            y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        # CUDA cores, BLOCK_M = M rows unrolled: one [BLOCK_N, BLOCK_K] float32 accumulator
+        # per row, the widened W tile shared by all rows; reduced over K once at the end
+        x_ptrs = x_ptr + offs_k
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 1:
+            acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 2:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 3:
+            acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 4:
+            acc4 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 5:
+            acc5 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 6:
+            acc6 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if BLOCK_M > 7:
+            acc7 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k_ok = offs_k + kk < K
+            if EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 1:
+                acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 2:
+                acc2 = _fma_row(acc2, w, x_ptrs, 2, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 3:
+                acc3 = _fma_row(acc3, w, x_ptrs, 3, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 4:
+                acc4 = _fma_row(acc4, w, x_ptrs, 4, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 5:
+                acc5 = _fma_row(acc5, w, x_ptrs, 5, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 6:
+                acc6 = _fma_row(acc6, w, x_ptrs, 6, stride_xm, k_ok, EVEN_K)
+            if BLOCK_M > 7:
+                acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, EVEN_K)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        _store_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                   scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 1:
+            _store_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 2:
+            _store_row(tl.sum(acc2, axis=1), 2, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 3:
+            _store_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 4:
+            _store_row(tl.sum(acc4, axis=1), 4, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 5:
+            _store_row(tl.sum(acc5, axis=1), 5, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 6:
+            _store_row(tl.sum(acc6, axis=1), 6, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if BLOCK_M > 7:
+            _store_row(tl.sum(acc7, axis=1), 7, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
 
 
 @triton.jit
@@ -175,23 +238,65 @@ def tuning_key(m: int, n: int, k: int, dtype: torch.dtype | str) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def default_config(m: int, n: int, k: int, fp8: bool) -> dict:
-    """The measured best rule on the H200 (notes/NOTES.md, 2026-11-30)."""
-    del fp8
-    if m <= 4:
-        cfg = _cfg(8, 512, False) if k >= 1024 else _cfg(8, 1024, False, warps=8)
+    """The measured best rule on the H200 (bench_gemv.py sweeps, notes/NOTES.md 2026-11-30).
+
+    M = 1: CUDA cores everywhere (tensor-core tiles never won, except bf16 wide-and-shallow).
+    M >= 2: tensor cores, except small weights at M = 2 (and FP8 up to M = 4), where the
+    unrolled CUDA-core rows still win. FP8 tensor-core tiles split K 4 ways: widening e4m3
+    to bf16 for the dot costs ALU time, so they need more programs in flight.
+    """
+    small_k, wide = k <= 2048, n >= 16384
+    if m == 1:
+        if wide:  # gate_up, lm_head
+            cfg = (_cfg(64, 128, True, stages=4) if k < 1024 and not fp8
+                   else _cfg(16, 256, False))
+        elif small_k:  # smollm2-sized: one or two K tiles, latency bound
+            cfg = _cfg(4, 1024, False, warps=8) if n <= 2048 else _cfg(8, 1024, False, warps=8)
+        elif n <= 4096:  # o_proj, down
+            cfg = _cfg(8, 1024, False, warps=8) if fp8 else _cfg(16, 1024, False, warps=8)
+        else:  # qkv
+            cfg = _cfg(8, 512, False)
+    elif small_k and not wide:
+        if n <= 2048 and (m == 2 or (fp8 and m <= 4)):
+            cfg = _cfg(4, 1024, False, warps=8)
+        elif fp8 and m == 2:
+            cfg = _cfg(8, 512, False)
+        else:
+            cfg = _cfg(32, 256, True, stages=4) if fp8 else _cfg(64, 128, True, stages=4)
+    elif fp8:
+        if m == 2 and n <= 8192:
+            cfg = _cfg(8, 512, False)
+        elif wide:
+            cfg = _cfg(128, 128, True, warps=8, stages=3)
+        else:
+            cfg = _cfg(64, 128, True, stages=4)
     else:
-        cfg = _cfg(32, 256, True, stages=4)
+        cfg = _cfg(64, 128, True, stages=4) if wide else _cfg(32, 256, True, stages=4)
     blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    if blocks < 132 and k >= 4 * cfg["BLOCK_K"]:  # too few programs to fill the SMs
-        cfg = dict(cfg, SPLIT_K=min(8, triton.cdiv(264, blocks), k // (2 * cfg["BLOCK_K"])))
+    split = 1
+    if blocks < 64 and k >= 1024:  # too few programs to fill 132 SMs
+        split = min(8, triton.cdiv(132, blocks), k // cfg["BLOCK_K"])
+    elif fp8 and cfg["USE_DOT"] and blocks < 256 and k >= 8 * cfg["BLOCK_K"]:
+        split = 4
+    if split > 1:
+        cfg = dict(cfg, SPLIT_K=1 << (split.bit_length() - 1))
     return cfg
 
 
 def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
-    """Whether ``gemv`` beat cuBLAS (F.linear, or _scaled_mm for FP8) at this shape on the
-    H200 (scripts/bench_gemv.py; linear() routes small batches by this rule)."""
-    del n, k, fp8
-    return 1 <= m <= GEMV_MAX_M
+    """Whether ``gemv`` beat cuBLAS (F.linear, or _scaled_mm after the fused activation quant
+    for FP8) at this shape on the H200 (bench_gemv.py; linear() routes small batches by it).
+
+    bf16/fp16: everywhere but wide-and-shallow (K < 1024, N >= 16384: smollm2's lm_head,
+    where cuBLAS is ~5 % faster). FP8: always at M = 1 (W8A16 streams half the bytes of
+    bf16 with no activation quant); at M >= 2 only up to 4096 x 4096 weights: beyond that
+    W8A8 on the FP8 tensor cores wins (widening e4m3 in registers costs ALU time at M > 1).
+    """
+    if not 1 <= m <= GEMV_MAX_M:
+        return False
+    if fp8:
+        return m == 1 or n * k <= 16 << 20
+    return not (k < 1024 and n >= 16384)
 
 
 def split_candidates(n: int, k: int, cfg: dict) -> list[int]:
@@ -277,7 +382,7 @@ def gemv(
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk  # K per slice, whole tiles
     split = triton.cdiv(k, k_split)  # no empty slices
-    block_m = 16 if dot else next_pow2(m)
+    block_m = 16 if dot else m  # CUDA cores: the M rows unrolled
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     scale = weight_scale if fp8 else y  # any pointer when unused
     b = bias if bias is not None else y
