@@ -15,6 +15,7 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.vocab_len = len(tokenizer)
+        self._fast = _fast_decode(tokenizer, self.vocab_len)
 
     def init_request(self, req: Request) -> None:
         req.read_offset = req.num_prompt_tokens
@@ -23,6 +24,8 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         # Random-weight engines may emit ids past the tokenizer's vocabulary: they have no text.
         ids = [i for i in ids if i < self.vocab_len]
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, req: Request, final: bool = False) -> None:
@@ -54,3 +57,27 @@ class Detokenizer:
             req.text = req.text[: best[0]]
             if not req.is_finished or req.finish_reason == "length":
                 req.finish("stop", best[1])
+
+
+def _fast_decode(tokenizer, vocab_len: int):
+    """The Rust tokenizer's own ``decode`` when it gives exactly the wrapper's text.
+
+    transformers' ``decode`` adds ~10 us of Python per call (twice per request per step);
+    some tokenizers also post-process (clean-up of spaces), so the backend is used only when
+    it agrees with the wrapper on a probe of every 7th token id in windows of 6 and on a
+    sentence with punctuation; otherwise None (the wrapper is used).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode"):
+        return None
+    probes = [list(range(i, min(i + 6, vocab_len))) for i in range(0, vocab_len, 7 * 6)]
+    try:
+        probes.append(tokenizer.encode("Hello , world ! It ' s a test . Isn't it? (yes) - no",
+                                       add_special_tokens=False))
+        for ids in probes:
+            if backend.decode(ids, skip_special_tokens=True) != tokenizer.decode(
+                    ids, skip_special_tokens=True):
+                return None
+    except Exception:  # noqa: BLE001 - any doubt: keep the wrapper
+        return None
+    return backend.decode

@@ -14,6 +14,7 @@ import torch
 
 from kiln.builder.speculative import SpeculativeConfig, validate_request_window
 from kiln.config import ModelConfig
+from kiln.runtime.cuda_graph import CudaGraphRunner
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention import get_backend
@@ -28,6 +29,7 @@ from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.speculative.lookahead import LookaheadWorker
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
+from kiln.runtime.staging import StepStager
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache budget on CPU when the size is not given (CPU memory is shared with everything).
@@ -138,16 +140,20 @@ class LLMEngine:
         # Speculative settings come from the engine artifact only (validated at build).
         self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
         graphs_s = 0.0
-        if config.cuda_graphs and fused:
-            from kiln.runtime.cuda_graph import CudaGraphRunner
-
-            self.runner.graphs = CudaGraphRunner(
-                self.model, self.cache, self.scheduler.max_num_seqs,
-                self.scheduler.max_num_tokens, limits.max_seq_len,
-                self.speculative.tokens_per_step if self.speculative.enabled else 1,
-                self.device, config.max_graph_tokens,
-            )
-            graphs_s = self.runner.graphs.capture()
+        tokens_per_step = self.speculative.tokens_per_step if self.speculative.enabled else 1
+        if fused:  # the Triton path: staged inputs (and CUDA graphs on CUDA)
+            max_seqs = self.scheduler.max_num_seqs
+            self.runner.stager = StepStager(
+                max_seqs, max(self.scheduler.max_num_tokens, max_seqs * tokens_per_step),
+                # room for a full request plus one speculative step
+                -(-(limits.max_seq_len + tokens_per_step) // config.block_size),
+                config.block_size, max_seqs * tokens_per_step ** 2 if tokens_per_step > 1 else 0,
+                self.device)
+            if config.cuda_graphs:
+                self.runner.graphs = CudaGraphRunner(
+                    self.model, self.cache, self.runner.stager, max_seqs,
+                    self.scheduler.max_num_tokens, tokens_per_step, config.max_graph_tokens)
+                graphs_s = self.runner.graphs.capture()
         # Seconds from the constructor's start; from_engine_dir adds the weight loading.
         self.startup_times = {"place_weights_s": t_model - t_start,
                               "kv_cache_s": t_cache - t_model, "cuda_graphs_s": graphs_s,

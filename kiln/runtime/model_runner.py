@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.runtime.cuda_graph import CudaGraphRunner
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.staging import StepStager
 
 
 @dataclass
@@ -34,7 +36,10 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
-        self.graphs = None  # a CudaGraphRunner when CUDA graphs are on (set by the engine)
+        # Set by the engine for the Triton path: host->device staging of every step, and the
+        # CUDA graphs (which read the stager's buffers). None: the reference path below.
+        self.stager: StepStager | None = None
+        self.graphs: CudaGraphRunner | None = None
 
     def slots_of(self, block_table: list[int], indices: list[int] | torch.Tensor) -> torch.Tensor:
         """Cache slots of a request's token indices (CPU LongTensor)."""
@@ -49,12 +54,8 @@ class ModelRunner:
         mask, positions from the plan, logits for every row); others run their next
         ``n`` tokens causally and get logits only when they reach their last token.
         """
-        if self.graphs is not None:
-            out = ForwardOutput(torch.empty(0))
-            bucket = self.graphs.prepare(batch, out)
-            if bucket is not None:
-                out.logits = self.graphs.replay(bucket)
-                return out
+        if self.stager is not None and self.stager.fits(batch):
+            return self._execute_staged(batch)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
@@ -91,4 +92,24 @@ class ModelRunner:
             self.cache, meta,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
+        return out
+
+    def _execute_staged(self, batch: ScheduledBatch) -> ForwardOutput:
+        """The Triton path: numpy staging, one upload, then a graph replay or an eager forward."""
+        stager = self.stager
+        out = ForwardOutput(torch.empty(0))
+        plans = stager.plans(batch)
+        masked = any(p is not None and p.step_mask is not None for p in plans)
+        bucket = (self.graphs.find_bucket(len(batch.items), batch.num_tokens, masked)
+                  if self.graphs is not None else None)
+        pad = (bucket.num_seqs, bucket.num_tokens) if bucket is not None else None
+        st = stager.stage(batch, plans, out, pad)
+        if bucket is not None:
+            out.logits = self.graphs.replay(bucket, st.num_rows)
+            return out
+        d = stager.d
+        t = st.num_tokens
+        meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len, st.masked)
+        out.logits = self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache,
+                                        meta, d["logit_rows"][: st.num_rows])
         return out

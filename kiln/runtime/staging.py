@@ -1,0 +1,190 @@
+"""Step inputs for the Triton path: built in numpy on the host, copied to the device once.
+
+One pinned int32 host buffer holds every per-step array (token ids, positions, cache slots,
+logit rows, query start offsets, context lengths, mask offsets, block tables) at fixed
+offsets, with a device twin of the same layout; a step fills the host side and issues one
+non-blocking copy (plus one for the used part of the tree masks). Eager steps read exact-size
+views of the device twin; CUDA graphs (kiln/runtime/cuda_graph.py) read bucket-size views of
+the same buffers, so staging is shared and graph replays see each step's inputs.
+
+Padding (graphs only, ``pad=(S, T)``): sequences ``b .. S-1`` are empty (query_len 0,
+context 0) and sequence ``S`` takes the ``T - used`` leftover tokens with cache slots -1
+(their KV write is skipped); nothing reads their outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
+from kiln.runtime.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What ``StepStager.stage`` wrote (host-known sizes of the step)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_rows: int  # logits rows the caller needs (sample rows and draft rows)
+    max_query_len: int
+    max_context_len: int
+    masked: bool
+
+
+class StepStager:
+    """Pinned host buffers + their device twin for steps of at most ``max_seqs`` sequences
+    (plus one padding sequence) and ``max_tokens`` tokens; see the module docstring."""
+
+    def __init__(self, max_seqs: int, max_tokens: int, max_blocks: int, block_size: int,
+                 max_mask: int, device: torch.device):
+        self.max_seqs, self.max_tokens, self.max_blocks = max_seqs, max_tokens, max_blocks
+        self.block_size = block_size
+        self.device = device
+        s1 = max_seqs + 1
+        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slots": max_tokens,
+                 "logit_rows": max_tokens, "query_start_loc": s1 + 1, "context_lens": s1,
+                 "mask_offsets": s1, "block_tables": s1 * max_blocks}
+        pin = device.type == "cuda"
+        self.host = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin)
+        self.dev = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
+        np_all = self.host.numpy()
+        self.h: dict[str, np.ndarray] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, n in sizes.items():
+            self.h[name], self.d[name] = np_all[off : off + n], self.dev[off : off + n]
+            off += n
+        self.h["block_tables"] = self.h["block_tables"].reshape(s1, max_blocks)
+        self.d["block_tables"] = self.d["block_tables"].view(s1, max_blocks)
+        self.mask_host = torch.zeros(max(max_mask, 1), dtype=torch.uint8, pin_memory=pin)
+        self.mask_dev = torch.zeros(max(max_mask, 1), dtype=torch.uint8, device=device)
+        self.mask_np = self.mask_host.numpy()
+        self._uploaded = torch.cuda.Event() if pin else None
+
+    # -- transfer ----------------------------------------------------------------------------
+    def upload(self, mask_bytes: int = 0) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+        if mask_bytes:
+            self.mask_dev[:mask_bytes].copy_(self.mask_host[:mask_bytes], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def wait_uploaded(self) -> None:
+        """Host buffers may be rewritten only once the last copy out of them has run."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    # -- a step ------------------------------------------------------------------------------
+    @staticmethod
+    def plans(batch: ScheduledBatch) -> list:
+        """Per item: the request's draft plan when this step runs it, else None."""
+        return [r.draft if r.draft is not None and r.draft.num_tokens == n else None
+                for r, n in batch.items]
+
+    def fits(self, batch: ScheduledBatch) -> bool:
+        return (len(batch.items) <= self.max_seqs and batch.num_tokens <= self.max_tokens
+                and all(len(r.block_table) <= self.max_blocks for r, _ in batch.items))
+
+    def stage(self, batch: ScheduledBatch, plans: list, out,
+              pad: tuple[int, int] | None = None) -> Staged:
+        """Write ``batch`` into the buffers and upload; fills ``out.sample_rows/draft_rows``.
+
+        The caller checked ``fits(batch)``. ``pad=(S, T)`` lays the step out for a graph
+        bucket of S sequences and T tokens (see the module docstring).
+        """
+        self.wait_uploaded()
+        h = self.h
+        bs = self.block_size
+        ids, pos, slots, rows = h["input_ids"], h["positions"], h["slots"], h["logit_rows"]
+        qsl, ctx, moff, bt = (h["query_start_loc"], h["context_lens"], h["mask_offsets"],
+                              h["block_tables"])
+        q0 = nrows = mask_used = max_q = max_ctx = 0
+        qsl[0] = 0
+        for i, ((req, n), plan) in enumerate(zip(batch.items, plans)):
+            start = req.num_computed_tokens
+            end = start + n
+            table = req.block_table
+            bt[i, : len(table)] = table
+            ctx[i] = end
+            max_q, max_ctx = max(max_q, n), max(max_ctx, end)
+            moff[i] = -1
+            if n == 1 and plan is None:  # decode: plain ints, no numpy temporaries
+                slots[q0] = table[start // bs] * bs + start % bs
+                ids[q0] = req.all_token_ids[start]
+                pos[q0] = start
+                if end == req.num_tokens:
+                    out.sample_rows[req] = nrows
+                    rows[nrows] = q0
+                    nrows += 1
+                q0 += 1
+                qsl[i + 1] = q0
+                continue
+            idx = np.arange(start, end)
+            slots[q0 : q0 + n] = bt[i, idx // bs] * bs + idx % bs
+            if plan is None:
+                ids[q0 : q0 + n] = req.all_token_ids[start:end]
+                pos[q0 : q0 + n] = idx
+                if end == req.num_tokens:
+                    out.sample_rows[req] = nrows
+                    rows[nrows] = q0 + n - 1
+                    nrows += 1
+            else:
+                ids[q0 : q0 + n] = plan.token_ids
+                offs = plan.position_offsets
+                pos[q0 : q0 + n] = start + (offs.numpy() if offs is not None else np.arange(n))
+                if plan.step_mask is not None:  # else a chain: causal
+                    moff[i] = mask_used
+                    self.mask_np[mask_used : mask_used + n * n] = (
+                        plan.step_mask.cpu().numpy().reshape(-1))
+                    mask_used += n * n
+                out.draft_rows[req] = (nrows, n)
+                rows[nrows : nrows + n] = np.arange(q0, q0 + n)
+                nrows += n
+            q0 += n
+            qsl[i + 1] = q0
+        b = len(batch.items)
+        if pad is not None:
+            s, t = pad
+            qsl[b + 1 : s + 1] = q0  # empty sequences
+            ctx[b:s] = 0
+            moff[b : s + 1] = -1
+            qsl[s + 1] = t  # the padding sequence takes the leftover tokens
+            ctx[s] = t - q0
+            ids[q0:t] = 0
+            pos[q0:t] = 0
+            slots[q0:t] = -1
+            rows[nrows:t] = 0
+        self.upload(mask_used)
+        return Staged(b, q0, nrows, max_q, max_ctx, mask_used > 0)
+
+    def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int,
+                 max_context_len: int, masked: bool) -> TritonAttentionMetadata:
+        """Device views for ``num_seqs`` sequences (the padding one included, for graphs)."""
+        d = self.d
+        return TritonAttentionMetadata(
+            block_tables=d["block_tables"][:num_seqs],
+            query_start_loc=d["query_start_loc"][: num_seqs + 1],
+            context_lens=d["context_lens"][:num_seqs], max_query_len=max_query_len,
+            max_context_len=max_context_len,
+            mask=self.mask_dev if masked else None,
+            mask_offsets=d["mask_offsets"][:num_seqs] if masked else None,
+            slot_mapping=d["slots"][:num_tokens],
+        )
+
+    def fill_dummy(self, num_seqs: int, num_tokens: int) -> None:
+        """A valid all-padding step of a graph bucket: no KV writes, nothing to read."""
+        self.wait_uploaded()
+        h = self.h
+        for name in ("input_ids", "positions", "logit_rows", "context_lens"):
+            h[name][:] = 0
+        h["slots"][:] = -1
+        h["mask_offsets"][:] = -1
+        h["query_start_loc"][:] = 0
+        h["query_start_loc"][num_seqs + 1] = num_tokens
+        h["context_lens"][num_seqs] = num_tokens
+        h["block_tables"][:] = 0
+        self.upload()
