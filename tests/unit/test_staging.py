@@ -67,7 +67,7 @@ def test_stage_matches_reference_rules():
     assert h["input_ids"][10:14].tolist() == [15, 21, 22, 23]
     assert h["positions"][:14].tolist() == [8, 4, 5, 6, 7, 8, 9, 8, 9, 10, 5, 6, 6, 7]
     # logits rows: decode, final chunk's last token, every plan row; the chunk gets none
-    dec, chunk, last, spec = (r for r, _ in batch.items)
+    dec, _chunk, last, spec = (r for r, _ in batch.items)
     assert out.sample_rows == {dec: 0, last: 1} and out.draft_rows == {spec: (2, 4)}
     assert h["logit_rows"][:6].tolist() == [0, 9, 10, 11, 12, 13]
     assert h["mask_offsets"][:4].tolist() == [-1, -1, -1, 0]
