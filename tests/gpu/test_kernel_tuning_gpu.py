@@ -23,7 +23,7 @@ pytestmark = [
 
 def test_tuned_paged_attention_equals_default():
     from kiln.builder import Limits
-    from kiln.runtime.kernels import tuning
+    from kiln.runtime.kernels import tunables, tuning
     from kiln.runtime.kernels.paged_attention import (
         default_config,
         paged_attention,
@@ -52,7 +52,7 @@ def test_tuned_paged_attention_equals_default():
         for p in pa.problems(target):
             key = pa.key(p)
             assert tuning.lookup("paged_attention", key) == configs[key]
-            b, _, _, _ = tuning._attention_inputs(p, torch.device("cuda"))
+            b, _, _, _ = tunables._attention_inputs(p, torch.device("cuda"))
             args = (*b.args(), p["head_dim"] ** -0.5)
             kwargs = dict(max_query_len=b.max_query_len, max_context_len=b.max_context_len,
                           **b.kwargs())
@@ -64,4 +64,4 @@ def test_tuned_paged_attention_equals_default():
             assert rel_err(tuned, ref) < 1e-2
     finally:
         tuning.clear()
-        tuning._release()
+        tunables._release()
