@@ -93,8 +93,10 @@ def test_reshape_and_cache(cache_dtype):
 
 def test_reshape_and_cache_fp8():
     # The interpreter's float32 -> e4m3 cast rounds wrongly when rounding carries into the
-    # next binade (7.98 -> 4 instead of 8; triton 3.9 interpreter); the GPU test checks every
-    # element exactly. Here elements whose correct rounding is such a carry are excluded.
+    # next binade (7.98 -> 4 instead of 8; triton 3.9 interpreter) and in the subnormal range
+    # (|x| < 2**-6: 0.0098 -> 0.0078); the GPU test checks every element exactly. Here those
+    # elements are excluded (seeded: which elements they are depends on the draw).
+    torch.manual_seed(0)
     k, v = torch.randn(6, 2, 16) * 3, torch.randn(6, 2, 16) * 3
     k[0, 0, 0] = 1e4  # saturates to 448 * scale
     shape = (3, 4, 2, 16)
@@ -107,6 +109,7 @@ def test_reshape_and_cache_fp8():
     for got, ref in ((kc.float(), rk.float()), (vc.float(), rv.float())):
         mant = torch.frexp(ref)[0].abs()
         carry = mant == 0.5  # reference is a power of two: possibly a rounding carry
+        carry |= (ref.abs() < 2**-6) & (ref != 0)  # e4m3 subnormals
         assert (got[~carry] == ref[~carry]).all()
         assert (~carry).float().mean() > 0.7
     assert rk.float()[slots[0] // 4, slots[0] % 4, 0, 0] == 448
