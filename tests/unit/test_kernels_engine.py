@@ -48,3 +48,28 @@ def test_triton_backend_engine_greedy_and_lookahead(tiny_reference, graphs):
     got, spec_steps = _tokens(out, "triton", prompts, params, graphs)
     assert got == ref
     assert spec_steps > 0 and spec_steps == ref_spec_steps
+
+
+def test_staged_graph_path_with_preemption_and_prefix_cache(tiny_reference):
+    """8 mixed prompts (two sharing a 16-token prefix), a 16-token budget and a cache too
+    small for all: the Triton staged path (graph buffers, decode buckets of 1..8) gives the
+    torch backend's tokens, preempts, hits the prefix cache and frees every block."""
+    _, out = tiny_reference("llama", max_seq_len=128, max_num_tokens=256, max_batch_size=8)
+    prompts = mixed_prompts()
+    prompts[3] = prompts[4][:16] + prompts[3]  # shares 4 full blocks with prompts[4]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(backend):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16,
+            attention_backend=backend, cuda_graphs=True))
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_all_free()
+        return eng, outs
+
+    _, ref = run("torch")
+    eng, got = run("triton")
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert sum(o.metrics.num_cached_prompt_tokens for o in got) > 0
+    assert eng.runner.graphs.num_replays > 0
