@@ -22,7 +22,11 @@ from kiln.runtime.layers.sampler import warp
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.lookahead_math import (
-    NgramPool, StepLayout, build_step_layout, greedy_verify, verify_position,
+    NgramPool,
+    StepLayout,
+    build_step_layout,
+    greedy_verify,
+    verify_position,
 )
 from kiln.runtime.speculative.worker import DraftWorker
 
@@ -79,13 +83,13 @@ class LookaheadWorker(DraftWorker):
         layout, cands = plan.data
         argmax = logits.argmax(-1).tolist()
         tokens = plan.token_ids
+        window_rows, last_rows, cand_rows = layout.row_lists
         # Lookahead branch (always greedy): the last level's outputs are the new tokens.
-        new = [argmax[r] for r in layout.last_level_rows.tolist()]
+        new = [argmax[r] for r in last_rows]
         for j in range(st.w):
-            chain = [tokens[int(layout.window_rows[lvl, j])] for lvl in range(len(st.window))]
+            chain = [tokens[window_rows[lvl][j]] for lvl in range(len(st.window))]
             if st.n >= 2:
                 st.pool.add(chain[: st.n - 1] + [new[j]])
-        cand_rows = layout.candidate_rows.tolist()
         if req.matcher is not None:  # structured output: drafts checked against the grammar
             best, accepted = None, self.guided_chain(req, logits, [], [])
             for i, (cand, rows) in enumerate(zip(cands, cand_rows)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -45,6 +46,13 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return int(self.position_offsets.numel())
+
+    @cached_property
+    def row_lists(self) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """(window_rows, last_level_rows, candidate_rows) as Python lists, made once per
+        layout: verification reads them every step, and tensor element reads cost ~1 us each."""
+        return (self.window_rows.tolist(), self.last_level_rows.tolist(),
+                self.candidate_rows.tolist())
 
     @property
     def x_row(self) -> int:

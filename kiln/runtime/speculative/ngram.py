@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime.layers.sampler import warp
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.lookahead_math import verify_position
-from kiln.runtime.layers.sampler import warp
 from kiln.runtime.speculative.worker import DraftWorker
 
 
