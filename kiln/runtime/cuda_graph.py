@@ -87,6 +87,7 @@ class CudaGraphRunner:
         self.outputs: dict[Bucket, torch.Tensor] = {}
         self.pool = None
         self.ready: set[Bucket] = set()  # buckets that can run (captured, or eager off CUDA)
+        self.failed: dict[Bucket, str] = {}  # buckets whose capture raised -> the error
         self.capture_s = 0.0
         self.num_replays = 0
 
@@ -107,28 +108,39 @@ class CudaGraphRunner:
         same static-buffer forward eagerly, so the staging logic is tested everywhere.
         """
         t0 = time.perf_counter()
-        if self.device.type != "cuda":
-            self.ready = set(self.buckets)
-            return 0.0
-        stream = torch.cuda.Stream(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            self.pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, key=lambda b: (b.num_tokens, b.num_seqs), reverse=True):
-            self.stager.fill_dummy(b.num_seqs, b.num_tokens)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the kernels, settle the allocator
-                    self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
-            self.ready.add(b)
+            try:
+                self._capture_one(b, stream)
+            except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured runs eager
+                self.failed[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    break  # smaller buckets would fail the same way; keep what was captured
             if progress is not None:
                 progress()
-        torch.cuda.synchronize(self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         return self.capture_s
+
+    def _capture_one(self, b: Bucket, stream: torch.cuda.Stream | None) -> None:
+        if stream is None:  # off CUDA: nothing to capture, replay runs the forward eagerly
+            self.ready.add(b)
+            return
+        self.stager.fill_dummy(b.num_seqs, b.num_tokens)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the kernels, settle the allocator
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self.outputs[b] = self._forward(b)
+        self.graphs[b] = graph
+        self.ready.add(b)
 
     # -- a step ------------------------------------------------------------------------------
     def find_bucket(self, num_seqs: int, num_tokens: int, masked: bool) -> Bucket | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -154,6 +155,7 @@ class LLMEngine:
                     self.model, self.cache, self.runner.stager, max_seqs,
                     self.scheduler.max_num_tokens, tokens_per_step, config.max_graph_tokens)
                 graphs_s = self.runner.graphs.capture()
+                _report_capture_failures(self.runner)
         # Seconds from the constructor's start; from_engine_dir adds the weight loading.
         self.startup_times = {"place_weights_s": t_model - t_start,
                               "kv_cache_s": t_cache - t_model, "cuda_graphs_s": graphs_s,
@@ -461,6 +463,21 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
+
+
+def _report_capture_failures(runner: ModelRunner) -> None:
+    """One stderr line when some CUDA graph buckets could not be captured (those steps run
+    eagerly, same results); graphs are dropped altogether when none was captured."""
+    graphs = runner.graphs
+    if not graphs.failed:
+        return
+    first = next(iter(graphs.failed.items()))
+    print(f"warning: {len(graphs.failed)} of {len(graphs.buckets)} CUDA graph buckets could not "
+          f"be captured and run eagerly (first: {first[0].num_seqs} seqs x "
+          f"{first[0].num_tokens} tokens: {first[1]}); set KILN_CUDA_GRAPHS=0 to skip capture",
+          file=sys.stderr, flush=True)
+    if not graphs.ready:
+        runner.graphs = None
 
 
 def _make_worker(spec: SpeculativeConfig) -> DraftWorker | None:

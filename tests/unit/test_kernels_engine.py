@@ -73,3 +73,30 @@ def test_staged_graph_path_with_preemption_and_prefix_cache(tiny_reference):
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert sum(o.metrics.num_cached_prompt_tokens for o in got) > 0
     assert eng.runner.graphs.num_replays > 0
+
+
+def test_buckets_that_fail_to_capture_run_eagerly(tiny_reference, monkeypatch, capsys):
+    """A capture failure (here: every bucket of 2+ sequences) must not stop the engine: one
+    warning line, those batches run eagerly, results unchanged."""
+    from kiln.runtime import cuda_graph
+
+    orig = cuda_graph.CudaGraphRunner._capture_one
+
+    def flaky(self, b, stream):
+        if b.num_seqs > 1:
+            raise RuntimeError("CUDA error: out of resources\nmore lines")
+        return orig(self, b, stream)
+
+    monkeypatch.setattr(cuda_graph.CudaGraphRunner, "_capture_one", flaky)
+    _, out = tiny_reference("llama", max_seq_len=128, max_num_tokens=256, max_batch_size=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = mixed_prompts()[:3]
+    cfg = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64, "cuda_graphs": True}
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(attention_backend="triton", **cfg))
+    err = capsys.readouterr().err
+    assert "warning: 2 of 3 CUDA graph buckets could not be captured" in err
+    assert "out of resources" in err and "more lines" not in err
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    ref = LLMEngine.from_engine_dir(out, RuntimeConfig(attention_backend="torch", **cfg))
+    assert got == [o.token_ids for o in ref.generate(prompts, params)]
+    assert {b.num_seqs for b in eng.runner.graphs.ready} == {1}
