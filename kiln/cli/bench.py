@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 
+from kiln.cli.generate import ENFORCE_EAGER_HELP
 from kiln.errors import KilnError
 
 _ENGINE = typer.Argument(..., metavar="ENGINE", help="Engine directory written by `kiln build`.")
@@ -47,7 +48,8 @@ def _check_baseline(name: str) -> str:
     return name
 
 
-def _load(engine_dir: Path, device: str | None) -> tuple[Any, dict]:
+def _load(engine_dir: Path, device: str | None,
+          enforce_eager: bool = False) -> tuple[Any, dict]:
     """Load the engine; returns (engine, start-up record). Imports are not start-up time."""
     from kiln.cli.generate import check_engine_dir, load_engine
 
@@ -55,7 +57,7 @@ def _load(engine_dir: Path, device: str | None) -> tuple[Any, dict]:
     import kiln.runtime.engine  # noqa: F401
 
     t0 = time.perf_counter()
-    engine, _ = load_engine(engine_dir, device)
+    engine, _ = load_engine(engine_dir, device, enforce_eager)
     startup = {"startup_s": time.perf_counter() - t0,
                "startup_times": getattr(engine, "startup_times", None)}
     return engine, startup
@@ -106,6 +108,7 @@ def throughput(
         help="Run only the first N requests through the baseline (transformers is slow); "
         "the ratio is then of output tokens/s. Default: all.",
     ),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
 ) -> None:
     """Offline throughput: all requests queued at once, continuous batching to the end.
 
@@ -116,7 +119,7 @@ def throughput(
     from kiln.bench.report import environment, render_throughput
 
     _check_baseline(baseline)
-    engine, startup = _load(engine_dir, device)
+    engine, startup = _load(engine_dir, device, enforce_eager)
     if dataset is not None:
         from kiln.bench.datasets import load_requests
 
@@ -185,6 +188,7 @@ def latency(
         help="--baseline hf: compile transformers' decode step (torch.compile, mode "
         "reduce-overhead, static cache). Default: on CUDA yes, on CPU no.",
     ),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
 ) -> None:
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 
@@ -202,7 +206,7 @@ def latency(
 
     _check_baseline(baseline)
     window = parse_window(lookahead) if lookahead else None
-    engine, startup = _load(engine_dir, device)
+    engine, startup = _load(engine_dir, device, enforce_eager)
     with _progress("latency", num_iters) as advance:
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)

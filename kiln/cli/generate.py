@@ -28,7 +28,19 @@ def check_engine_dir(engine_dir: Path) -> None:
                         f"build one with `kiln build MODEL -o {engine_dir}`")
 
 
-def load_engine(engine_dir: Path, device: str | None = None) -> tuple[Any, float]:
+ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at start-up; "
+                      "same results). Also KILN_CUDA_GRAPHS=0.")
+
+
+def runtime_config(device: str | None, enforce_eager: bool = False) -> Any:
+    """The RuntimeConfig the CLI commands load engines with."""
+    from kiln.runtime.engine import RuntimeConfig
+
+    return RuntimeConfig(device=device, **({"cuda_graphs": False} if enforce_eager else {}))
+
+
+def load_engine(engine_dir: Path, device: str | None = None,
+                enforce_eager: bool = False) -> tuple[Any, float]:
     """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
     check_engine_dir(engine_dir)
     from rich.console import Console
@@ -36,9 +48,9 @@ def load_engine(engine_dir: Path, device: str | None = None) -> tuple[Any, float
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with console.status(f"loading engine {engine_dir}", spinner="dots"):
-        from kiln.runtime.engine import LLMEngine, RuntimeConfig
+        from kiln.runtime.engine import LLMEngine
 
-        engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device=device))
+        engine = LLMEngine.from_engine_dir(engine_dir, runtime_config(device, enforce_eager))
     return engine, time.perf_counter() - t0
 
 
@@ -80,6 +92,7 @@ def generate(
         help="Lookahead window W,N,G for this request, within the engine's (see `kiln "
         "inspect`); 1,1,0 is plain decoding. Default: the engine's.",
     ),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
     from kiln.builder.speculative import parse_window, validate_request_window
@@ -99,7 +112,7 @@ def generate(
         spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
         validate_request_window(spec, *params.lookahead)
     text = _read_prompt(prompt)
-    engine, load_s = load_engine(engine_dir, device)
+    engine, load_s = load_engine(engine_dir, device, enforce_eager)
     request: str | list[int] = text
     if not raw:
         if not getattr(engine.tokenizer, "chat_template", None):

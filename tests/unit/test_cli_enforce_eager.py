@@ -1,0 +1,40 @@
+"""--enforce-eager (serve, generate, bench throughput/latency): no CUDA graphs, same results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kiln.cli.app import app
+from kiln.cli.generate import runtime_config
+
+
+def test_runtime_config_turns_graphs_off_only_when_asked(monkeypatch):
+    monkeypatch.delenv("KILN_CUDA_GRAPHS", raising=False)
+    assert runtime_config(None).cuda_graphs is True
+    assert runtime_config("cpu", enforce_eager=True).cuda_graphs is False
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")  # the environment still works without the flag
+    assert runtime_config(None).cuda_graphs is False
+
+
+@pytest.mark.parametrize("cmd", [["serve"], ["generate"], ["bench", "throughput"],
+                                 ["bench", "latency"]])
+def test_flag_is_documented(cmd):
+    res = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "--enforce-eager" in res.output
+
+
+def test_generate_with_enforce_eager(tmp_path):
+    from kiln.builder import build_engine
+
+    out = tmp_path / "tiny"
+    build_engine("random:tiny-llama", out, dtype="float32", progress=False)
+    args = ["generate", str(out), "hello", "--max-tokens", "4", "--temperature", "0",
+            "--raw", "--json", "--device", "cpu"]
+    plain = CliRunner().invoke(app, args)
+    eager = CliRunner().invoke(app, [*args, "--enforce-eager"])
+    assert plain.exit_code == 0 and eager.exit_code == 0, (plain.output, eager.output)
+    assert (json.loads(eager.stdout.strip().splitlines()[-1])["token_ids"]
+            == json.loads(plain.stdout.strip().splitlines()[-1])["token_ids"])
