@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.runtime.layers.sampler import Sampler, apply_repetition_penalty, warp
+from kiln.runtime.layers.sampler import Sampler, apply_repetition_penalty, warp, warp_batch
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -60,3 +60,40 @@ def test_logprobs_report_chosen_and_top():
 def test_bad_params_name_the_field(kw, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
+
+
+MIXED = [SamplingParams(temperature=0.7), SamplingParams(top_k=3),
+         SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(min_p=0.2),
+         SamplingParams(temperature=0.5, top_k=5, top_p=0.9, min_p=0.05),
+         SamplingParams(top_k=50)]  # top_k >= vocab: off
+
+
+def test_warp_batch_equals_warp_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(MIXED), 50, generator=g) * 3
+    logits[1, 7] = float("-inf")  # a token already masked (grammar) stays out
+    got = warp_batch(logits, MIXED)
+    for i, p in enumerate(MIXED):
+        want = warp(logits[i], p)
+        assert torch.allclose(got[i], want, atol=1e-6), (i, p)
+        assert torch.equal(got[i] > 0, want > 0), (i, p)
+
+
+def test_batched_rows_follow_their_distribution_next_to_greedy_and_seeded_rows():
+    """Unseeded sampled rows are drawn together: each follows warp()'s distribution; a
+    greedy row in the same batch stays argmax and a seeded row draws what it draws alone."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    n = 4000
+    sampled = SamplingParams(temperature=1.0, top_p=0.9)  # keeps 0.5, 0.3, 0.15
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    params = [sampled] * n + [SamplingParams(temperature=0), seeded]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    toks, _ = Sampler()(logits.expand(n + 2, 4).clone(), params, [[]] * (n + 2),
+                        [None] * (n + 1) + [gen])
+    freq = torch.bincount(torch.tensor(toks[:n]), minlength=4).float() / n
+    assert torch.allclose(freq, warp(logits, sampled), atol=0.03)
+    assert freq[3] == 0  # cut by top_p
+    assert toks[n] == 0
+    alone, _ = Sampler()(logits[None], [seeded], [[]], [torch.Generator().manual_seed(3)])
+    assert toks[n + 1] == alone[0]

@@ -43,6 +43,39 @@ def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def warp_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``warp`` for many rows at once (logits [R, V], one SamplingParams per row): the same
+    rules, each applied to the rows that use it, with per-row values as [R, 1] tensors."""
+    dev, v = logits.device, logits.shape[-1]
+
+    def col(vals: list[float]) -> torch.Tensor:
+        return torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
+
+    logits = logits / col([p.temperature for p in params])
+    ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]
+    if any(ks):
+        # the k-th largest logit of each row with top-k (rows without: -inf, keeps all)
+        top = torch.topk(logits, max(ks), dim=-1).values  # [R, kmax] descending
+        kth = top.gather(-1, (torch.tensor(ks, device=dev).clamp(min=1) - 1)[:, None])
+        kth = torch.where(col([float(k > 0) for k in ks]) > 0, kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        cum = sorted_probs.cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (top_p 1.0: never)
+        drop_sorted = (cum - sorted_probs) >= col([p.top_p if p.top_p < 1.0 else 2.0
+                                                   for p in params])
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    if any(p.min_p > 0 for p in params):
+        floor = col([p.min_p for p in params]) * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
 def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token from probabilities [V]; seeded draws run on CPU for reproducibility."""
     if generator is not None:
@@ -51,7 +84,9 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 class Sampler:
-    """Picks one token per row. Greedy rows share one argmax; others are warped per row."""
+    """Picks one token per row. Greedy rows share one argmax; unseeded sampled rows are
+    warped and drawn together (one multinomial, no per-row host sync); seeded rows draw
+    from their own CPU generator, row by row, so a seed reproduces across batches."""
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]],
@@ -65,9 +100,15 @@ class Sampler:
             for i in penalized:
                 processed[i] = apply_repetition_penalty(logits[i], seen[i],
                                                         params[i].repetition_penalty)
-        tokens = processed.argmax(-1).tolist()
+        chosen = processed.argmax(-1)  # [rows], on the device
+        batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+        if batch:
+            idx = torch.tensor(batch, device=processed.device)
+            probs = warp_batch(processed.index_select(0, idx), [params[i] for i in batch])
+            chosen = chosen.index_copy(0, idx, torch.multinomial(probs, 1).squeeze(1))
+        tokens = chosen.tolist()  # the step's one host sync
         for i, p in enumerate(params):
-            if not p.greedy:
+            if not p.greedy and generators[i] is not None:
                 tokens[i] = sample_row(warp(processed[i], p), generators[i])
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
