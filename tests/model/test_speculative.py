@@ -247,11 +247,11 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
     if fault == "verify":
         real = type(worker).verify
 
-        def flaky(self, req, logits):
+        def flaky(self, req, logits, argmax):
             calls["n"] += 1
             if calls["n"] == 3:  # after the forward wrote KV and the pool was updated
                 raise RuntimeError("injected verification failure")
-            return real(self, req, logits)
+            return real(self, req, logits, argmax)
 
         monkeypatch.setattr(type(worker), "verify", flaky)
     else:

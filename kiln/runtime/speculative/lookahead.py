@@ -76,12 +76,13 @@ class LookaheadWorker(DraftWorker):
             tokens += list(c)
         return DraftPlan(tokens, layout.position_offsets, layout.mask, data=(layout, cands))
 
-    def verify(self, req: Request, logits: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
-        """logits [T, V] of the step's rows -> (committed tokens, KV moves (src row, dst off))."""
+    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        """logits [T, V] of the step's rows, their argmax -> (committed tokens, KV moves
+        (src row, dst off))."""
         st: LookaheadState = req.spec_state
         plan: DraftPlan = req.draft
         layout, cands = plan.data
-        argmax = logits.argmax(-1).tolist()
         tokens = plan.token_ids
         window_rows, last_rows, cand_rows = layout.row_lists
         # Lookahead branch (always greedy): the last level's outputs are the new tokens.

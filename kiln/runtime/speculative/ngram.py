@@ -47,13 +47,13 @@ class NgramWorker(DraftWorker):
             return None
         return DraftPlan([req.all_token_ids[-1]] + draft, data=draft)
 
-    def verify(self, req: Request, logits: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
+    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
         draft: list[int] = req.draft.data
         accepted: list[int] = []
         if req.matcher is not None:  # structured output: drafts checked against the grammar
             accepted = self.guided_chain(req, logits, draft, list(range(1, len(draft) + 1)))
         elif req.params.greedy:
-            argmax = logits.argmax(-1).tolist()
             for i, d in enumerate(draft):
                 if argmax[i] != d:
                     break

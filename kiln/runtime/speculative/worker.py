@@ -38,8 +38,10 @@ class DraftWorker(SpeculativeWorker):
         """The next step's plan for a request whose only uncomputed token is its last."""
 
     @abstractmethod
-    def verify(self, req: Request, logits: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
-        """logits [T, V] of the plan's rows -> (committed tokens, KV moves).
+    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        """logits [T, V] of the plan's rows (``argmax``: their argmax, already on the host)
+        -> (committed tokens, KV moves).
 
         A move (row, k) says: the KV written by in-step row ``row`` belongs at offset ``k``
         from x's index (the accepted draft's final position).
@@ -101,15 +103,26 @@ class DraftWorker(SpeculativeWorker):
 
     def _step_impl(self, engine: LLMEngine, batch: ScheduledBatch) -> StepResult:
         result = engine.forward_and_sample(batch)
-        cache = engine.cache
-        for req, logits in result.draft_logits.items():
-            accepted, moves = self.verify(req, logits)
-            if moves:
-                base = req.num_computed_tokens  # x's token index
-                src = engine.runner.slots_of(req.block_table, [base + r for r, _ in moves])
-                dst = engine.runner.slots_of(req.block_table, [base + k for _, k in moves])
-                cache.move_slots(src.to(cache.k.device), dst.to(cache.k.device))
+        drafts = result.draft_logits
+        # Every draft row's argmax in one host copy (one sync per step, not per request).
+        flat = torch.cat([lg.argmax(-1) for lg in drafts.values()]).tolist() if drafts else []
+        bs = engine.cache.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        off = 0
+        for req, logits in drafts.items():
+            argmax = flat[off : off + logits.shape[0]]
+            off += logits.shape[0]
+            accepted, moves = self.verify(req, logits, argmax)
+            base = req.num_computed_tokens  # x's token index
+            table = req.block_table
+            for r, k in moves:
+                src.append(table[(base + r) // bs] * bs + (base + r) % bs)
+                dst.append(table[(base + k) // bs] * bs + (base + k) % bs)
             result.tokens[req] = accepted
             result.advance[req] = len(accepted)  # x + accepted drafts have KV
             result.verified.add(req)  # the engine counts what it commits
+        if src:  # one move for the whole step: requests own disjoint blocks past their prefix
+            dev = engine.cache.k.device
+            engine.cache.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         return result
