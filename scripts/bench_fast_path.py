@@ -43,9 +43,8 @@ def load(path: Path, config: str, **kw) -> LLMEngine:
     return LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", **CONFIGS[config], **kw))
 
 
-def free(*engines) -> None:
-    for e in engines:
-        del e
+def free() -> None:
+    """Return the memory of engines the caller has dropped (``del eng`` first)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -92,7 +91,8 @@ def smol(res: dict, tmp: Path) -> None:
                              f"{s['plain_tokens_per_s']:.0f} -> {s['spec_tokens_per_s']:.0f}",
                              (f"x{s['speedup']:.2f}, {s['tokens_per_step']:.2f} tok/step, "
                              f"same output {s['same_output']}")))
-        free(eng)
+        del eng
+        free()
 
 
 def eight_b(res: dict, tmp: Path) -> None:
@@ -113,7 +113,8 @@ def eight_b(res: dict, tmp: Path) -> None:
             ROWS.append((f"llama-3-8b {quant} b1 128/128 [{name}]", f"{tps:.1f}", "tok/s"))
             ROWS.append((f"llama-3-8b {quant} engine load [{name}]", f"{wall:.1f}",
                          json.dumps({k: round(v, 2) for k, v in eng.startup_times.items()})))
-            free(eng)
+            del eng
+            free()
 
 
 def tput(res: dict, tmp: Path, n: int) -> None:
@@ -135,7 +136,8 @@ def tput(res: dict, tmp: Path, n: int) -> None:
     res["tput"] = {"requests": n, "output_tok_s": gen / dt, "seconds": dt,
                    "total_tok_s": (gen + 512 * n) / dt}
     ROWS.append((f"llama-3-8b bf16 {n} req 512/256 [fast]", f"{gen / dt:.0f}", "output tok/s"))
-    free(eng)
+    del eng
+    free()
 
 
 def serve(res: dict, tmp: Path) -> None:

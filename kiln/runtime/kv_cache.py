@@ -17,6 +17,11 @@ from collections.abc import Sequence
 import torch
 
 
+def slot_of(block_table: Sequence[int], index: int, block_size: int) -> int:
+    """Cache slot of a request's token ``index`` (the block-table rule above)."""
+    return block_table[index // block_size] * block_size + index % block_size
+
+
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     """Hash of one full block given its parent block's hash (None for the first block)."""
     return hash((parent, tuple(tokens)))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.runtime.kv_cache import slot_of
 from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
 from kiln.runtime.scheduler import ScheduledBatch
 
@@ -113,7 +114,7 @@ class StepStager:
             max_q, max_ctx = max(max_q, n), max(max_ctx, end)
             moff[i] = -1
             if n == 1 and plan is None:  # decode: plain ints, no numpy temporaries
-                slots[q0] = table[start // bs] * bs + start % bs
+                slots[q0] = slot_of(table, start, bs)
                 ids[q0] = req.all_token_ids[start]
                 pos[q0] = start
                 if end == req.num_tokens:

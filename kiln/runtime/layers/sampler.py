@@ -25,22 +25,7 @@ def apply_repetition_penalty(
 
 def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row [V]; returns probabilities (float32)."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p (keeps at least one).
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
-    return probs
+    return warp_batch(logits[None], [p])[0]
 
 
 def warp_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -48,29 +33,29 @@ def warp_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     rules, each applied to the rows that use it, with per-row values as [R, 1] tensors."""
     dev, v = logits.device, logits.shape[-1]
 
-    def col(vals: list[float]) -> torch.Tensor:
-        return torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
+    def col(vals: list) -> torch.Tensor:  # per-row values as [R, 1]
+        return torch.tensor(vals, device=dev)[:, None]
 
-    logits = logits / col([p.temperature for p in params])
+    logits = logits / col([float(p.temperature) for p in params])
     ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]
     if any(ks):
         # the k-th largest logit of each row with top-k (rows without: -inf, keeps all)
         top = torch.topk(logits, max(ks), dim=-1).values  # [R, kmax] descending
-        kth = top.gather(-1, (torch.tensor(ks, device=dev).clamp(min=1) - 1)[:, None])
-        kth = torch.where(col([float(k > 0) for k in ks]) > 0, kth, float("-inf"))
+        kth = top.gather(-1, col([max(k, 1) - 1 for k in ks]))
+        kth = kth.masked_fill(~col([k > 0 for k in ks]), float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         sorted_logits, order = torch.sort(logits, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
         cum = sorted_probs.cumsum(-1)
         # drop a token when the mass before it already reaches top_p (top_p 1.0: never)
-        drop_sorted = (cum - sorted_probs) >= col([p.top_p if p.top_p < 1.0 else 2.0
+        drop_sorted = (cum - sorted_probs) >= col([float(p.top_p) if p.top_p < 1.0 else 2.0
                                                    for p in params])
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
     if any(p.min_p > 0 for p in params):
-        floor = col([p.min_p for p in params]) * probs.amax(-1, keepdim=True)
+        floor = col([float(p.min_p) for p in params]) * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

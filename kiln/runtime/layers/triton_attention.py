@@ -27,7 +27,7 @@ class TritonAttentionMetadata:
     max_context_len: int
     mask: torch.Tensor | None = None  # packed [sum query_len²] uint8 tree masks
     mask_offsets: torch.Tensor | None = None  # [num_seqs] int32, -1 = causal
-    # Set by the CUDA graph runner, which passes this metadata straight to the model:
+    # Set by kiln/runtime/staging.py, which passes this metadata straight to the model:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot per token, -1 = skip
 
     @classmethod
@@ -107,7 +107,7 @@ class TritonAttention(AttentionBackend):
         from kiln.runtime.kernels.kv_write import reshape_and_cache
         from kiln.runtime.kernels.paged_attention import paged_attention
 
-        if isinstance(meta, TritonAttentionMetadata):  # prepared on the device (CUDA graphs)
+        if isinstance(meta, TritonAttentionMetadata):  # staged on the device (staging.py)
             dm, slot_mapping = meta, meta.slot_mapping
         else:
             dm, slot_mapping = self.device_metadata(meta, cache, q.device), meta.slot_mapping

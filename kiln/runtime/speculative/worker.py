@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.runtime.kv_cache import slot_of
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.base import SpeculativeWorker
 from kiln.runtime.speculative.draft import DraftPlan
@@ -117,8 +118,8 @@ class DraftWorker(SpeculativeWorker):
             base = req.num_computed_tokens  # x's token index
             table = req.block_table
             for r, k in moves:
-                src.append(table[(base + r) // bs] * bs + (base + r) % bs)
-                dst.append(table[(base + k) // bs] * bs + (base + k) % bs)
+                src.append(slot_of(table, base + r, bs))
+                dst.append(slot_of(table, base + k, bs))
             result.tokens[req] = accepted
             result.advance[req] = len(accepted)  # x + accepted drafts have KV
             result.verified.add(req)  # the engine counts what it commits
