@@ -30,8 +30,7 @@ from kiln.sources.builtin import BUILTINS, cached_path
 
 
 def replay_ms(runner, bucket, iters: int = 50) -> float:
-    runner._fill_dummy(bucket)
-    runner._rows = 1
+    runner.stager.fill_dummy(bucket.num_seqs, bucket.num_tokens)
     g = runner.graphs[bucket]
     times = []
     for _ in range(iters):
@@ -76,7 +75,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     b1 = next(b for b in runner.graphs if b.num_seqs == 1 and not b.masked)
-    runner._fill_dummy(b1)
+    runner.stager.fill_dummy(b1.num_seqs, b1.num_tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             runner.graphs[b1].replay()

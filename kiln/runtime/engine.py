@@ -63,6 +63,10 @@ class RuntimeConfig:
         default_factory=lambda: os.environ.get("KILN_CUDA_GRAPHS", "1") not in ("0", ""))
     # Steps of at most this many tokens may run as graphs (larger ones run eagerly).
     max_graph_tokens: int = 1024
+    # Schedule and launch the next decode step before reading this step's tokens (host work
+    # overlaps the GPU; see LLMEngine.step). KILN_ASYNC_SCHEDULING=0 turns it off.
+    async_scheduling: bool = field(
+        default_factory=lambda: os.environ.get("KILN_ASYNC_SCHEDULING", "1") not in ("0", ""))
 
 
 @dataclass
@@ -78,6 +82,24 @@ class StepResult:
     advance: dict[Request, int] = field(default_factory=dict)
     draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
     verified: set[Request] = field(default_factory=set)  # requests whose draft was verified
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device, tokens not yet read.
+
+    ``host`` receives ``tokens`` (pinned on CUDA) and is valid once ``ready`` has passed.
+    ``advanced``: the scheduler already counted this step's KV (a next step was scheduled
+    on top of it); ``placeholders``: requests holding a stand-in for this step's token.
+    """
+
+    batch: ScheduledBatch
+    reqs: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    advanced: bool = False
+    placeholders: list[Request] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -172,6 +194,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
+        self.async_scheduling = config.async_scheduling  # may be switched between steps
+        self._inflight: LaunchedStep | None = None
+        self._host_tokens = [torch.empty(self.scheduler.max_num_seqs, dtype=torch.long,
+                                         pin_memory=self.device.type == "cuda")
+                             for _ in range(2)]  # two: one per step in flight
+        self._host_turn = 0
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, config: RuntimeConfig | None = None) -> LLMEngine:
@@ -268,20 +296,113 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got tokens or finished."""
-        if self.spec_worker is not None:
-            self.spec_worker.propose_all(self.scheduler.running)
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError(
-                    "no request fits the KV cache even alone; give the engine more KV blocks"
-                )
-            return []
-        if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
-            result = self.spec_worker.step(self, batch)
-        else:
-            result = self.forward_and_sample(batch)
+        """Run one scheduling step; returns outputs of requests that got tokens or finished.
+
+        Async scheduling: a decode step whose tokens can stay on the device is launched, then
+        the step after it is scheduled and launched on top (its input tokens copied on the
+        device from this step's samples, stand-ins on the host), and only then are this
+        step's tokens read and committed. The host's work of one step overlaps the GPU's
+        work of the next; a request that stops on a token runs one discarded extra row.
+        """
+        launched = self._inflight
+        if launched is not None and all(r.is_finished for r in launched.reqs):
+            self._inflight = launched = None  # every request it ran has stopped or was aborted
+        if launched is None:
+            if self.spec_worker is not None:
+                self.spec_worker.propose_all(self.scheduler.running)
+            batch = self.scheduler.schedule()
+            if not batch:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError(
+                        "no request fits the KV cache even alone; give the engine more KV "
+                        "blocks"
+                    )
+                return []
+            if not self._can_launch(batch):
+                if self.spec_worker is not None and any(r.draft is not None
+                                                        for r, _ in batch.items):
+                    result = self.spec_worker.step(self, batch)
+                else:
+                    result = self.forward_and_sample(batch)
+                return self._finish_step(batch, result)
+            launched = self._launch(batch)
+        self._inflight = self._launch_next(launched)
+        return self._collect(launched)
+
+    def _can_launch(self, batch: ScheduledBatch) -> bool:
+        """Whether the step's tokens can be chosen on the device alone (plain decode rows,
+        no grammar, no penalties / logprobs / seeds)."""
+        if not self.async_scheduling:
+            return False
+        reqs = [r for r, _ in batch.items]
+        return (all(r.draft is None and r.matcher is None for r in reqs)
+                and self.sampler.device_only([r.params for r in reqs],
+                                             [r.generator for r in reqs]))
+
+    def _launch(self, batch: ScheduledBatch,
+                input_patch: torch.Tensor | None = None) -> LaunchedStep:
+        fwd = self.runner.execute(batch, input_patch)
+        reqs = list(fwd.sample_rows)
+        rows = list(fwd.sample_rows.values())
+        logits = (fwd.logits[: len(rows)] if rows == list(range(len(rows)))
+                  else fwd.logits[rows])
+        tokens = self.sampler.choose(logits, [r.params for r in reqs],
+                                     [r.generator for r in reqs])
+        host, ready = tokens, None
+        if self.device.type == "cuda":
+            self._host_turn ^= 1
+            host = self._host_tokens[self._host_turn][: len(reqs)]
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(batch, reqs, tokens, host, ready)
+
+    def _launch_next(self, cur: LaunchedStep) -> LaunchedStep | None:
+        """Schedule and launch the decode step after ``cur`` before its tokens are known, or
+        None when the next step needs the host (the plain scheduler then runs after it)."""
+        sched = self.scheduler
+        if (len(cur.reqs) != len(cur.batch.items) or len(cur.reqs) != len(sched.running)
+                or any(r.is_finished or r.spec_state is not None for r in cur.reqs)):
+            return None  # partial prefill chunks, aborted or speculating requests
+        cont = [r for r in cur.reqs
+                if len(r.output_token_ids) + 1 < r.params.max_tokens
+                and r.num_tokens + 1 < self.limits.max_seq_len]  # the rest stop on length
+        if not cont or (sched.waiting and len(cont) < sched.max_num_seqs):
+            return None  # waiting requests would be admitted: the scheduler decides
+        sched.after_step(cur.batch)
+        cur.advanced = True
+        blocks = self.blocks
+        need = sum(blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
+                   for r in cont)
+        if need > blocks.num_free_blocks:
+            return None  # the scheduler preempts
+        for r in cont:
+            r.all_token_ids.append(0)  # stand-in for cur's token (real one: _collect)
+            blocks.allocate(r.block_table, r.num_computed_tokens + 1)
+        cur.placeholders = cont
+        patch = cur.tokens
+        if len(cont) != len(cur.reqs):
+            keep = [i for i, r in enumerate(cur.reqs) if r in set(cont)]
+            patch = cur.tokens[torch.tensor(keep, device=cur.tokens.device)]
+        return self._launch(ScheduledBatch([(r, 1) for r in cont]), patch)
+
+    def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and commit them (the step's one host sync)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens = launched.host.tolist()
+        for r in launched.placeholders:
+            r.all_token_ids.pop()
+        result = StepResult()
+        for req, tok in zip(launched.reqs, tokens):
+            if not req.is_finished:  # aborted while in flight: its token is dropped
+                result.tokens[req] = [tok]
+        return self._finish_step(launched.batch, result, advanced=launched.advanced)
+
+    def _finish_step(self, batch: ScheduledBatch, result: StepResult,
+                     advanced: bool = False) -> list[RequestOutput]:
+        """Commit a step's tokens, advance the scheduler, detokenize; the step's outputs."""
+        live = ScheduledBatch([(r, n) for r, n in batch.items if not r.is_finished])
         self.num_steps += 1
         now = time.perf_counter()
         committed: dict[Request, int] = {}
@@ -289,7 +410,8 @@ class LLMEngine:
             committed[req] = self._commit(req, toks, result.logprobs.get(req), now)
             if req in result.advance:
                 result.advance[req] = min(result.advance[req], committed[req])
-        self.scheduler.after_step(batch, result.advance)
+        if not advanced:
+            self.scheduler.after_step(live, result.advance)
         outputs = []
         for req in result.tokens:
             if req in result.verified:  # a verified speculative step

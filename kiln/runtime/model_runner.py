@@ -47,15 +47,19 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
-    def execute(self, batch: ScheduledBatch) -> ForwardOutput:
+    def execute(self, batch: ScheduledBatch,
+                input_patch: torch.Tensor | None = None) -> ForwardOutput:
         """Run one forward over the batch.
 
         A request scheduled with exactly its draft plan's token count runs the plan (tree
         mask, positions from the plan, logits for every row); others run their next
         ``n`` tokens causally and get logits only when they reach their last token.
+        ``input_patch`` (device token ids [k]) replaces the first k input tokens on the
+        device: a step scheduled before the previous step's tokens reached the host (every
+        item then is one decode token, row i = item i; the host holds stand-ins).
         """
         if self.stager is not None and self.stager.fits(batch):
-            return self._execute_staged(batch)
+            return self._execute_staged(batch, input_patch)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
@@ -86,15 +90,19 @@ class ModelRunner:
                 logit_rows.extend(range(q0, q0 + n))
         dev = self.device
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        if input_patch is not None:
+            ids[: len(input_patch)] = input_patch
         out.logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            ids,
             torch.cat(positions).to(dev),
             self.cache, meta,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
         return out
 
-    def _execute_staged(self, batch: ScheduledBatch) -> ForwardOutput:
+    def _execute_staged(self, batch: ScheduledBatch,
+                        input_patch: torch.Tensor | None = None) -> ForwardOutput:
         """The Triton path: numpy staging, one upload, then a graph replay or an eager forward."""
         stager = self.stager
         out = ForwardOutput(torch.empty(0))
@@ -104,6 +112,8 @@ class ModelRunner:
                   if self.graphs is not None else None)
         pad = (bucket.num_seqs, bucket.num_tokens) if bucket is not None else None
         st = stager.stage(batch, plans, out, pad)
+        if input_patch is not None:  # after the upload, in stream order
+            stager.d["input_ids"][: len(input_patch)] = input_patch
         if bucket is not None:
             out.logits = self.graphs.replay(bucket, st.num_rows)
             return out

@@ -97,3 +97,14 @@ def test_batched_rows_follow_their_distribution_next_to_greedy_and_seeded_rows()
     assert toks[n] == 0
     alone, _ = Sampler()(logits[None], [seeded], [[]], [torch.Generator().manual_seed(3)])
     assert toks[n + 1] == alone[0]
+
+
+def test_race_draws_follow_the_probabilities_and_never_pick_zero_mass():
+    from kiln.runtime.layers.sampler import race
+
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    torch.manual_seed(1)
+    toks = race(probs.expand(20000, 4).contiguous())
+    freq = torch.bincount(toks, minlength=4).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.02)
+    assert freq[3] == 0

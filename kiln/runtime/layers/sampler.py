@@ -36,7 +36,9 @@ def warp_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     def col(vals: list) -> torch.Tensor:  # per-row values as [R, 1]
         return torch.tensor(vals, device=dev)[:, None]
 
-    logits = logits / col([float(p.temperature) for p in params])
+    temps = [float(p.temperature) for p in params]
+    # one temperature for all rows (the common case): a scalar, no host->device copy
+    logits = logits / (temps[0] if len(set(temps)) == 1 else col(temps))
     ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]
     if any(ks):
         # the k-th largest logit of each row with top-k (rows without: -inf, keeps all)
@@ -61,6 +63,15 @@ def warp_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     return probs
 
 
+def race(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probabilities [R, V]: argmax of p / E with E ~ Exp(1) i.i.d.
+    (the exponential race: token v wins with probability p_v exactly). A few elementwise
+    kernels and an argmax on the device, where ``torch.multinomial`` runs a cumsum and a
+    search per row."""
+    e = torch.empty_like(probs).exponential_().clamp_min_(1e-20)  # E = 0 would make 0/0
+    return probs.div(e).argmax(-1)
+
+
 def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token from probabilities [V]; seeded draws run on CPU for reproducibility."""
     if generator is not None:
@@ -72,6 +83,28 @@ class Sampler:
     """Picks one token per row. Greedy rows share one argmax; unseeded sampled rows are
     warped and drawn together (one multinomial, no per-row host sync); seeded rows draw
     from their own CPU generator, row by row, so a seed reproduces across batches."""
+
+    @staticmethod
+    def device_only(params: list[SamplingParams],
+                    generators: list[torch.Generator | None]) -> bool:
+        """Whether ``choose`` alone picks these rows' tokens: no penalties, no logprobs, no
+        seeded draws (those need the host), so a step can leave its tokens on the device."""
+        return all(p.repetition_penalty == 1.0 and p.logprobs is None
+                   and (p.greedy or g is None) for p, g in zip(params, generators))
+
+    def choose(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Greedy rows' argmax and unseeded sampled rows' draws: token ids [rows] on the
+        device, no host sync. Seeded rows get their argmax here (``__call__`` redraws them)."""
+        batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+        if len(batch) == len(params) and batch:  # every row samples: no argmax, no gather
+            return race(warp_batch(logits, params))
+        chosen = logits.argmax(-1)  # [rows], on the device
+        if batch:
+            idx = torch.tensor(batch, device=logits.device)
+            probs = warp_batch(logits.index_select(0, idx), [params[i] for i in batch])
+            chosen = chosen.index_copy(0, idx, race(probs))
+        return chosen
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]],
@@ -85,12 +118,7 @@ class Sampler:
             for i in penalized:
                 processed[i] = apply_repetition_penalty(logits[i], seen[i],
                                                         params[i].repetition_penalty)
-        chosen = processed.argmax(-1)  # [rows], on the device
-        batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
-        if batch:
-            idx = torch.tensor(batch, device=processed.device)
-            probs = warp_batch(processed.index_select(0, idx), [params[i] for i in batch])
-            chosen = chosen.index_copy(0, idx, torch.multinomial(probs, 1).squeeze(1))
+        chosen = self.choose(processed, params, generators)
         tokens = chosen.tolist()  # the step's one host sync
         for i, p in enumerate(params):
             if not p.greedy and generators[i] is not None:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Profiling pass on the lent H200, two back-to-back `run` calls (see device_issue6.sh for the
+# GGUF halves and wheels):
+# Call 1 (carry [".carry/a"], ~300 s):  bash scripts/device_profile.sh a   (llama-3-8b shapes)
+# Call 2 (carry [".carry/b", ".whl"]):  bash scripts/device_profile.sh b   (smollm2-135m, GPU tests)
+set -uo pipefail
+phase=${1:?usage: device_profile.sh a|b}
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 KILN_CACHE=/tmp/kcache
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
+  timeout 200 python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
+    --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
+  timeout 100 python3 scripts/profile_step.py --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+  timeout 120 python3 -m pytest -q -x tests/gpu/test_cuda_correctness.py -k "not smollm2" \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"; tail -60 "$OUT/profile_8b.log"; tail -8 "$OUT/profile.log"
+elif [ "$phase" = a ]; then
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  timeout ${PROFILE_8B_S:-420} python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
+    --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
+  tail -80 "$OUT/profile_8b.log"
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  mkdir -p /tmp/kcache/smollm2-135m
+  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
+    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  timeout 200 python3 -m pytest -q -x tests/gpu > "$OUT/gpu_tests.log" 2>&1
+  timeout 150 python3 scripts/bench_fast_path.py --only smol --out "$OUT/smol.json" \
+    > "$OUT/smol.log" 2>&1
+  timeout 100 python3 scripts/profile_step.py --windows "7,7,7" --out "$OUT/profile.json" \
+    > "$OUT/profile.log" 2>&1
+  tail -5 "$OUT/gpu_tests.log"; tail -10 "$OUT/smol.log"; tail -30 "$OUT/profile.log"
+fi
