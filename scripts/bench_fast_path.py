@@ -62,7 +62,7 @@ def decode_tps(engine: LLMEngine, prompt: list[int], batch: int, new_tokens: int
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def smol(res: dict, tmp: Path) -> None:
+def smol(res: dict, tmp: Path, configs: list[str]) -> None:
     from kiln.bench.prompts import CHAT_PROMPTS
     from kiln.bench.speculative import run_speculative_latency
     from kiln.sources.builtin import BUILTINS, cached_path
@@ -75,7 +75,7 @@ def smol(res: dict, tmp: Path) -> None:
                  max_batch_size=64, progress=False,
                  speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
     r = res.setdefault("smol", {"source": source})
-    for name in CONFIGS:
+    for name in configs:
         eng = load(out, name)
         r.setdefault("startup", {})[name] = eng.startup_times
         prompt = eng.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[0]}])
@@ -180,13 +180,15 @@ def main() -> None:
     ap.add_argument("--only", default="smol,8b")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tput-requests", type=int, default=1024)
+    ap.add_argument("--smol-configs", default=",".join(CONFIGS),
+                    help=f"smollm2 paths to run, of {','.join(CONFIGS)}")
     args = ap.parse_args()
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d")}
     tmp = Path(tempfile.mkdtemp())
     for part in args.only.split(","):
         try:
-            {"smol": lambda: smol(res, tmp), "8b": lambda: eight_b(res, tmp),
+            {"smol": lambda: smol(res, tmp, args.smol_configs.split(",")), "8b": lambda: eight_b(res, tmp),
              "tput": lambda: tput(res, tmp, args.tput_requests),
              "serve": lambda: serve(res, tmp)}[part]()
         except Exception:  # noqa: BLE001 - report and go on to the next section

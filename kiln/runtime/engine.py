@@ -326,7 +326,17 @@ class LLMEngine:
                     result = self.forward_and_sample(batch)
                 return self._finish_step(batch, result)
             launched = self._launch(batch)
-        self._inflight = self._launch_next(launched)
+        self._inflight = None
+        try:
+            self._inflight = self._launch_next(launched)
+        except BaseException:
+            # nothing stays in flight: drop the stand-ins, commit the launched step's real
+            # tokens (later outputs carry them), then report the failure
+            for r in launched.placeholders:
+                r.all_token_ids.pop()
+            launched.placeholders = []
+            self._collect(launched)
+            raise
         return self._collect(launched)
 
     def _can_launch(self, batch: ScheduledBatch) -> bool:
@@ -378,8 +388,8 @@ class LLMEngine:
             return None  # the scheduler preempts
         for r in cont:
             r.all_token_ids.append(0)  # stand-in for cur's token (real one: _collect)
+            cur.placeholders.append(r)
             blocks.allocate(r.block_table, r.num_computed_tokens + 1)
-        cur.placeholders = cont
         patch = cur.tokens
         if len(cont) != len(cur.reqs):
             keep = [i for i, r in enumerate(cur.reqs) if r in set(cont)]

@@ -257,11 +257,11 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
     else:
         real_exec = eng.runner.execute
 
-        def oom_once(batch):
+        def oom_once(batch, *args):
             if any(r.draft is not None for r, _ in batch.items) and calls["n"] == 0:
                 calls["n"] += 1
                 raise torch.OutOfMemoryError("CUDA out of memory (injected during warm-up)")
-            return real_exec(batch)
+            return real_exec(batch, *args)
 
         monkeypatch.setattr(eng.runner, "execute", oom_once)
     ids = [eng.add_request(p, _greedy()) for p in prompts]

@@ -133,3 +133,41 @@ def test_staged_triton_path_equals_sync(tiny_reference):
                            cuda_graphs=True)
     assert got == ref and ahead > 0
     assert eng.runner.graphs is not None and eng.runner.graphs.num_replays > 0
+
+
+def test_a_failure_in_the_step_launched_ahead_leaves_no_state(engine_dir):
+    """An error while launching ahead (an OOM, say) is raised once; the launched step's tokens
+    are committed, no stand-in token or step in flight stays behind, and the engine goes on
+    to give the synchronous engine's tokens."""
+    prompts = mixed_prompts()[:3]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in _engine(engine_dir, False).generate(prompts, params)]
+    eng = _engine(engine_dir, True)
+    real_exec = eng.runner.execute
+    calls = {"ahead": 0}
+
+    def failing(batch, input_patch=None):
+        if input_patch is not None:
+            calls["ahead"] += 1
+            if calls["ahead"] == 3:
+                raise RuntimeError("injected failure in a step launched ahead")
+        return real_exec(batch, input_patch)
+
+    eng.runner.execute = failing
+    ids = [eng.add_request(p, params) for p in prompts]
+    done, errors = {}, []
+    while eng.has_unfinished_requests():
+        try:
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.token_ids
+        except RuntimeError as e:
+            errors.append(e)
+            assert eng._inflight is None
+            for rid in ids:
+                r = eng._requests.get(rid)
+                if r is not None:
+                    assert r.all_token_ids == r.prompt_token_ids + r.output_token_ids
+    assert len(errors) == 1
+    assert [done[i] for i in ids] == ref
+    eng.blocks.check_all_free()
