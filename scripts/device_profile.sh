@@ -14,7 +14,10 @@ if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model
   timeout 100 python3 scripts/profile_step.py --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
   timeout 120 python3 -m pytest -q -x tests/gpu/test_cuda_correctness.py -k "not smollm2" \
     > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"; tail -60 "$OUT/profile_8b.log"; tail -8 "$OUT/profile.log"
+  timeout 90 python3 -m pytest -q tests/gpu/test_kernels_gpu.py tests/gpu/test_gemv_gpu.py \
+    -k "rotary_and_cache or silu_and_mul or elementwise or reshape" >> "$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log"; grep -E "^llama|kernels per|_kernel" \
+    "$OUT/profile_8b.log" | head -40; tail -8 "$OUT/profile.log"
 elif [ "$phase" = a ]; then
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout ${PROFILE_8B_S:-420} python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \

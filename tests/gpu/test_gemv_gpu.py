@@ -64,6 +64,24 @@ def test_gemv_real_shapes(shape):
     assert _rel(gemv(x, w.half()), gemv_ref(x, w.half())) < 2e-3
 
 
+@pytest.mark.parametrize("shape", ["8b-down", "smol-down"])
+def test_gemv_silu_and_mul_prologue_real_shapes(shape):
+    """The down projection with the activation fused in equals silu_and_mul then gemv (the
+    same rounding), bf16 and FP8 weights, M = 1..8 (default configs: CUDA and tensor cores)."""
+    from kiln.runtime.kernels.activation import silu_and_mul
+    from kiln.runtime.kernels.gemv import gemv, gemv_ref
+
+    k, n = SHAPES[shape]
+    w, q, s = _weights(k, n)
+    for m in (1, 2, 4, 8):
+        gu = torch.randn(m, 2 * k, device=DEV).to(BF16) * 3
+        for wt, sc in ((w, None), (q, s)):
+            fused = gemv(gu, wt, sc, silu_and_mul=True)
+            plain = gemv(silu_and_mul(gu), wt, sc)
+            assert torch.equal(fused, plain) or _rel(fused, plain) < 1e-3, (shape, m)
+            assert _rel(fused, gemv_ref(gu, wt, sc, silu_and_mul=True)) < TOL, (shape, m)
+
+
 @pytest.mark.parametrize("shape", ["8b-down", "smol-down", "8b-o"])
 def test_gemv_every_candidate_config(shape):
     """Every GEMV_CONFIGS entry and split-K variant (the tuner's candidates, bench_gemv's

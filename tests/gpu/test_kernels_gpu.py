@@ -88,6 +88,37 @@ def test_reshape_and_cache(shape, cache_dtype):
     assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rotary_and_cache_equals_rotary_then_kv_write(shape, cache_dtype):
+    """The fused rotary + KV write is bit-equal to the two kernels it replaces (whose
+    references are checked above): q and k rotated in place, rotated k and v cached."""
+    from kiln.runtime.kernels import rotary
+    from kiln.runtime.kernels.kv_write import reshape_and_cache
+
+    heads, kv_heads, dim, _, _ = SHAPES[shape]
+    t, blocks, bs = 300, 64, 16
+    inv = 1.0 / (500000 ** (torch.arange(0, dim, 2, device=DEV).float() / dim))
+    cs = rotary.build_cos_sin_cache(inv, 8192)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=DEV, dtype=torch.bfloat16) * 4
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    slots = torch.randperm(blocks * bs, device=DEV)[:t]
+    slots[5] = -1
+    init = torch.randn(blocks, bs, kv_heads, dim, device=DEV).to(cache_dtype)
+    kc, vc, rkc, rvc = init.clone(), init.clone(), init.clone(), init.clone()
+    rq, rk = q.clone(), k.clone()
+    ks = torch.tensor([0.37], device=DEV)
+    rotary.rotary_embedding_(rq, rk, pos, cs)
+    reshape_and_cache(rk, v, rkc, rvc, slots, ks, 1.9)
+    rotary.rotary_and_cache_(q, k, v, pos, cs, kc, vc, slots, ks, 1.9)
+    assert torch.equal(q, rq) and torch.equal(k, rk)
+    assert torch.equal(kc.view(torch.uint8), rkc.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rvc.view(torch.uint8))
+
+
 def _mixed_specs(q_len_prefill: int, ctx: int) -> list[tuple[int, int, bool]]:
     return [(ctx - 1, 1, False), (ctx // 2 + 7, 1, False), (0, q_len_prefill, False),
             (ctx // 3, q_len_prefill // 2 + 3, False), (ctx - 40, 40, True), (513, 16, True),

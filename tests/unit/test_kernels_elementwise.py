@@ -120,3 +120,32 @@ def test_reshape_and_cache_checks_shapes():
         kv_write.reshape_and_cache(torch.randn(2, 2, 16), torch.randn(2, 2, 16),
                                    torch.zeros(3, 4, 3, 16), torch.zeros(3, 4, 3, 16),
                                    torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
+def test_rotary_and_cache_equals_rotary_then_kv_write(dtype, cache_dtype):
+    """The fused kernel writes what rotary_embedding_ + reshape_and_cache write (same kernels'
+    arithmetic, so bit-equal here too), skips negative slots, rotates q and k in place."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, t = 4, 2, 16, 7
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cs = rotary.build_cos_sin_cache(inv, 64)
+    pos = torch.randint(0, 64, (t,))
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * dim) * 2).to(dtype)
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    shape = (4, 4, kv_heads, dim)
+    slots = torch.randperm(16)[:t]
+    slots[2] = -1
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    kc, vc = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    rq, rk, rkc, rvc = q.clone(), k.clone(), kc.clone(), vc.clone()
+    rotary.rotary_embedding_(rq, rk, pos, cs)
+    kv_write.reshape_and_cache(rk, v, rkc, rvc, slots, *scales)
+    rotary.rotary_and_cache_(q, k, v, pos, cs, kc, vc, slots, *scales)
+    assert torch.equal(q, rq) and torch.equal(k, rk)
+    assert torch.equal(kc.float(), rkc.float()) and torch.equal(vc.float(), rvc.float())
+    assert (kc.float().flatten(0, 1)[slots[slots >= 0]] != 0).any()

@@ -47,6 +47,27 @@ def test_gemv_matches_reference(dtype, wdtype, cfg):
         assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("cfg", [CUDA_CORE, TENSOR_CORE, dict(CUDA_CORE, SPLIT_K=3),
+                                 dict(TENSOR_CORE, SPLIT_K=2)], ids=["cc", "tc", "cc-sk", "tc-sk"])
+def test_gemv_with_silu_and_mul_prologue(wdtype, cfg):
+    """gemv(gate_up, W, silu_and_mul=True) == gemv(silu_and_mul(gate_up), W): the activation
+    kernel's rounding, computed while loading (strided rows, ragged K, M = 1 and 5)."""
+    from kiln.runtime.kernels.activation import silu_and_mul
+
+    dtype = torch.bfloat16
+    for m, n, k in ((1, 40, 96), (5, 33, 80)):
+        w, s = _w(n, k, FP8 if wdtype == "fp8" else dtype)
+        gu = (torch.randn(m, 2 * k + 8) * 3).to(dtype)[:, : 2 * k]
+        y = gemv.gemv(gu, w, s, config=cfg, silu_and_mul=True)
+        assert torch.equal(y, gemv.gemv(silu_and_mul(gu), w, s, config=cfg))
+        # the interpreter truncates the two bf16 roundings of the activation too
+        assert rel_err(y, gemv.gemv_ref(gu, w, s, silu_and_mul=True)) < 2 * TOL[dtype]
+    with pytest.raises(ValueError, match="gate | up"):
+        gemv.gemv(torch.randn(1, 9, dtype=dtype), torch.randn(4, 4, dtype=dtype),
+                  silu_and_mul=True)
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_gemv_default_config_and_one_element_scale(m):
     w, s = _w(48, 128, FP8)

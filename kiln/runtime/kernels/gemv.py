@@ -85,12 +85,36 @@ def _store_row(
 
 
 @triton.jit
-def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, EVEN_K: tl.constexpr):
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32 with activation.py's rounding (silu rounded to ``dtype``,
+    then the product), rounded to ``dtype``: the value ``silu_and_mul`` would have stored."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _load_x(x_ptrs, K, mask, ACT: tl.constexpr):
+    """An x tile; with ACT, x holds [gate | up] (2K columns) and the tile is silu(g) * up."""
+    if ACT:
+        g = tl.load(x_ptrs, mask=mask, other=0.0)
+        u = tl.load(x_ptrs + K, mask=mask, other=0.0)
+        return _silu_mul(g, u, g.dtype)
+    return tl.load(x_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
+    p = x_ptrs + row * stride_xm
     if EVEN_K:
-        xv = tl.load(x_ptrs + row * stride_xm)
+        xv = tl.load(p)
+        if ACT:
+            xv = _silu_mul(xv, tl.load(p + K), xv.dtype)
     else:
-        xv = tl.load(x_ptrs + row * stride_xm, mask=k_ok, other=0.0)
+        xv = tl.load(p, mask=k_ok, other=0.0)
+        if ACT:
+            xv = _silu_mul(xv, tl.load(p + K, mask=k_ok, other=0.0), xv.dtype)
     return acc + w * xv.to(tl.float32)[None, :]
 
 
@@ -101,6 +125,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -119,11 +144,11 @@ def _gemv_kernel(
         for kk in range(0, K_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+                xt = _load_x(x_ptrs, K, m_ok[None, :], ACT)
             else:
                 k_ok = offs_k + kk < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                xt = _load_x(x_ptrs, K, m_ok[None, :] & k_ok[:, None], ACT)
             if WIDEN:  # the CPU interpreter's bf16 dot is wrong; same numbers in float32
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc,
                              input_precision="ieee")
@@ -167,21 +192,21 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs).to(tl.float32)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, EVEN_K)
+            acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 1:
-                acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, EVEN_K)
+                acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 2:
-                acc2 = _fma_row(acc2, w, x_ptrs, 2, stride_xm, k_ok, EVEN_K)
+                acc2 = _fma_row(acc2, w, x_ptrs, 2, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 3:
-                acc3 = _fma_row(acc3, w, x_ptrs, 3, stride_xm, k_ok, EVEN_K)
+                acc3 = _fma_row(acc3, w, x_ptrs, 3, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 4:
-                acc4 = _fma_row(acc4, w, x_ptrs, 4, stride_xm, k_ok, EVEN_K)
+                acc4 = _fma_row(acc4, w, x_ptrs, 4, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 5:
-                acc5 = _fma_row(acc5, w, x_ptrs, 5, stride_xm, k_ok, EVEN_K)
+                acc5 = _fma_row(acc5, w, x_ptrs, 5, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 6:
-                acc6 = _fma_row(acc6, w, x_ptrs, 6, stride_xm, k_ok, EVEN_K)
+                acc6 = _fma_row(acc6, w, x_ptrs, 6, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 7:
-                acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, EVEN_K)
+                acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, K, EVEN_K, ACT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         _store_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
@@ -345,17 +370,25 @@ def check_config(cfg: dict) -> dict:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, *, config: dict | None = None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale)^T + bias, in x's dtype.
 
     x: bf16/fp16, 1 <= M <= GEMV_MAX_M rows (row stride free, last dim contiguous).
     weight: x's dtype, or float8_e4m3fn with ``weight_scale`` a 0-dim or 1-element float32
     tensor on x's device (required for FP8, refused otherwise). bias: [N] in x's dtype.
+    ``silu_and_mul``: x is a gate_up output [M, 2K] and the product uses
+    ``activation.silu_and_mul(x)`` [M, K], computed as the tiles are loaded (one kernel for
+    the activation and the down projection).
     """
     check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
     m, k = x.shape
     n = weight.shape[0]
+    if silu_and_mul:
+        if k % 2:
+            raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
+        k //= 2
     check_shape("weight", weight, (n, k))
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use F.linear)")
@@ -390,7 +423,7 @@ def gemv(
         x, weight, scale, b, y, part, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=fp8,
-        HAS_BIAS=bias is not None, WIDEN=_interpreting(),
+        HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
@@ -404,9 +437,13 @@ def gemv(
 
 def gemv_ref(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """float32 reference of ``gemv``: (x @ (W * scale)^T + bias) rounded once to x's dtype."""
+    """float32 reference of ``gemv``: (x @ (W * scale)^T + bias) rounded once to x's dtype
+    (with ``silu_and_mul``, x is first replaced by the eager silu(gate) * up in x's dtype)."""
+    if silu_and_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
     w = weight.float()
     if weight_scale is not None:
         w = w * weight_scale.float().reshape(())

@@ -113,14 +113,15 @@ def _triton() -> bool:
 
 
 def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
-                  prefix: str, bias: torch.Tensor | None) -> torch.Tensor | None:
+                  prefix: str, bias: torch.Tensor | None,
+                  silu_and_mul: bool = False) -> torch.Tensor | None:
     """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
     if x.dtype not in (torch.bfloat16, torch.float16) or not _triton():
         return None
     from kiln.runtime.kernels import gemv
 
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
+    k = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
+    m = x.numel() // x.shape[-1] if k else 0
     n = weight.shape[0]
     fp8 = weight.dtype == FP8
     if not (1 <= m <= gemv.GEMV_MAX_M and (fp8 or weight.dtype == x.dtype)
@@ -130,20 +131,30 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     scale = w.get(prefix + ".weight_scale") if fp8 else None
     if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() != 1):
         return None
-    x2 = x.reshape(m, k)
+    x2 = x.reshape(m, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return gemv.gemv(x2, weight, scale, bias).reshape(*x.shape[:-1], n)
+    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul)
+    return y.reshape(*x.shape[:-1], n)
 
 
-def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above)."""
+def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
+           silu_and_mul: bool = False) -> torch.Tensor:
+    """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above).
+
+    ``silu_and_mul``: x is a gate_up output [..., 2K]; the layer takes silu(gate) * up, fused
+    into the small-batch GEMV where that runs, else through the Triton activation kernel.
+    """
     weight = w[prefix + ".weight"]
     bias = w.get(prefix + ".bias")
     if x.is_cuda and weight.dtype != torch.float32:
-        y = _small_m_gemv(x, weight, w, prefix, bias)
+        y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul)
         if y is not None:
             return y
+    if silu_and_mul:
+        from kiln.runtime.kernels.activation import silu_and_mul as act
+
+        x = act(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
     if weight.dtype != FP8:
         return F.linear(x, weight, bias)
     return fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),

@@ -105,18 +105,36 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, layer, q, k, v, cache, meta, scale):
         from kiln.runtime.kernels.kv_write import reshape_and_cache
-        from kiln.runtime.kernels.paged_attention import paged_attention
 
+        dm, slots, kc, vc, k_scale, v_scale = self._layer(layer, q, cache, meta)
+        reshape_and_cache(k, v, kc, vc, slots, k_scale, v_scale)
+        return self._attend(q, kc, vc, dm, scale, k_scale, v_scale)
+
+    def rope_forward(self, layer, q, k, v, positions, cos_sin_cache, cache, meta, scale):
+        """``forward`` on q, k before the rotary embedding: rotary and the KV write are one
+        kernel (``rotary_and_cache_``); q and k are rotated in place."""
+        from kiln.runtime.kernels.rotary import rotary_and_cache_
+
+        dm, slots, kc, vc, k_scale, v_scale = self._layer(layer, q, cache, meta)
+        rotary_and_cache_(q, k, v, positions, cos_sin_cache, kc, vc, slots, k_scale, v_scale)
+        return self._attend(q, kc, vc, dm, scale, k_scale, v_scale)
+
+    def _layer(self, layer, q, cache, meta):
+        """Device metadata, slot mapping, the layer's caches and their scales."""
         if isinstance(meta, TritonAttentionMetadata):  # staged on the device (staging.py)
             dm, slot_mapping = meta, meta.slot_mapping
         else:
             dm, slot_mapping = self.device_metadata(meta, cache, q.device), meta.slot_mapping
-        kc, vc = cache.k[layer], cache.v[layer]
         fp8 = getattr(cache, "is_fp8", False)
         # [1] views of the per-layer device scales: read by the kernels, no host sync
         k_scale = cache.k_scale[layer : layer + 1] if fp8 else 1.0
         v_scale = cache.v_scale[layer : layer + 1] if fp8 else 1.0
-        reshape_and_cache(k, v, kc, vc, slot_mapping, k_scale, v_scale)
+        return dm, slot_mapping, cache.k[layer], cache.v[layer], k_scale, v_scale
+
+    @staticmethod
+    def _attend(q, kc, vc, dm, scale, k_scale, v_scale):
+        from kiln.runtime.kernels.paged_attention import paged_attention
+
         return paged_attention(
             q, kc, vc, dm.block_tables, dm.query_start_loc, dm.context_lens, scale,
             max_query_len=dm.max_query_len, max_context_len=dm.max_context_len,

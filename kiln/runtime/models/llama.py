@@ -107,7 +107,6 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
-        from kiln.runtime.kernels.activation import silu_and_mul
         from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
         from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
         from kiln.runtime.kernels.rotary import rotary_embedding_
@@ -116,14 +115,19 @@ class LlamaModel:
         n = input_ids.shape[0]
         h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden], the residual
         x = k_rms_norm(h, w["layers.0.input_norm.weight"], eps)
+        rope_forward = getattr(self.attention, "rope_forward", None)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             q, k, v = self._qkv(x, p, n)
-            rotary_embedding_(q, k, positions, self.cos_sin_cache)  # in place
-            o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
+            if rope_forward is not None:  # rotary fused into the KV write
+                o = rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache, meta,
+                                 self.scale)
+            else:
+                rotary_embedding_(q, k, positions, self.cos_sin_cache)  # in place
+                o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
             attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
             x, h = fused_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps)
-            mlp = linear(silu_and_mul(linear(x, w, p + "gate_up")), w, p + "down")
+            mlp = linear(linear(x, w, p + "gate_up"), w, p + "down", silu_and_mul=True)
             if i + 1 < cfg.num_layers:
                 x, h = fused_add_rms_norm(mlp, h, w[f"layers.{i + 1}.input_norm.weight"], eps)
             else:
