@@ -33,8 +33,13 @@ if [ "$phase" = a ]; then
   timeout 120 python3 -m kiln bench latency /tmp/l3 --batch-size 1 --input-len 128 \
     --output-len 128 --num-iters 3 --warmup 1 --baseline hf --json "$OUT/lat.json" \
     > "$OUT/lat.log" 2>&1
+  # the same 1024 requests with 512 sequences per step (kiln only)
+  python3 -m kiln build random:llama-3-8b -o /tmp/l3-512 --dtype bfloat16 --max-seq-len 2048 \
+    --max-num-tokens 16384 --max-batch-size 512 --no-tune --force > /dev/null
+  timeout 100 python3 -m kiln bench throughput /tmp/l3-512 --num-prompts 1024 --input-len 512 \
+    --output-len 256 --json "$OUT/tput512.json" > "$OUT/tput512.log" 2>&1
   grep -E "^llama" "$OUT/profile_8b.log"; tail -3 "$OUT/serve.log"
-  tail -12 "$OUT/tput.log"; tail -12 "$OUT/lat.log"
+  tail -12 "$OUT/tput.log"; tail -12 "$OUT/lat.log"; tail -6 "$OUT/tput512.log"
 elif [ "$phase" = b ]; then
   mkdir -p /tmp/kcache/smollm2-135m
   cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
