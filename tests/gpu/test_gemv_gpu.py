@@ -194,3 +194,27 @@ def test_linear_dispatch_small_m():
         assert _rel(y8, F.linear(x, wd)) < tol  # W8A8 adds activation quant error
     x3 = torch.randn(1, 1, 4096, device=DEV).to(BF16)
     assert linear(x3, weights, "a").shape == (1, 1, 6144)
+
+
+@pytest.mark.parametrize("shape", ["8b-down", "smol-down"])
+def test_linear_silu_and_mul_routes_by_k(shape, monkeypatch):
+    """linear(silu_and_mul=True): the fused GEMV prologue at K <= SILU_FUSION_MAX_K, the
+    activation kernel then gemv above it, cuBLAS past GEMV_MAX_M; all equal the eager MLP."""
+    import torch.nn.functional as F
+
+    from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.kernels.activation import silu_and_mul_ref
+    from kiln.runtime.layers.linear import linear
+
+    k, n = SHAPES[shape]
+    w, _, _ = _weights(k, n)
+    seen = []
+    real = gm.gemv
+    monkeypatch.setattr(gm, "gemv", lambda *a, **kw: seen.append(kw.get("silu_and_mul"))
+                        or real(*a, **kw))
+    for m in (1, 4, gm.GEMV_MAX_M + 1):
+        gu = torch.randn(m, 2 * k, device=DEV).to(BF16)
+        assert _rel(linear(gu, {"d.weight": w}, "d", silu_and_mul=True),
+                    F.linear(silu_and_mul_ref(gu), w)) < TOL
+    fused = k <= gm.SILU_FUSION_MAX_K
+    assert seen == [fused, fused]  # M = 1 and 4 through gemv; M = 9 through cuBLAS

@@ -182,6 +182,18 @@ def test_fp8_quant_errors():
         fp8_quant.quantize_fp8_padded(torch.ones(2, 16), torch.ones((), dtype=torch.float64))
 
 
+def test_linear_silu_and_mul_off_the_gemv_path():
+    """linear(silu_and_mul=True) where no GEMV runs (CPU here, M > 8 or long K on CUDA):
+    the activation kernel, then the plain linear."""
+    from kiln.runtime.kernels.activation import silu_and_mul_ref
+    from kiln.runtime.layers import linear as lin
+
+    weights = {"d.weight": torch.randn(16, 32)}
+    gu = torch.randn(3, 64)
+    want = torch.nn.functional.linear(silu_and_mul_ref(gu), weights["d.weight"])
+    assert rel_err(lin.linear(gu, weights, "d", silu_and_mul=True), want) < 1e-5
+
+
 def test_linear_on_cpu_never_takes_the_kernels(monkeypatch):
     from kiln.runtime.layers import linear as lin
 

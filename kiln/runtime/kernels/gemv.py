@@ -324,6 +324,13 @@ def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
     return not (k < 1024 and n >= 16384)
 
 
+# The SiLU-and-mul prologue (gemv(silu_and_mul=True)) pays where the down projection is
+# short. Measured on the H200 (notes/NOTES.md, 2026-11-30 second session): smollm2 (K 1536)
+# gained ~40 us per decode step over 30 layers; llama-3-8b (K 14336) bf16 lost 10-65 us
+# over 32 layers, FP8 about even (every program recomputes the activation: N / BLOCK_N times).
+SILU_FUSION_MAX_K = 4096
+
+
 def split_candidates(n: int, k: int, cfg: dict) -> list[int]:
     """SPLIT_K values worth timing for ``cfg`` at N x K: 1, and more while programs are few."""
     out = [1]

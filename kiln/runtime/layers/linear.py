@@ -147,18 +147,30 @@ def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
     """
     weight = w[prefix + ".weight"]
     bias = w.get(prefix + ".bias")
+    if silu_and_mul and not (x.is_cuda and weight.shape[-1] <= _silu_fusion_max_k()):
+        x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses at this K
     if x.is_cuda and weight.dtype != torch.float32:
         y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul)
         if y is not None:
             return y
-    if silu_and_mul:
-        from kiln.runtime.kernels.activation import silu_and_mul as act
-
-        x = act(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
+    if silu_and_mul:  # no small-batch GEMV here: the activation kernel, then the GEMM
+        x = _silu_and_mul(x)
     if weight.dtype != FP8:
         return F.linear(x, weight, bias)
     return fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),
                       bias)
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from kiln.runtime.kernels.activation import silu_and_mul
+
+    return silu_and_mul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def _silu_fusion_max_k() -> int:
+    from kiln.runtime.kernels.gemv import SILU_FUSION_MAX_K
+
+    return SILU_FUSION_MAX_K
 
 
 def place_weights(
