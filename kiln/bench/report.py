@@ -40,6 +40,11 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "kiln_version": __version__,
         "python_version": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # how the engine ran: attention kernels, CUDA graphs, async scheduling
+        "attention_backend": getattr(engine, "attention_backend", None),
+        "cuda_graphs": getattr(getattr(engine, "runner", None), "graphs", None) is not None
+        if engine is not None else None,
+        "async_scheduling": getattr(engine, "async_scheduling", None),
     }
 
 

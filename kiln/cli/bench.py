@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from kiln.cli.generate import ENFORCE_EAGER_HELP
+from kiln.cli.generate import ENFORCE_EAGER_HELP, NO_ASYNC_HELP
 from kiln.errors import KilnError
 
 _ENGINE = typer.Argument(..., metavar="ENGINE", help="Engine directory written by `kiln build`.")
@@ -48,8 +48,8 @@ def _check_baseline(name: str) -> str:
     return name
 
 
-def _load(engine_dir: Path, device: str | None,
-          enforce_eager: bool = False) -> tuple[Any, dict]:
+def _load(engine_dir: Path, device: str | None, enforce_eager: bool = False,
+          no_async: bool = False) -> tuple[Any, dict]:
     """Load the engine; returns (engine, start-up record). Imports are not start-up time."""
     from kiln.cli.generate import check_engine_dir, load_engine
 
@@ -57,7 +57,7 @@ def _load(engine_dir: Path, device: str | None,
     import kiln.runtime.engine  # noqa: F401
 
     t0 = time.perf_counter()
-    engine, _ = load_engine(engine_dir, device, enforce_eager)
+    engine, _ = load_engine(engine_dir, device, enforce_eager, no_async)
     startup = {"startup_s": time.perf_counter() - t0,
                "startup_times": getattr(engine, "startup_times", None)}
     return engine, startup
@@ -109,6 +109,7 @@ def throughput(
         "the ratio is then of output tokens/s. Default: all.",
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
+    no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
 ) -> None:
     """Offline throughput: all requests queued at once, continuous batching to the end.
 
@@ -119,7 +120,7 @@ def throughput(
     from kiln.bench.report import environment, render_throughput
 
     _check_baseline(baseline)
-    engine, startup = _load(engine_dir, device, enforce_eager)
+    engine, startup = _load(engine_dir, device, enforce_eager, no_async)
     if dataset is not None:
         from kiln.bench.datasets import load_requests
 
@@ -189,6 +190,7 @@ def latency(
         "reduce-overhead, static cache). Default: on CUDA yes, on CPU no.",
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
+    no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
 ) -> None:
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 
@@ -206,7 +208,7 @@ def latency(
 
     _check_baseline(baseline)
     window = parse_window(lookahead) if lookahead else None
-    engine, startup = _load(engine_dir, device, enforce_eager)
+    engine, startup = _load(engine_dir, device, enforce_eager, no_async)
     with _progress("latency", num_iters) as advance:
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)

@@ -32,15 +32,23 @@ ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at s
                       "same results). Also KILN_CUDA_GRAPHS=0.")
 
 
-def runtime_config(device: str | None, enforce_eager: bool = False) -> Any:
+NO_ASYNC_HELP = ("Read each decode step's tokens before scheduling the next (no host/GPU "
+                 "overlap; same results, for A/B timing). Also KILN_ASYNC_SCHEDULING=0.")
+
+
+def runtime_config(device: str | None, enforce_eager: bool = False,
+                   no_async: bool = False) -> Any:
     """The RuntimeConfig the CLI commands load engines with."""
     from kiln.runtime.engine import RuntimeConfig
 
-    return RuntimeConfig(device=device, **({"cuda_graphs": False} if enforce_eager else {}))
+    kw: dict[str, Any] = {"cuda_graphs": False} if enforce_eager else {}
+    if no_async:
+        kw["async_scheduling"] = False
+    return RuntimeConfig(device=device, **kw)
 
 
 def load_engine(engine_dir: Path, device: str | None = None,
-                enforce_eager: bool = False) -> tuple[Any, float]:
+                enforce_eager: bool = False, no_async: bool = False) -> tuple[Any, float]:
     """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
     check_engine_dir(engine_dir)
     from rich.console import Console
@@ -50,7 +58,8 @@ def load_engine(engine_dir: Path, device: str | None = None,
     with console.status(f"loading engine {engine_dir}", spinner="dots"):
         from kiln.runtime.engine import LLMEngine
 
-        engine = LLMEngine.from_engine_dir(engine_dir, runtime_config(device, enforce_eager))
+        engine = LLMEngine.from_engine_dir(engine_dir,
+                                           runtime_config(device, enforce_eager, no_async))
     return engine, time.perf_counter() - t0
 
 
@@ -93,6 +102,7 @@ def generate(
         "inspect`); 1,1,0 is plain decoding. Default: the engine's.",
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
+    no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
     from kiln.builder.speculative import parse_window, validate_request_window
@@ -112,7 +122,7 @@ def generate(
         spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
         validate_request_window(spec, *params.lookahead)
     text = _read_prompt(prompt)
-    engine, load_s = load_engine(engine_dir, device, enforce_eager)
+    engine, load_s = load_engine(engine_dir, device, enforce_eager, no_async)
     request: str | list[int] = text
     if not raw:
         if not getattr(engine.tokenizer, "chat_template", None):

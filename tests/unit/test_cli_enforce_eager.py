@@ -1,4 +1,5 @@
-"""--enforce-eager (serve, generate, bench throughput/latency): no CUDA graphs, same results."""
+"""--enforce-eager and --no-async-scheduling (serve, generate, bench throughput/latency): no
+CUDA graphs / no step launched ahead, same results."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def test_runtime_config_turns_graphs_off_only_when_asked(monkeypatch):
 def test_flag_is_documented(cmd):
     res = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--enforce-eager" in res.output
+    assert "--no-async-scheduling" in res.output
 
 
 def test_generate_with_enforce_eager(tmp_path):
@@ -38,3 +40,29 @@ def test_generate_with_enforce_eager(tmp_path):
     assert plain.exit_code == 0 and eager.exit_code == 0, (plain.output, eager.output)
     assert (json.loads(eager.stdout.strip().splitlines()[-1])["token_ids"]
             == json.loads(plain.stdout.strip().splitlines()[-1])["token_ids"])
+
+
+def test_runtime_config_turns_async_scheduling_off_only_when_asked(monkeypatch):
+    monkeypatch.delenv("KILN_ASYNC_SCHEDULING", raising=False)
+    assert runtime_config(None).async_scheduling is True
+    assert runtime_config("cpu", no_async=True).async_scheduling is False
+    monkeypatch.setenv("KILN_ASYNC_SCHEDULING", "0")
+    assert runtime_config(None).async_scheduling is False
+
+
+def test_bench_latency_records_how_the_engine_ran(tmp_path):
+    from kiln.builder import build_engine
+
+    out = tmp_path / "tiny"
+    build_engine("random:tiny-llama", out, dtype="float32", progress=False)
+    runs = {}
+    for flag in ([], ["--no-async-scheduling"]):
+        res = CliRunner().invoke(app, ["bench", "latency", str(out), "--device", "cpu",
+                                       "--batch-size", "1", "--input-len", "8",
+                                       "--output-len", "4", "--num-iters", "1",
+                                       "--json", str(tmp_path / "r.json"), *flag])
+        assert res.exit_code == 0, res.output
+        env = json.loads((tmp_path / "r.json").read_text())["environment"]
+        runs[bool(flag)] = env
+    assert runs[False]["async_scheduling"] is True and runs[True]["async_scheduling"] is False
+    assert runs[False]["attention_backend"] == "torch" and runs[False]["cuda_graphs"] is False
