@@ -2,7 +2,8 @@
 # Profiling pass on the lent H200, two back-to-back `run` calls (see device_issue6.sh for the
 # GGUF halves and wheels):
 # Call 1 (carry [".carry/a"], ~300 s):  bash scripts/device_profile.sh a   (llama-3-8b shapes)
-# Call 2 (carry [".carry/b", ".whl"]):  bash scripts/device_profile.sh b   (smollm2-135m, GPU tests)
+# Call 2 (carry [".carry/b", ".whl"]):  bash scripts/device_profile.sh b   (smollm2-135m, GPU tests,
+#                                       spec-step trace)
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 KILN_CACHE=/tmp/kcache
@@ -34,5 +35,8 @@ else
     > "$OUT/smol.log" 2>&1
   timeout 100 python3 scripts/profile_step.py --windows "7,7,7" --out "$OUT/profile.json" \
     > "$OUT/profile.log" 2>&1
+  # a lookahead step vs a plain step: device busy vs host time, chrome traces in $OUT
+  timeout 90 python3 scripts/trace_spec_step.py --steps 20 --out "$OUT" > "$OUT/trace.log" 2>&1
   tail -5 "$OUT/gpu_tests.log"; tail -10 "$OUT/smol.log"; tail -30 "$OUT/profile.log"
+  grep -v "USDT\|Converting" "$OUT/trace.log" | tail -24
 fi

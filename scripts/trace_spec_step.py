@@ -1,0 +1,106 @@
+"""Where a speculative (lookahead) step's wall time goes: GPU busy vs host, per step.
+
+    KILN_CACHE=... PYTHONPATH=. python3 scripts/trace_spec_step.py [--window 7,7,7]
+        [--steps 20] [--out DIR]
+
+Builds smollm2-135m bf16 (the GGUF in $KILN_CACHE, else random weights) with a lookahead
+engine, decodes one code prompt plainly and with lookahead, and profiles ``--steps`` engine
+steps of each (torch.profiler, CPU + CUDA). Prints per mode: wall per step, device-busy time
+per step (union of kernel and copy intervals), the host-only remainder, and the CPU ops with
+the most self time; writes chrome traces to --out (open in chrome://tracing or Perfetto).
+The question it answers: why a lookahead step costs more than its graph replay
+(notes/NOTES.md, 2026-11-30 second session). Runs on CPU too (no device rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kiln.bench.prompts import CODE_PROMPTS
+from kiln.builder import build_engine
+from kiln.builder.speculative import SpeculativeConfig
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.sources.builtin import BUILTINS, cached_path
+
+
+def busy_us(prof) -> float:
+    """Union of device intervals (kernels, copies, memsets) in microseconds."""
+    spans = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            start = e.time_range.start
+            spans.append((start, start + e.time_range.elapsed_us()))
+    spans.sort()
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--window", default="7,7,7")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    gguf = cached_path(BUILTINS["smollm2-135m"])
+    source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
+    eng_dir = Path(tempfile.mkdtemp()) / "smol"
+    build_engine(source, eng_dir, dtype="bfloat16" if cuda else "float32", max_seq_len=1024,
+                 max_num_tokens=4096, max_batch_size=8, progress=False,
+                 speculative=SpeculativeConfig.from_cli("lookahead", args.window, None, None))
+    eng = LLMEngine.from_engine_dir(eng_dir, RuntimeConfig(device="cuda" if cuda else "cpu"))
+    prompt = eng.apply_chat_template([{"role": "user", "content": CODE_PROMPTS[0]}])
+    window = tuple(int(x) for x in args.window.split(","))
+    out_dir = Path(args.out) if args.out else None
+    print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, {source}, window {window}")
+    for name, lookahead in (("plain", (1, 1, 0)), ("lookahead", window)):
+        p = SamplingParams(max_tokens=args.steps * 8 + 64, temperature=0, ignore_eos=True,
+                           lookahead=lookahead)
+        eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                              lookahead=lookahead))
+        rid = eng.add_request(prompt, p)
+        for _ in range(8):  # past the prefill, into steady decoding
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        produced = 0
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                for o in eng.step():
+                    produced += len(o.new_token_ids)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / args.steps * 1e3
+        eng.abort(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+        busy = busy_us(prof) / args.steps / 1e3
+        print(f"  {name:9} wall {wall:.3f} ms/step, device busy {busy:.3f} ms/step, "
+              f"host-only {wall - busy:.3f} ms/step, {produced / args.steps:.2f} tokens/step "
+              f"-> {produced / args.steps / wall * 1e3:.0f} tok/s")
+        cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                     key=lambda e: -e.self_cpu_time_total)[:10]
+        for e in cpu:
+            print(f"      {e.self_cpu_time_total / args.steps:9.1f} us/step  "
+                  f"{e.count / args.steps:6.1f}x  {e.key[:70]}")
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(out_dir / f"trace_{name}.json"))
+
+
+if __name__ == "__main__":
+    main()
