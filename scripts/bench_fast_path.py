@@ -188,7 +188,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     for part in args.only.split(","):
         try:
-            {"smol": lambda: smol(res, tmp, args.smol_configs.split(",")), "8b": lambda: eight_b(res, tmp),
+            {"smol": lambda: smol(res, tmp, args.smol_configs.split(",")),
+             "8b": lambda: eight_b(res, tmp),
              "tput": lambda: tput(res, tmp, args.tput_requests),
              "serve": lambda: serve(res, tmp)}[part]()
         except Exception:  # noqa: BLE001 - report and go on to the next section

@@ -352,10 +352,7 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch,
                 input_patch: torch.Tensor | None = None) -> LaunchedStep:
         fwd = self.runner.execute(batch, input_patch)
-        reqs = list(fwd.sample_rows)
-        rows = list(fwd.sample_rows.values())
-        logits = (fwd.logits[: len(rows)] if rows == list(range(len(rows)))
-                  else fwd.logits[rows])
+        reqs, logits = _sample_logits(fwd)
         tokens = self.sampler.choose(logits, [r.params for r in reqs],
                                      [r.generator for r in reqs])
         host, ready = tokens, None
@@ -392,7 +389,8 @@ class LLMEngine:
             blocks.allocate(r.block_table, r.num_computed_tokens + 1)
         patch = cur.tokens
         if len(cont) != len(cur.reqs):
-            keep = [i for i, r in enumerate(cur.reqs) if r in set(cont)]
+            kept = set(cont)
+            keep = [i for i, r in enumerate(cur.reqs) if r in kept]
             patch = cur.tokens[torch.tensor(keep, device=cur.tokens.device)]
         return self._launch(ScheduledBatch([(r, 1) for r in cont]), patch)
 
@@ -412,7 +410,9 @@ class LLMEngine:
     def _finish_step(self, batch: ScheduledBatch, result: StepResult,
                      advanced: bool = False) -> list[RequestOutput]:
         """Commit a step's tokens, advance the scheduler, detokenize; the step's outputs."""
-        live = ScheduledBatch([(r, n) for r, n in batch.items if not r.is_finished])
+        # requests that stopped or were aborted while the step was in flight are gone
+        live = None if advanced else ScheduledBatch(
+            [(r, n) for r, n in batch.items if not r.is_finished])
         self.num_steps += 1
         now = time.perf_counter()
         committed: dict[Request, int] = {}
@@ -445,12 +445,8 @@ class LLMEngine:
         """
         fwd = self.runner.execute(batch)
         result = StepResult()
-        reqs = list(fwd.sample_rows)
+        reqs, logits = _sample_logits(fwd)
         if reqs:
-            rows = list(fwd.sample_rows.values())
-            # rows 0..n-1 in order (always so for graph steps): a view, no gather
-            logits = (fwd.logits[: len(rows)] if rows == list(range(len(rows)))
-                      else fwd.logits[rows])
             logits = self._apply_guided(logits, reqs)
             tokens, logprobs = self.sampler(
                 logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
@@ -595,6 +591,15 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
+
+
+def _sample_logits(fwd) -> tuple[list[Request], torch.Tensor]:
+    """The requests that sample this step and their logits rows, in order (rows 0..n-1, as
+    in every graph step: a view, no gather)."""
+    reqs = list(fwd.sample_rows)
+    rows = list(fwd.sample_rows.values())
+    logits = fwd.logits[: len(rows)] if rows == list(range(len(rows))) else fwd.logits[rows]
+    return reqs, logits
 
 
 def _report_capture_failures(runner: ModelRunner) -> None:

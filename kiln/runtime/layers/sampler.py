@@ -81,8 +81,9 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 class Sampler:
     """Picks one token per row. Greedy rows share one argmax; unseeded sampled rows are
-    warped and drawn together (one multinomial, no per-row host sync); seeded rows draw
-    from their own CPU generator, row by row, so a seed reproduces across batches."""
+    warped and drawn together on the device (one exponential race, no per-row host sync);
+    seeded rows draw from their own CPU generator, row by row, so a seed reproduces across
+    batches."""
 
     @staticmethod
     def device_only(params: list[SamplingParams],

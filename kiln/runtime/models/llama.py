@@ -5,8 +5,8 @@ Weights use the engine's prepared names (fused ``qkv`` and ``gate_up``), see
 kiln/builder/weights.py. Tokens of all sequences are flattened into one batch.
 
 Two formulations of the same layer: the reference (plain torch ops, the oracle) and the
-fused one (Triton kernels: add+RMSNorm, in-place rotary, SiLU-and-mul), used on CUDA with the
-Triton attention backend. The fused kernels keep the reference's rounding points (the
+fused one (Triton kernels: add+RMSNorm, rotary fused into the KV write, SiLU-and-mul, which
+the down projection's GEMV may take in its loads), used with the Triton attention backend. The fused kernels keep the reference's rounding points (the
 residual add is rounded to the compute dtype, RMSNorm statistics in float32) except rotary,
 which computes in float32 and rounds once; float32 results are identical up to FMA
 contraction.
@@ -109,22 +109,17 @@ class LlamaModel:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
         from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
         from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
-        from kiln.runtime.kernels.rotary import rotary_embedding_
 
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
         h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden], the residual
         x = k_rms_norm(h, w["layers.0.input_norm.weight"], eps)
-        rope_forward = getattr(self.attention, "rope_forward", None)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             q, k, v = self._qkv(x, p, n)
-            if rope_forward is not None:  # rotary fused into the KV write
-                o = rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache, meta,
-                                 self.scale)
-            else:
-                rotary_embedding_(q, k, positions, self.cos_sin_cache)  # in place
-                o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
+            # the Triton backend: rotary fused into the KV write, then paged attention
+            o = self.attention.rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache,
+                                            meta, self.scale)
             attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
             x, h = fused_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps)
             mlp = linear(linear(x, w, p + "gate_up"), w, p + "down", silu_and_mul=True)
