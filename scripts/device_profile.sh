@@ -4,6 +4,8 @@
 # Call 1 (carry [".carry/a"], ~300 s):  bash scripts/device_profile.sh a   (llama-3-8b shapes)
 # Call 2 (carry [".carry/b", ".whl"]):  bash scripts/device_profile.sh b   (smollm2-135m, GPU tests,
 #                                       spec-step trace)
+# Or w (W8A8 gemv tests, sweep, 8B FP8 A/B; carry [".carry/a"]) then t (carry [".carry/b",
+# ".whl"]: the lookahead trace, the smollm2 bench, profile_step).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 KILN_CACHE=/tmp/kcache
@@ -19,6 +21,30 @@ if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model
     -k "rotary_and_cache or silu_and_mul or elementwise or reshape" >> "$OUT/gpu_tests.log" 2>&1
   grep -E "passed|failed|error" "$OUT/gpu_tests.log"; grep -E "^llama|kernels per|_kernel" \
     "$OUT/profile_8b.log" | head -40; tail -8 "$OUT/profile.log"
+elif [ "$phase" = w ]; then  # W8A8 gemv: GPU tests, kernel sweep, 8B FP8 b1 A/B
+  [ -d .carry/a ] && mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  timeout 100 python3 scripts/bench_gemv.py --warm-only > "$OUT/warm.log" 2>&1
+  timeout 150 python3 -m pytest -q tests/gpu/test_gemv_gpu.py > "$OUT/gemv_tests.log" 2>&1
+  timeout 150 python3 scripts/bench_gemv.py --sweep --sweep-kinds w8a8 --sweep-budget-s 50 \
+    --log "$OUT/bench.log" --out "$OUT/bench.json" > "$OUT/bench_table.log" 2>&1
+  timeout 170 python3 scripts/profile_8b.py --only ${PROFILE_8B:-fp8,fp8-w8a16} \
+    --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
+  tail -3 "$OUT/warm.log"; tail -4 "$OUT/gemv_tests.log"; grep "^sweep M=1" "$OUT/bench.log"
+  grep -E "^\| |timing|sweep:" "$OUT/bench_table.log" | head -48
+  grep -E "^llama|kernels per|_kernel" "$OUT/profile_8b.log" | head -30
+elif [ "$phase" = t ]; then  # right after w (GGUF half a in /tmp/parts): lookahead trace
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  mkdir -p /tmp/kcache/smollm2-135m
+  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
+    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  timeout 120 python3 scripts/trace_spec_step.py --steps 20 --out "$OUT" > "$OUT/trace.log" 2>&1
+  timeout 150 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
+    --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
+  timeout 100 python3 scripts/profile_step.py --windows "7,7,7" --out "$OUT/profile.json" \
+    > "$OUT/profile.log" 2>&1
+  grep -v "USDT\|Converting" "$OUT/trace.log" | tail -40; tail -10 "$OUT/smol.log"
+  tail -30 "$OUT/profile.log"
 elif [ "$phase" = a ]; then
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout ${PROFILE_8B_S:-420} python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \

@@ -208,3 +208,62 @@ def test_linear_on_cpu_never_takes_the_kernels(monkeypatch):
     x = torch.randn(1, 32, dtype=torch.bfloat16)
     assert lin.linear(x, weights, "a").shape == (1, 16)
     assert lin.linear(x, weights, "b").shape == (1, 16)
+
+
+W8A8_TC = gemv._cfg(16, 32, True, stages=2)
+
+
+def _w8a8_ref(x, w, s, xs=None, bias=None):
+    """fp8_linear's reference path: the activations quantized exactly as fp8_quant does,
+    both operands dequantized, float32 matmul, one rounding."""
+    from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded_ref
+
+    xq, x_scale = quantize_fp8_padded_ref(x, xs)
+    y = (xq[: x.shape[0]].float() * x_scale) @ (w.float() * s).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+@pytest.mark.parametrize("cfg", [W8A8_TC, dict(W8A8_TC, SPLIT_K=2), gemv.w8a8_config(1, 40, 96)],
+                         ids=["tc", "tc-sk", "default"])
+def test_gemv_w8a8_matches_fp8_linear_reference(static, cfg):
+    """quantize_input=True: e4m3 activations (static or dynamic per-tensor scale) times e4m3
+    weights equals fp8_linear's dequantized reference (ragged N and K, strided rows, bias)."""
+    dtype = torch.bfloat16
+    for m, n, k in ((1, 40, 96), (5, 33, 80)):
+        w, s = _w(n, k, FP8)
+        x = (torch.randn(m, k + 16) * 3).to(dtype)[:, :k]
+        b = torch.randn(n).to(dtype)
+        xs = torch.tensor([0.021]) if static else None
+        y = gemv.gemv(x, w, s, b, config=cfg, quantize_input=True, input_scale=xs)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert rel_err(y, _w8a8_ref(x, w, s, xs, b)) < TOL[dtype]
+        # it is the W8A8 product, not W8A16: farther from the unquantized activations
+        assert rel_err(y, _w8a8_ref(x, w, s, xs, b)) < rel_err(y, gemv.gemv_ref(x, w, s, b))
+
+
+def test_gemv_w8a8_wrapper_errors():
+    bf = torch.bfloat16
+    x, w = torch.randn(2, 32, dtype=bf), torch.randn(16, 32, dtype=bf)
+    w8, s = _w(16, 32, FP8)
+    with pytest.raises(ValueError, match="needs FP8 weights"):
+        gemv.gemv(x, w, quantize_input=True)
+    with pytest.raises(ValueError, match="do not combine"):
+        gemv.gemv(torch.randn(2, 64, dtype=bf), w8, s, quantize_input=True, silu_and_mul=True)
+    with pytest.raises(ValueError, match="input_scale has shape"):
+        gemv.gemv(x, w8, s, quantize_input=True, input_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="input_scale has dtype"):
+        gemv.gemv(x, w8, s, quantize_input=True, input_scale=torch.ones(1, dtype=bf))
+    with pytest.raises(ValueError, match="only used with quantize_input"):
+        gemv.gemv(x, w8, s, input_scale=torch.ones(1))
+    with pytest.raises(ValueError, match="tensor-core tiles only"):
+        gemv.gemv(x, w8, s, quantize_input=True, config=CUDA_CORE)
+
+
+def test_gemv_w8a8_default_config_rule():
+    for m in range(1, gemv.GEMV_MAX_M + 1):
+        for n, k in ((6144, 4096), (4096, 14336), (576, 1536), (28672, 4096), (40, 96)):
+            cfg = gemv.check_config(gemv.w8a8_config(m, n, k))
+            assert cfg["USE_DOT"] and cfg["SPLIT_K"] * cfg["BLOCK_K"] <= max(k, cfg["BLOCK_K"])

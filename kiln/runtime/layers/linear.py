@@ -16,9 +16,10 @@ CPU result is the GPU result up to accumulation order.
 
 Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
 the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than
-cuBLAS (``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
-e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
-used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32
+cuBLAS. For FP8 weights that is one of two products: W8A8 (``gemv.w8a8_wins``: the FP8
+tensor cores, the activations quantized with ``input_scale`` or their amax as the tiles
+load; the same function as the _scaled_mm path above), or W8A16 (``gemv_wins``: activations
+stay bf16/fp16, the e4m3 weights are widened in registers, ``input_scale`` unused). float32
 weights, CPU and every other case keep the paths above unchanged.
 """
 
@@ -126,16 +127,27 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     fp8 = weight.dtype == FP8
     if not (1 <= m <= gemv.GEMV_MAX_M and (fp8 or weight.dtype == x.dtype)
             and weight.shape[1] == k and weight.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype) and gemv.gemv_wins(m, n, k, fp8)):
+            and (bias is None or bias.dtype == x.dtype)):
+        return None
+    w8a8 = fp8 and not silu_and_mul and gemv.w8a8_wins(m, n, k)
+    if not (w8a8 or gemv.gemv_wins(m, n, k, fp8)):
         return None
     scale = w.get(prefix + ".weight_scale") if fp8 else None
-    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() != 1):
+    if fp8 and not _scale_ok(scale):
+        return None
+    input_scale = w.get(prefix + ".input_scale") if w8a8 else None
+    if input_scale is not None and not _scale_ok(input_scale):
         return None
     x2 = x.reshape(m, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul)
+    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul, quantize_input=w8a8,
+                  input_scale=input_scale.reshape(1) if input_scale is not None else None)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _scale_ok(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.float32 and t.numel() == 1
 
 
 def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
