@@ -32,6 +32,16 @@ elif [ "$phase" = w ]; then  # W8A8 gemv: GPU tests, kernel sweep, 8B FP8 b1 A/B
   tail -3 "$OUT/warm.log"; tail -4 "$OUT/gemv_tests.log"; grep "^sweep M=1" "$OUT/bench.log"
   grep -E "^\| |timing|sweep:" "$OUT/bench_table.log" | head -48
   grep -E "^llama|kernels per|_kernel" "$OUT/profile_8b.log" | head -30
+elif [ "$phase" = x ]; then  # W8A8 experiment + 8B bf16 sampled latency (carry .carry/a, .whl)
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  timeout 200 python3 scripts/bench_w8a8.py > "$OUT/w8a8.log" 2>&1
+  python3 -m kiln build random:llama-3-8b -o /tmp/l3 --dtype bfloat16 --max-seq-len 2048 \
+    --max-num-tokens 8192 --max-batch-size 256 --no-tune --force > /dev/null
+  timeout 100 python3 -m kiln bench latency /tmp/l3 --batch-size 1 --input-len 128 \
+    --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat.json" > "$OUT/lat.log" 2>&1
+  grep -v "^$" "$OUT/w8a8.log" | tail -30; tail -12 "$OUT/lat.log"
 elif [ "$phase" = t ]; then  # right after w (GGUF half a in /tmp/parts): lookahead trace
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

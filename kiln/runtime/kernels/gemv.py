@@ -160,6 +160,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, QUANT: tl.constexpr, K_POW2: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -175,21 +176,28 @@ def _gemv_kernel(
         m_ok = offs_m < M
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if QUANT == 1:  # W8A8, static activation scale
+        if QUANT == 1 or QUANT == 3:  # W8A8, static activation scale (3: x already e4m3)
             x_scale = tl.load(xs_ptr)
         elif QUANT == 2:  # W8A8, dynamic: amax over all of x (M <= 8 rows: a few KB)
             x_scale = _dynamic_scale(x_ptr, M, K, stride_xm, K_POW2)
             if (pid_n == 0) & (pid_k == 0):
                 tl.store(xs_ptr, x_scale)  # for the split-K reduce
+        if PREFETCH:  # x's next tile is loaded a step ahead (its quant is not pipelined)
+            x_next = tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k < K)[:, None], other=0.0)
         for kk in range(0, K_SPLIT, BLOCK_K):
-            if EVEN_K:
+            if PREFETCH:
+                w = tl.load(w_ptrs, mask=(offs_k + kk < K)[None, :], other=0.0)
+                xt = x_next
+                x_next = tl.load(x_ptrs + BLOCK_K, mask=m_ok[None, :]
+                                 & (offs_k + kk + BLOCK_K < K)[:, None], other=0.0)
+            elif EVEN_K:
                 w = tl.load(w_ptrs)
                 xt = _load_x(x_ptrs, K, m_ok[None, :], ACT)
             else:
                 k_ok = offs_k + kk < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 xt = _load_x(x_ptrs, K, m_ok[None, :] & k_ok[:, None], ACT)
-            if QUANT > 0:  # e4m3(x / s) exactly as fp8_quant (masked lanes are 0 -> 0)
+            if QUANT == 1 or QUANT == 2:  # e4m3(x / s) exactly as fp8_quant (masked: 0 -> 0)
                 xt = _quant_e4m3(xt, x_scale, w.dtype, WIDEN)
             if WIDEN:  # the CPU interpreter's bf16 dot is wrong; same numbers in float32
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc,
