@@ -27,7 +27,7 @@ from kiln.runtime.outputs import RequestOutput, TokenLogprob
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
-from kiln.runtime.speculative.lookahead import LookaheadWorker
+from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 from kiln.runtime.staging import StepStager
@@ -619,6 +619,7 @@ def _report_capture_failures(runner: ModelRunner) -> None:
 
 def _make_worker(spec: SpeculativeConfig) -> DraftWorker | None:
     if spec.mode == "lookahead":
+        warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
         return LookaheadWorker()
     if spec.mode == "ngram":
         return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)

@@ -220,3 +220,20 @@ def test_verify_position_accepts_certain_draft():
     assert verify_position(p, [0, 2], torch.Generator().manual_seed(0)) == (1, None)
     with pytest.raises(ValueError, match="shape \\[V\\]"):
         verify_position(p[None], [0])
+
+
+def test_step_layout_is_built_once_per_window_and_shared():
+    """step_layout caches per (w, n, g) for the process: two requests (and two calls) get
+    the same object, equal to a fresh build; warm_layouts builds every g of a window."""
+    from kiln.runtime.speculative.lookahead import warm_layouts
+    from kiln.runtime.speculative.lookahead_math import step_layout
+
+    step_layout.cache_clear()
+    warm_layouts((4, 3, 2))
+    assert step_layout.cache_info().currsize == 3  # g = 0, 1, 2
+    a, b = step_layout(4, 3, 2), step_layout(4, 3, 2)
+    assert a is b and step_layout.cache_info().hits >= 2
+    fresh = build_step_layout(4, 3, 2)
+    assert torch.equal(a.mask, fresh.mask) and torch.equal(a.position_offsets,
+                                                           fresh.position_offsets)
+    assert a.row_lists == fresh.row_lists

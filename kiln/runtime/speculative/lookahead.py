@@ -14,7 +14,7 @@ verification alone decides what is committed.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +24,8 @@ from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.lookahead_math import (
     NgramPool,
     StepLayout,
-    build_step_layout,
     greedy_verify,
+    step_layout,
     verify_position,
 )
 from kiln.runtime.speculative.worker import DraftWorker
@@ -41,12 +41,17 @@ class LookaheadState:
     g: int
     window: list[list[int]]
     pool: NgramPool
-    layouts: dict[int, StepLayout] = field(default_factory=dict)
 
     def layout(self, g_actual: int) -> StepLayout:
-        if g_actual not in self.layouts:
-            self.layouts[g_actual] = build_step_layout(self.w, self.n, g_actual)
-        return self.layouts[g_actual]
+        return step_layout(self.w, self.n, g_actual)  # shared by all requests
+
+
+def warm_layouts(window: tuple[int, int, int]) -> None:
+    """Build the step layouts (and their row lists) of a window for every candidate count
+    0..G, so no request pays for them inside its decode steps (engine start-up)."""
+    w, n, g = window
+    for g_actual in range(g + 1):
+        step_layout(w, n, g_actual).row_lists  # noqa: B018 - cached_property, built here
 
 
 class LookaheadWorker(DraftWorker):
