@@ -5,16 +5,15 @@ Usage (on the GPU machine):
     PYTHONPATH=. python3 scripts/bench_gemv.py --sweep --out r.json # time (+ sweep configs)
 
 Variants per shape (K -> N) and M in {1, 2, 4, 8} (the FP8 W8A8 variants at M = 1 and 8):
-  F.linear bf16 | gemv bf16 | gemv fp8 (W8A16) | gemv w8a8 (quantize_input, static and
-  dynamic scale) | fp8_linear old (eager quant + pad +
+  F.linear bf16 | gemv bf16 | gemv fp8 (W8A16) | fp8_linear old (eager quant + pad +
   _scaled_mm, the code before the fused quant) | fp8_linear new (fused quant kernel), both
   with a static input scale, plus their dynamic-scale versions in the JSON.
 Timing: each variant's calls over rotating weight copies (>= 256 MB touched, so L2 holds
 nothing: HBM numbers) are captured in one CUDA graph and replayed (device time, no launch
 overhead, as in a graph-captured decode step); CUDA events; median of the replays divided
 by the calls. GB/s counts weights + x + y once; the H200 copy ceiling is 4.23 TB/s.
-``--sweep`` also times every GEMV_CONFIGS entry (W8A8_CONFIGS for w8a8) x split_candidates
-(M = 1, 2, 8, 4, those that fit in registers) and reports the best per shape. Prints a table last; --out writes JSON.
+``--sweep`` also times every GEMV_CONFIGS entry x split_candidates (M = 1, 2, 8, 4, those
+that fit in registers) and reports the best per shape. Prints a table last; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -52,11 +51,11 @@ def _regs(cfg: dict, m: int) -> float:
     return cfg["BLOCK_N"] * m * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
 
 
-def sweep_configs(m: int, n: int, k: int, kind: str = "bf16") -> list[dict]:
-    from kiln.runtime.kernels.gemv import GEMV_CONFIGS, W8A8_CONFIGS, split_candidates
+def sweep_configs(m: int, n: int, k: int) -> list[dict]:
+    from kiln.runtime.kernels.gemv import GEMV_CONFIGS, split_candidates
 
     out = []
-    for c in W8A8_CONFIGS if kind == "w8a8" else GEMV_CONFIGS:
+    for c in GEMV_CONFIGS:
         if _regs(c, m) > 128:  # would spill
             continue
         out += [dict(c, SPLIT_K=s) for s in split_candidates(n, k, c)]
@@ -66,7 +65,7 @@ def sweep_configs(m: int, n: int, k: int, kind: str = "bf16") -> list[dict]:
 def all_jobs(sweep: bool) -> list[tuple]:
     """(m, n, k, weight kind, bias, config or None) of every gemv launch this script and
     tests/gpu/test_gemv_gpu.py make (for --warm-only)."""
-    from kiln.runtime.kernels.gemv import default_config, w8a8_config
+    from kiln.runtime.kernels.gemv import default_config
 
     jobs = []
     for _, _, k, n in SHAPES:
@@ -74,30 +73,25 @@ def all_jobs(sweep: bool) -> list[tuple]:
             for kind in ("bf16", "fp8", "fp16"):
                 for bias in (False, True):
                     jobs.append((m, n, k, kind, bias, default_config(m, n, k, kind == "fp8")))
-            for kind in ("w8a8", "w8a8dyn"):
-                for bias in (False, True):
-                    jobs.append((m, n, k, kind, bias, w8a8_config(m, n, k)))
         if sweep:
             for m in SWEEP_M:
-                for kind in ("bf16", "fp8", "w8a8"):
-                    jobs += [(m, n, k, kind, False, c) for c in sweep_configs(m, n, k, kind)]
+                for kind in ("bf16", "fp8"):
+                    jobs += [(m, n, k, kind, False, c) for c in sweep_configs(m, n, k)]
     return list(dict.fromkeys((j[:5] + (json.dumps(j[5], sort_keys=True),)) for j in jobs))
 
 
 def _warm_worker(jobs: list[tuple]) -> int:
     from kiln.runtime.kernels.gemv import gemv
 
-    dtypes = {"bf16": BF16, "fp16": torch.float16, "fp8": FP8, "w8a8": FP8, "w8a8dyn": FP8}
+    dtypes = {"bf16": BF16, "fp16": torch.float16, "fp8": FP8}
     done = 0
     for m, n, k, kind, bias, cfg in jobs:
         xd = torch.float16 if kind == "fp16" else BF16
         w = torch.empty(n, k, device=DEV, dtype=dtypes[kind])
-        s = torch.ones((), device=DEV) if w.dtype == FP8 else None
+        s = torch.ones((), device=DEV) if kind == "fp8" else None
         b = torch.zeros(n, device=DEV, dtype=xd) if bias else None
-        q = {"quantize_input": kind.startswith("w8a8"),
-             "input_scale": torch.ones(1, device=DEV) if kind == "w8a8" else None}
         try:
-            gemv(torch.zeros(m, k, device=DEV, dtype=xd), w, s, b, config=json.loads(cfg), **q)
+            gemv(torch.zeros(m, k, device=DEV, dtype=xd), w, s, b, config=json.loads(cfg))
             done += 1
         except Exception as e:  # noqa: BLE001 - report and go on; the timing run says more
             print(f"warm failed {m}x{n}x{k} {kind} {cfg}: {type(e).__name__}: {e}", flush=True)
@@ -193,14 +187,10 @@ def variants(s: Shape, m: int) -> dict:
 
     x = s.x(m)
     xs = s.input_scale
-    xs1 = xs.reshape(1)
     return {
         "F.linear bf16": (lambda i: F.linear(x, s.w[i]), s.cw, 2),
         "gemv bf16": (lambda i: gemv(x, s.w[i]), s.cw, 2),
         "gemv fp8": (lambda i: gemv(x, s.q[i], s.scale), s.cq, 1),
-        "gemv w8a8": (lambda i: gemv(x, s.q[i], s.scale, quantize_input=True,
-                                     input_scale=xs1), s.cq, 1),
-        "gemv w8a8 dyn": (lambda i: gemv(x, s.q[i], s.scale, quantize_input=True), s.cq, 1),
         "fp8_linear old": (lambda i: fp8_linear_old(x, s.q[i], s.scale, xs), s.cq, 1),
         "fp8_linear new": (lambda i: fp8_linear(x, s.q[i], s.scale, xs), s.cq, 1),
         "fp8_linear old dyn": (lambda i: fp8_linear_old(x, s.q[i], s.scale), s.cq, 1),
@@ -218,11 +208,6 @@ def check(s: Shape, m: int) -> dict:
     return {
         "gemv_bf16_rel_err": rel_err(gemv(x, s.w[0]), gemv_ref(x, s.w[0])),
         "gemv_fp8_rel_err": rel_err(gemv(x, s.q[0], s.scale), gemv_ref(x, s.q[0], s.scale)),
-        "gemv_w8a8_vs_fp8_linear": rel_err(
-            gemv(x, s.q[0], s.scale, quantize_input=True, input_scale=s.input_scale.reshape(1)),
-            fp8_linear(x, s.q[0], s.scale, s.input_scale)),
-        "gemv_w8a8_dyn_vs_fp8_linear": rel_err(
-            gemv(x, s.q[0], s.scale, quantize_input=True), fp8_linear(x, s.q[0], s.scale)),
         "fp8_linear_new_equals_old": bool(torch.equal(
             fp8_linear(x, s.q[0], s.scale, s.input_scale),
             fp8_linear_old(x, s.q[0], s.scale, s.input_scale))),
@@ -248,7 +233,6 @@ def run(args) -> dict:
                    "default_fp8": default_config(m, n, k, True)}
             vs = variants(s, m)
             names = list(vs) if m in (1, 8) else ["F.linear bf16", "gemv bf16", "gemv fp8",
-                                                  "gemv w8a8", "gemv w8a8 dyn",
                                                   "fp8_linear new"]
             for name in names:
                 fn, copies, elem = vs[name]
@@ -274,8 +258,7 @@ def run(args) -> dict:
 
     if args.sweep:
         t0 = time.perf_counter()
-        kinds = args.sweep_kinds.split(",")
-        order = [(m, kind, sh) for m in SWEEP_M for kind in kinds for sh in SHAPES]
+        order = [(m, kind, sh) for m in SWEEP_M for kind in ("bf16", "fp8") for sh in SHAPES]
         for m, kind, (model, layer, k, n) in order:
             if time.perf_counter() - t0 > args.sweep_budget_s:
                 print(f"sweep budget spent; skipped {m} {kind} {model} {layer}", flush=True)
@@ -283,15 +266,13 @@ def run(args) -> dict:
             s = shapes[(k, n)]
             x = s.x(m)
             ws, copies, elem = (s.w, s.cw, 2) if kind == "bf16" else (s.q, s.cq, 1)
-            scale = None if kind == "bf16" else s.scale
-            q = ({"quantize_input": True, "input_scale": s.input_scale.reshape(1)}
-                 if kind == "w8a8" else {})
+            scale = s.scale if kind == "fp8" else None
             entry = {"model": model, "layer": layer, "K": k, "N": n, "M": m, "weight": kind,
                      "results": []}
-            for cfg in sweep_configs(m, n, k, kind):
+            for cfg in sweep_configs(m, n, k):
                 try:
-                    r = time_us(lambda i, c=cfg, x=x, ws=ws, sc=scale, q=q: gemv(
-                        x, ws[i], sc, config=c, **q), copies, reps=8)
+                    r = time_us(lambda i, c=cfg, x=x, ws=ws, sc=scale: gemv(
+                        x, ws[i], sc, config=c), copies, reps=8)
                     entry["results"].append({"config": cfg, "us": r["us"],
                                              "GBps": s.nbytes(m, elem) / (r["us"] * 1e-6) / 1e9})
                 except Exception as e:  # noqa: BLE001
@@ -321,19 +302,17 @@ def table(result: dict) -> str:
     lines = [(f"{result['device']}, torch {result['torch']}, triton {result['triton']}: "
               "µs per call (TB/s) in a CUDA graph, weights cycled past L2"),
              ("| model | layer | M | F.linear bf16 | gemv bf16 | best bf16 | gemv fp8 | best fp8 "
-              "| gemv w8a8 | w8a8 dyn | best w8a8 | fp8_linear new | new dyn | w8a8 err |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| fp8_linear old | fp8_linear new | old dyn | new dyn |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        key = (r["K"], r["N"], r["M"])
-        err = r.get("gemv_w8a8_vs_fp8_linear")
+        bb = best.get((r["K"], r["N"], r["M"], "bf16"))
+        bf = best.get((r["K"], r["N"], r["M"], "fp8"))
         lines.append(
             f"| {r['model']} | {r['layer']} {r['K']}->{r['N']} | {r['M']} | "
-            f"{_fmt(r.get('F.linear bf16'))} | {_fmt(r.get('gemv bf16'))} | "
-            f"{_fmt(best.get(key + ('bf16',)))} | {_fmt(r.get('gemv fp8'))} | "
-            f"{_fmt(best.get(key + ('fp8',)))} | {_fmt(r.get('gemv w8a8'))} | "
-            f"{_fmt(r.get('gemv w8a8 dyn'))} | {_fmt(best.get(key + ('w8a8',)))} | "
-            f"{_fmt(r.get('fp8_linear new'))} | {_fmt(r.get('fp8_linear new dyn'))} | "
-            f"{'-' if err is None else f'{err:.1e}'} |")
+            f"{_fmt(r.get('F.linear bf16'))} | {_fmt(r.get('gemv bf16'))} | {_fmt(bb)} | "
+            f"{_fmt(r.get('gemv fp8'))} | {_fmt(bf)} | {_fmt(r.get('fp8_linear old'))} | "
+            f"{_fmt(r.get('fp8_linear new'))} | {_fmt(r.get('fp8_linear old dyn'))} | "
+            f"{_fmt(r.get('fp8_linear new dyn'))} |")
     return "\n".join(lines)
 
 
@@ -342,8 +321,6 @@ def main() -> None:
     ap.add_argument("--out", help="write all numbers as JSON here")
     ap.add_argument("--sweep", action="store_true", help="also time every candidate config")
     ap.add_argument("--sweep-budget-s", type=float, default=120.0)
-    ap.add_argument("--sweep-kinds", default="bf16,fp8,w8a8",
-                    help="weight kinds to sweep, in order (bf16, fp8 = W8A16, w8a8)")
     ap.add_argument("--warm-only", action="store_true",
                     help="compile every kernel variant in parallel processes, then exit")
     ap.add_argument("--procs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))

@@ -4,8 +4,7 @@
 
 b1    bf16, batch 1: GPU time of one decode-bucket replay (CUDA events) vs the engine's wall
       time per decode step (the difference is host work), and the replay's kernels.
-fp8   the same with FP8 weights (W8A8 gemv where gemv.w8a8_wins says so).
-fp8-w8a16  the same with every small-batch FP8 linear on W8A16 gemv (the A/B baseline).
+fp8   the same with FP8 weights.
 tput  bf16, --requests x 512 in / 256 out greedy: wall time per step by step kind (graph
       replay or eager, with or without a prefill chunk), then the kernels and host time of a
       few mixed steps (torch.profiler, CPU + CUDA).
@@ -68,7 +67,7 @@ def build(tmp: Path, quant: str) -> Path:
     return out
 
 
-def batch1(res: dict, tmp: Path, quant: str, label: str | None = None) -> None:
+def batch1(res: dict, tmp: Path, quant: str) -> None:
     eng = LLMEngine.from_engine_dir(build(tmp, quant), RuntimeConfig(device="cuda"))
     runner = eng.runner.graphs
     b = next(b for b in runner.buckets if b.num_seqs == 1 and not b.masked)
@@ -77,8 +76,7 @@ def batch1(res: dict, tmp: Path, quant: str, label: str | None = None) -> None:
     prompt = list(range(1000, 1128))
     p = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    label = label or quant
-    r = res[f"b1-{label}"] = {"replay_ms": replay}
+    r = res[f"b1-{quant}"] = {"replay_ms": replay}
     for mode in ("sync", "async"):
         eng.async_scheduling = mode == "async"
         eng.add_request(prompt, p)
@@ -94,7 +92,7 @@ def batch1(res: dict, tmp: Path, quant: str, label: str | None = None) -> None:
         wall = statistics.median(steps[1:]) * 1e3
         r[mode] = {"step_wall_ms": wall, "first_step_ms": steps[0] * 1e3,
                    "tok_s": 128 / t_all}
-        say(f"llama-3-8b {label} b1 [{mode}]: replay {replay:.3f} ms GPU, engine step "
+        say(f"llama-3-8b {quant} b1 [{mode}]: replay {replay:.3f} ms GPU, engine step "
             f"{wall:.3f} ms wall (host {wall - replay:.3f}), first step "
             f"{steps[0] * 1e3:.1f} ms, {128 / t_all:.1f} tok/s (128 new)")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -105,19 +103,6 @@ def batch1(res: dict, tmp: Path, quant: str, label: str | None = None) -> None:
     del eng, g
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def fp8_w8a16(res: dict, tmp: Path) -> None:
-    """fp8 with every small-batch FP8 linear on W8A16 gemv (gemv.w8a8_wins off): the
-    pre-W8A8 path, for a same-run A/B."""
-    from kiln.runtime.kernels import gemv
-
-    real = gemv.w8a8_wins
-    gemv.w8a8_wins = lambda m, n, k: False
-    try:
-        batch1(res, tmp, "fp8", label="fp8-w8a16")
-    finally:
-        gemv.w8a8_wins = real
 
 
 def throughput(res: dict, tmp: Path, n: int) -> None:
@@ -217,7 +202,6 @@ def main() -> None:
     for part in args.only.split(","):
         try:
             {"b1": lambda: batch1(res, tmp, "bf16"), "fp8": lambda: batch1(res, tmp, "fp8"),
-             "fp8-w8a16": lambda: fp8_w8a16(res, tmp),
              "tput": lambda: throughput(res, tmp, args.requests)}[part]()
         except Exception:  # noqa: BLE001 - report and go on
             import traceback

@@ -104,47 +104,50 @@ def test_gemv_every_candidate_config(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gemv_w8a8_equals_fp8_linear(shape):
-    """quantize_input=True (W8A8 on the FP8 tensor cores) computes fp8_linear's function
-    (fused quant kernel + _scaled_mm) with static and dynamic activation scales, M 1-8, at
-    the default config and, at M = 1 and 8, every W8A8_CONFIGS x split candidate."""
-    from kiln.runtime.kernels.gemv import W8A8_CONFIGS, gemv, split_candidates
+def test_gemv_w8a8_equals_scaled_mm(shape):
+    """gemv with e4m3 x (W8A8) computes _scaled_mm's function on the same quantized operands,
+    static and dynamic scales, M 1-8, at the default config and, at M = 1 and 8, every
+    W8A8_CONFIGS x split candidate; fp8_linear at M <= 8 takes it where w8a8_wins says."""
+    from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
     from kiln.runtime.layers.linear import fp8_linear
 
     k, n = SHAPES[shape]
     _, q, s = _weights(k, n)
-    xs = torch.tensor(0.02, device=DEV)
     for m in (1, 2, 4, 8):
         x = torch.randn(m, k, device=DEV).to(BF16)
-        ref, ref_dyn = fp8_linear(x, q, s, xs), fp8_linear(x, q, s)
-        assert _rel(gemv(x, q, s, quantize_input=True, input_scale=xs.reshape(1)), ref) < TOL
-        assert _rel(gemv(x, q, s, quantize_input=True), ref_dyn) < TOL, (shape, m)
+        for static in (torch.tensor(0.02, device=DEV), None):
+            xq, xs = quantize_fp8_padded(x, static)
+            ref = torch._scaled_mm(xq, q.t(), scale_a=xs.reshape(()), scale_b=s.reshape(()),
+                                   out_dtype=BF16)[:m]
+            assert _rel(gm.gemv(xq[:m], q, s, x_scale=xs), ref) < TOL, (shape, m)
+            assert _rel(fp8_linear(x, q, s, static), ref) < TOL, (shape, m, "fp8_linear")
         if m in (1, 8):
-            for cfg in W8A8_CONFIGS:
-                for split in split_candidates(n, k, cfg):
+            for cfg in gm.W8A8_CONFIGS:
+                for split in gm.split_candidates(n, k, cfg):
                     c = dict(cfg, SPLIT_K=split)
-                    y = gemv(x, q, s, config=c, quantize_input=True)
-                    assert _rel(y, ref_dyn) < TOL, (shape, m, c)
+                    assert _rel(gm.gemv(xq[:m], q, s, x_scale=xs, config=c), ref) < TOL, (
+                        shape, m, c)
 
 
-def test_gemv_w8a8_cuda_graph_dynamic_scale():
-    """W8A8 with a dynamic scale and split K replays in a CUDA graph: the scale follows x."""
-    from kiln.runtime.kernels.gemv import gemv
+def test_fp8_linear_small_m_w8a8_captures():
+    """fp8_linear at M = 4 on an 8B-sized weight (the Triton W8A8 GEMM, dynamic scale, split
+    K) replays in a CUDA graph and follows x."""
+    from kiln.runtime.kernels import gemv as gm
     from kiln.runtime.layers.linear import fp8_linear
 
     k, n = 14336, 4096
+    assert gm.w8a8_wins(4, n, k)
     _, q, s = _weights(k, n)
-    x = torch.randn(1, k, device=DEV).to(BF16)
-    cfg = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "USE_DOT": True, "num_warps": 4,
-           "num_stages": 4}
-    gemv(x, q, s, config=cfg, quantize_input=True)
+    x = torch.randn(4, k, device=DEV).to(BF16)
+    fp8_linear(x, q, s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = gemv(x, q, s, config=cfg, quantize_input=True)
+        y = fp8_linear(x, q, s)
     x.copy_(torch.randn_like(x) * 7)
     g.replay()
-    assert _rel(y, fp8_linear(x, q, s)) < TOL
+    assert torch.equal(y, fp8_linear(x, q, s))
 
 
 def test_gemv_cuda_graph_split_k():
@@ -218,13 +221,11 @@ def test_fp8_linear_fused_quant_matches_eager_and_captures():
 
 
 def test_linear_dispatch_small_m():
-    """linear(): bf16 and FP8 weights at M <= GEMV_MAX_M take gemv (W8A16 or W8A8 for FP8)
-    and agree with F.linear / the dequantized reference / fp8_linear; larger M keeps cuBLAS
-    / _scaled_mm."""
+    """linear(): bf16 and FP8 weights at M <= GEMV_MAX_M take gemv (W8A16 for FP8) and
+    agree with F.linear / the dequantized reference; larger M keeps cuBLAS / _scaled_mm."""
     import torch.nn.functional as F
 
     from kiln.runtime.kernels import gemv as gm
-    from kiln.runtime.layers import linear as lin
     from kiln.runtime.layers.linear import linear
 
     w, q, s = _weights(4096, 6144)
@@ -236,12 +237,8 @@ def test_linear_dispatch_small_m():
         assert _rel(linear(x, weights, "a"), F.linear(x, w)) < TOL
         y8 = linear(x, weights, "b")
         assert y8.shape == (m, 6144) and y8.dtype == BF16
-        w8a16 = m <= gm.GEMV_MAX_M and gm.gemv_wins(m, 6144, 4096, True) and not gm.w8a8_wins(
-            m, 6144, 4096)
-        tol = TOL if w8a16 else 0.08
+        tol = TOL if m <= gm.GEMV_MAX_M and gm.gemv_wins(m, 6144, 4096, True) else 0.08
         assert _rel(y8, F.linear(x, wd)) < tol  # W8A8 adds activation quant error
-        if not w8a16:  # W8A8 (gemv or _scaled_mm): fp8_linear's function
-            assert _rel(y8, lin.fp8_linear(x, q, s, weights["b.input_scale"])) < TOL
     x3 = torch.randn(1, 1, 4096, device=DEV).to(BF16)
     assert linear(x3, weights, "a").shape == (1, 1, 6144)
 

@@ -210,60 +210,53 @@ def test_linear_on_cpu_never_takes_the_kernels(monkeypatch):
     assert lin.linear(x, weights, "b").shape == (1, 16)
 
 
-W8A8_TC = gemv._cfg(16, 32, True, stages=2)
+@pytest.mark.parametrize("cfg", [TENSOR_CORE, dict(TENSOR_CORE, SPLIT_K=2),
+                                 gemv.w8a8_config(1, 40, 96)], ids=["tc", "tc-sk", "default"])
+def test_gemv_w8a8_e4m3_x(cfg):
+    """W8A8: e4m3 x (quantize_fp8_padded's rows, the pad rows unread) with x_scale times e4m3
+    weights == the dequantized product, in out_dtype (ragged N and K, bias, M = 1 and 5)."""
+    from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
 
-
-def _w8a8_ref(x, w, s, xs=None, bias=None):
-    """fp8_linear's reference path: the activations quantized exactly as fp8_quant does,
-    both operands dequantized, float32 matmul, one rounding."""
-    from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded_ref
-
-    xq, x_scale = quantize_fp8_padded_ref(x, xs)
-    y = (xq[: x.shape[0]].float() * x_scale) @ (w.float() * s).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
-@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
-@pytest.mark.parametrize("cfg", [W8A8_TC, dict(W8A8_TC, SPLIT_K=2), gemv.w8a8_config(1, 40, 96)],
-                         ids=["tc", "tc-sk", "default"])
-def test_gemv_w8a8_matches_fp8_linear_reference(static, cfg):
-    """quantize_input=True: e4m3 activations (static or dynamic per-tensor scale) times e4m3
-    weights equals fp8_linear's dequantized reference (ragged N and K, strided rows, bias)."""
-    dtype = torch.bfloat16
     for m, n, k in ((1, 40, 96), (5, 33, 80)):
         w, s = _w(n, k, FP8)
-        x = (torch.randn(m, k + 16) * 3).to(dtype)[:, :k]
-        b = torch.randn(n).to(dtype)
-        xs = torch.tensor([0.021]) if static else None
-        y = gemv.gemv(x, w, s, b, config=cfg, quantize_input=True, input_scale=xs)
-        assert y.shape == (m, n) and y.dtype == dtype
-        assert rel_err(y, _w8a8_ref(x, w, s, xs, b)) < TOL[dtype]
-        # it is the W8A8 product, not W8A16: farther from the unquantized activations
-        assert rel_err(y, _w8a8_ref(x, w, s, xs, b)) < rel_err(y, gemv.gemv_ref(x, w, s, b))
+        x = torch.randn(m, k) * 3
+        xq, xs = quantize_fp8_padded(x, torch.tensor(0.021))
+        for out in (torch.bfloat16, torch.float16):
+            b = torch.randn(n).to(out)
+            y = gemv.gemv(xq[:m], w, s, b, x_scale=xs, out_dtype=out, config=cfg)
+            ref = ((xq[:m].float() * xs) @ (w.float() * s).t() + b.float()).to(out)
+            assert y.shape == (m, n) and y.dtype == out
+            assert rel_err(y, ref) < TOL[out]
 
 
-def test_gemv_w8a8_wrapper_errors():
-    bf = torch.bfloat16
-    x, w = torch.randn(2, 32, dtype=bf), torch.randn(16, 32, dtype=bf)
+def test_gemv_w8a8_errors():
     w8, s = _w(16, 32, FP8)
-    with pytest.raises(ValueError, match="needs FP8 weights"):
-        gemv.gemv(x, w, quantize_input=True)
-    with pytest.raises(ValueError, match="do not combine"):
-        gemv.gemv(torch.randn(2, 64, dtype=bf), w8, s, quantize_input=True, silu_and_mul=True)
-    with pytest.raises(ValueError, match="input_scale has shape"):
-        gemv.gemv(x, w8, s, quantize_input=True, input_scale=torch.ones(2))
-    with pytest.raises(ValueError, match="input_scale has dtype"):
-        gemv.gemv(x, w8, s, quantize_input=True, input_scale=torch.ones(1, dtype=bf))
-    with pytest.raises(ValueError, match="only used with quantize_input"):
-        gemv.gemv(x, w8, s, input_scale=torch.ones(1))
-    with pytest.raises(ValueError, match="tensor-core tiles only"):
-        gemv.gemv(x, w8, s, quantize_input=True, config=CUDA_CORE)
+    xq = torch.randn(2, 32).to(FP8)
+    xs = torch.tensor([0.5])
+    cases = [
+        ({"x": xq, "weight": w8, "weight_scale": s, "x_scale": xs, "config": CUDA_CORE},
+         "tensor-core tiles only"),
+        ({"x": xq, "weight": torch.randn(16, 32, dtype=torch.bfloat16), "x_scale": xs},
+         "weight has dtype"),
+        ({"x": torch.randn(2, 32, dtype=torch.bfloat16), "weight": w8, "weight_scale": s,
+          "x_scale": xs}, "x has dtype"),
+        ({"x": xq, "weight": w8, "weight_scale": s, "x_scale": torch.ones(2)},
+         "x_scale has shape"),
+        ({"x": xq, "weight": w8, "x_scale": xs}, "weight_scale is required"),
+        ({"x": xq, "weight": w8, "weight_scale": s, "x_scale": xs, "out_dtype": torch.float32},
+         "out_dtype"),
+        ({"x": torch.randn(9, 32).to(FP8), "weight": w8, "weight_scale": s, "x_scale": xs},
+         "x has 9 rows"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            gemv.gemv(**kwargs)
 
 
 def test_gemv_w8a8_default_config_rule():
+    assert not gemv.w8a8_wins(1, 576, 576) and gemv.w8a8_wins(8, 28672, 4096)
+    assert not gemv.w8a8_wins(gemv.GEMV_MAX_M + 1, 28672, 4096)
     for m in range(1, gemv.GEMV_MAX_M + 1):
-        for n, k in ((6144, 4096), (4096, 14336), (576, 1536), (28672, 4096), (40, 96)):
+        for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)):
             cfg = gemv.check_config(gemv.w8a8_config(m, n, k))
-            assert cfg["USE_DOT"] and cfg["SPLIT_K"] * cfg["BLOCK_K"] <= max(k, cfg["BLOCK_K"])
+            assert cfg["USE_DOT"] and cfg["SPLIT_K"] * cfg["BLOCK_K"] <= k

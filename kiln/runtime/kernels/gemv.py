@@ -35,7 +35,7 @@ from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
 
 GEMV_MAX_M = 8  # rows handled here; linear() sends larger batches to cuBLAS / _scaled_mm
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
-W8A8 = "w8a8"  # the tuning-table dtype of quantize_input launches
+W8A8 = "w8a8"  # the tuning-table dtype of W8A8 launches (e4m3 x)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "num_warps", "num_stages")
 
 
@@ -105,39 +105,6 @@ def _load_x(x_ptrs, K, mask, ACT: tl.constexpr):
 
 
 @triton.jit
-def _dynamic_scale(x_ptr, M, K, stride_xm, K_POW2: tl.constexpr):
-    """max(amax(|x|) / 448, 1e-12) over x [M, K], as fp8_quant's dynamic scale (amax times
-    float32(1 / 448), like torch's tensor / 448.0)."""
-    offs = tl.arange(0, K_POW2)
-    ok = offs < K
-    amax = tl.max(tl.abs(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)), axis=0)
-    for r in range(1, M):
-        row = tl.load(x_ptr + r * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(row), axis=0))
-    return tl.maximum(amax * (1.0 / 448.0), 1e-12)
-
-
-@triton.jit
-def _quant_e4m3(x, scale, fp8: tl.constexpr, EMULATE: tl.constexpr):
-    """e4m3(clamp(x / scale, +-448)), IEEE division, round to nearest even (fp8_quant's).
-
-    EMULATE (the CPU interpreter, whose float32 -> e4m3 cast drops the carry when rounding
-    up crosses a power of two: 124.3 -> 64, not 128): the same rounding in float32, returned
-    as float32 (the caller widens for its float32 dot anyway).
-    """
-    v = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
-    if EMULATE:
-        # normals (|v| >= 2^-6): keep 3 mantissa bits, round half to even on the bits
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        normal = bits.to(tl.float32, bitcast=True)
-        # subnormals: multiples of 2^-9 (float32 add of 1.5 * 2^14 rounds there, to even)
-        sub = (v + 24576.0) - 24576.0
-        return tl.where(tl.abs(v) >= 0.015625, normal, sub)
-    return v.to(fp8)
-
-
-@triton.jit
 def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
     p = x_ptrs + row * stride_xm
@@ -159,8 +126,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
-    ACT: tl.constexpr, QUANT: tl.constexpr, K_POW2: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    ACT: tl.constexpr, X_FP8: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -176,29 +142,14 @@ def _gemv_kernel(
         m_ok = offs_m < M
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if QUANT == 1 or QUANT == 3:  # W8A8, static activation scale (3: x already e4m3)
-            x_scale = tl.load(xs_ptr)
-        elif QUANT == 2:  # W8A8, dynamic: amax over all of x (M <= 8 rows: a few KB)
-            x_scale = _dynamic_scale(x_ptr, M, K, stride_xm, K_POW2)
-            if (pid_n == 0) & (pid_k == 0):
-                tl.store(xs_ptr, x_scale)  # for the split-K reduce
-        if PREFETCH:  # x's next tile is loaded a step ahead (its quant is not pipelined)
-            x_next = tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k < K)[:, None], other=0.0)
         for kk in range(0, K_SPLIT, BLOCK_K):
-            if PREFETCH:
-                w = tl.load(w_ptrs, mask=(offs_k + kk < K)[None, :], other=0.0)
-                xt = x_next
-                x_next = tl.load(x_ptrs + BLOCK_K, mask=m_ok[None, :]
-                                 & (offs_k + kk + BLOCK_K < K)[:, None], other=0.0)
-            elif EVEN_K:
+            if EVEN_K:
                 w = tl.load(w_ptrs)
                 xt = _load_x(x_ptrs, K, m_ok[None, :], ACT)
             else:
                 k_ok = offs_k + kk < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 xt = _load_x(x_ptrs, K, m_ok[None, :] & k_ok[:, None], ACT)
-            if QUANT == 1 or QUANT == 2:  # e4m3(x / s) exactly as fp8_quant (masked: 0 -> 0)
-                xt = _quant_e4m3(xt, x_scale, w.dtype, WIDEN)
             if WIDEN:  # the CPU interpreter's bf16 dot is wrong; same numbers in float32
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc,
                              input_precision="ieee")
@@ -213,8 +164,8 @@ def _gemv_kernel(
         else:
             if HAS_SCALE:
                 acc = acc * tl.load(scale_ptr)
-            if QUANT > 0:
-                acc = acc * x_scale
+            if X_FP8:
+                acc = acc * tl.load(xs_ptr)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
             y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -290,7 +241,7 @@ def _gemv_kernel(
 def _splitk_reduce_kernel(
     part_ptr, scale_ptr, bias_ptr, y_ptr, xs_ptr, M, N, stride_ym,
     SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    QUANT: tl.constexpr, BLOCK: tl.constexpr,
+    X_FP8: tl.constexpr, BLOCK: tl.constexpr,
 ):
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -300,7 +251,7 @@ def _splitk_reduce_kernel(
         acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr)
-    if QUANT:
+    if X_FP8:
         acc = acc * tl.load(xs_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -309,7 +260,7 @@ def _splitk_reduce_kernel(
 
 def tuning_key(m: int, n: int, k: int, dtype: torch.dtype | str) -> str:
     """The key of one shape in the tuning table: ``"{m}x{n}x{k}:{fp8|w8a8|bfloat16|float16}"``
-    (``dtype`` is the weight dtype, any FP8 weight is ``fp8``; ``W8A8`` for quantize_input)."""
+    (``dtype`` is the weight dtype, any FP8 weight is ``fp8``; ``W8A8`` for e4m3 x)."""
     if isinstance(dtype, torch.dtype):
         dtype = "fp8" if dtype in FP8_DTYPES else str(dtype).removeprefix("torch.")
     return f"{m}x{n}x{k}:{dtype}"
@@ -362,38 +313,31 @@ def default_config(m: int, n: int, k: int, fp8: bool) -> dict:
     return cfg
 
 
-# Tensor-core candidates for W8A8 (quantize_input): the FP8 product needs no widening, so
-# wider weight tiles stay bandwidth-bound; SPLIT_K is tried on top (``split_candidates``).
+# W8A8 (e4m3 x) tensor-core tiles: bench_w8a8.py timed these on the H200 (notes/NOTES.md,
+# 2026-11-30 third session): 64 x 128, 4 stages won at every llama-3-8b shape at M 1 and 8
+# (gate_up at M = 8: 128 x 128); SPLIT_K is tried on top (``split_candidates``).
 W8A8_CONFIGS: list[dict] = [
     _cfg(64, 128, True, stages=4),
-    _cfg(64, 256, True, stages=4),
     _cfg(128, 128, True, stages=4),
     _cfg(128, 256, True, warps=8, stages=3),
-    _cfg(64, 512, True, stages=3),
-    _cfg(128, 128, True, stages=6),
-    _cfg(32, 256, True, stages=4),
-    _cfg(16, 512, True, stages=4),
 ]
 
 
 @functools.lru_cache(maxsize=1024)
 def w8a8_config(m: int, n: int, k: int) -> dict:
-    """The W8A8 (quantize_input) default: 128 x 128 FP8 tiles, split K while the programs
-    are fewer than two waves of 132 SMs (not yet measured: placeholder until the sweep)."""
-    small = k <= 2048
-    cfg = _cfg(64, 128, True, stages=4) if small else _cfg(128, 128, True, stages=4)
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    split = 1
-    while blocks * split * 2 <= 264 and k >= 2 * split * cfg["BLOCK_K"] * 4 and split < 8:
-        split *= 2
+    """The W8A8 default (the measured winners): 64 x 128 tiles, K split 4 ways while the
+    weight has fewer than 256 row tiles (qkv, o_proj, down), whole K for gate_up."""
+    cfg = _cfg(64, 128, True, stages=4)
+    split = 4 if triton.cdiv(n, 64) < 256 and k >= 4 * 128 else 1
     return dict(cfg, SPLIT_K=split)
 
 
 def w8a8_wins(m: int, n: int, k: int) -> bool:
-    """Whether linear() runs FP8 weights at this small-batch shape as W8A8 gemv
-    (quantize_input) rather than W8A16 gemv or _scaled_mm. Placeholder until measured:
-    M = 1 on weights of at least 16 M elements (llama-3-8b's layers, not smollm2's)."""
-    return m == 1 and n * k >= 16 << 20
+    """Whether fp8_linear's W8A8 GEMM runs here (gemv with e4m3 x) rather than _scaled_mm.
+    Measured on the H200 at M = 8 on llama-3-8b's four layer shapes (1.3-1.6x faster than
+    cuBLAS after the same activation quant kernel); at M = 1 the W8A16 gemv runs instead
+    (linear() never reaches fp8_linear there)."""
+    return 1 <= m <= GEMV_MAX_M and n * k >= 16 << 20
 
 
 def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
@@ -465,8 +409,8 @@ def check_config(cfg: dict) -> dict:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, *, config: dict | None = None,
-    silu_and_mul: bool = False, quantize_input: bool = False,
-    input_scale: torch.Tensor | None = None,
+    silu_and_mul: bool = False, x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale)^T + bias, in x's dtype.
 
@@ -476,13 +420,13 @@ def gemv(
     ``silu_and_mul``: x is a gate_up output [M, 2K] and the product uses
     ``activation.silu_and_mul(x)`` [M, K], computed as the tiles are loaded (one kernel for
     the activation and the down projection).
-    ``quantize_input`` (FP8 weights, tensor-core configs only): W8A8, the FP8 tensor cores'
-    product of e4m3 weights and e4m3(x / s) activations, quantized as the tiles are loaded,
-    scaled by weight_scale * s; ``fp8_linear``'s numbers (``_scaled_mm`` after
-    ``quantize_fp8_padded``) up to accumulation order. s is ``input_scale`` (static, a
-    1-element float32 tensor) or, when None, amax(|x|) / 448 computed by every program
-    (dynamic, as ``fp8_linear``'s).
+    W8A8: x already e4m3 (``quantize_fp8_padded``'s output, rows past M unread) with its
+    per-tensor ``x_scale`` and FP8 weights: the FP8 tensor cores' product, scaled by
+    weight_scale * x_scale, returned in ``out_dtype`` (bf16/fp16): ``_scaled_mm``'s function
+    for the small M where it is faster (``w8a8_wins``); tensor-core configs only.
     """
+    if x_scale is not None:
+        return _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype)
     check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
     m, k = x.shape
@@ -504,19 +448,6 @@ def gemv(
                              "takes a per-tensor scale (0-dim or 1 element)")
     elif weight_scale is not None:
         raise ValueError(f"weight_scale is only for FP8 weights; weight is {weight.dtype}")
-    if quantize_input:
-        if not fp8:
-            raise ValueError(f"quantize_input (W8A8) needs FP8 weights; weight is {weight.dtype}")
-        if silu_and_mul:
-            raise ValueError("quantize_input and silu_and_mul do not combine; apply the "
-                             "activation first")
-        if input_scale is not None:
-            check_tensor("input_scale", input_scale, dtypes=(torch.float32,), device=x.device)
-            if input_scale.numel() != 1:
-                raise ValueError(f"input_scale has shape {tuple(input_scale.shape)}; gemv takes "
-                                 "a per-tensor scale (0-dim or 1 element)")
-    elif input_scale is not None:
-        raise ValueError("input_scale is only used with quantize_input=True (W8A8)")
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device)
         check_shape("bias", bias, (n,))
@@ -524,44 +455,70 @@ def gemv(
     if n == 0 or k == 0:
         return y.zero_()
     if config is None:
-        if quantize_input:
-            config = _tuned(tuning_key(m, n, k, W8A8)) or w8a8_config(m, n, k)
-        else:
-            config = _tuned(tuning_key(m, n, k, weight.dtype)) or default_config(m, n, k, fp8)
-    cfg = check_config(config)
-    bn, bk, dot = cfg["BLOCK_N"], cfg["BLOCK_K"], bool(cfg["USE_DOT"])
-    if quantize_input and not dot:
-        raise ValueError(f"config {cfg}: quantize_input (W8A8) runs on tensor-core tiles only "
+        config = _tuned(tuning_key(m, n, k, weight.dtype)) or default_config(m, n, k, fp8)
+    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, check_config(config),
+            silu_and_mul)
+    return y
+
+
+def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> torch.Tensor:
+    """gemv's W8A8 form (x e4m3 with x_scale): checks, then the tensor-core kernel."""
+    check_tensor("x", x, ndim=2, dtypes=FP8_DTYPES)
+    check_tensor("weight", weight, ndim=2, dtypes=FP8_DTYPES, device=x.device)
+    if out_dtype not in GEMV_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} must be one of {GEMV_DTYPES}")
+    m, k = x.shape
+    n = weight.shape[0]
+    check_shape("weight", weight, (n, k))
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use _scaled_mm)")
+    for name, t in (("weight_scale", weight_scale), ("x_scale", x_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} is required with FP8 x and weights (a float32 tensor)")
+        check_tensor(name, t, dtypes=(torch.float32,), device=x.device)
+        if t.numel() != 1:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; gemv takes a per-tensor "
+                             "scale (0-dim or 1 element)")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(out_dtype,), device=x.device)
+        check_shape("bias", bias, (n,))
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if n == 0 or k == 0:
+        return y.zero_()
+    cfg = check_config(config or _tuned(tuning_key(m, n, k, W8A8)) or w8a8_config(m, n, k))
+    if not cfg["USE_DOT"]:
+        raise ValueError(f"config {cfg}: W8A8 (FP8 x) runs on tensor-core tiles only "
                          "(USE_DOT=True)")
+    _launch(x, weight, weight_scale, bias, y, x_scale, cfg, False)
+    return y
+
+
+def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: bool) -> None:
+    """The kernel (and the split-K reduce) for checked arguments and a checked config."""
+    m, n, k = y.shape[0], y.shape[1], weight.shape[1]
+    bn, bk, dot = cfg["BLOCK_N"], cfg["BLOCK_K"], bool(cfg["USE_DOT"])
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk  # K per slice, whole tiles
     split = triton.cdiv(k, k_split)  # no empty slices
     block_m = 16 if dot else m  # CUDA cores: the M rows unrolled
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    fp8 = weight_scale is not None
     scale = weight_scale if fp8 else y  # any pointer when unused
     b = bias if bias is not None else y
-    quant = 0
-    xs = y
-    if quantize_input:
-        if input_scale is not None:
-            quant, xs = 1, input_scale
-        else:  # the kernel writes the dynamic scale here for the split-K reduce
-            quant, xs = 2, torch.empty(1, dtype=torch.float32, device=x.device)
+    xs = x_scale if x_scale is not None else y
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, weight, scale, b, y, part, xs, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
-        QUANT=quant, K_POW2=triton.next_power_of_2(k) if quant == 2 else 1,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
             part, scale, b, y, xs, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=fp8,
-            HAS_BIAS=bias is not None, QUANT=quant > 0, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
         )
-    return y
 
 
 def gemv_ref(

@@ -138,15 +138,10 @@ def _gemv_problems(t: TuneTarget) -> list[dict]:
         return []
     m = t.model
     dt = str(t.dtype).removeprefix("torch.")
-    from kiln.runtime.kernels.gemv import W8A8, w8a8_wins
-
-    shapes = []
-    for n, k in ((m.q_size + 2 * m.kv_size, m.hidden_size), (m.hidden_size, m.q_size),
-                 (2 * m.intermediate_size, m.hidden_size), (m.hidden_size, m.intermediate_size)):
-        # FP8 weights: the variant linear() runs at M = 1 (W8A8 or W8A16, gemv.w8a8_wins)
-        w = (W8A8 if w8a8_wins(1, n, k) else "fp8") if t.weights_fp8 else dt
-        shapes.append((n, k, w))
-    shapes.append((m.vocab_size, m.hidden_size, dt))
+    w = "fp8" if t.weights_fp8 else dt
+    shapes = [(m.q_size + 2 * m.kv_size, m.hidden_size, w), (m.hidden_size, m.q_size, w),
+              (2 * m.intermediate_size, m.hidden_size, w),
+              (m.hidden_size, m.intermediate_size, w), (m.vocab_size, m.hidden_size, dt)]
     return [{"m": 1, "n": n, "k": k, "dtype": dt, "weight": wd}
             for n, k, wd in dict.fromkeys(shapes)]
 
@@ -156,7 +151,7 @@ def _gemv_inputs(p: dict, device: torch.device) -> tuple:
         dtype = _dtype(p["dtype"])
         x = torch.randn(p["m"], p["k"], device=device).to(dtype)
         w = torch.randn(p["n"], p["k"], device=device) * p["k"] ** -0.5
-        fp8 = p["weight"] in ("fp8", "w8a8")
+        fp8 = p["weight"] == "fp8"
         w = w.to(torch.float8_e4m3fn) if fp8 else w.to(dtype)
         scale = torch.full((), 0.01, device=device) if fp8 else None
         nbytes = w.numel() * w.element_size()
@@ -173,24 +168,14 @@ def gemv_tunable() -> Tunable | None:
 
     def call(p: dict, c: dict, d: torch.device, i: int) -> torch.Tensor:
         x, ws, scale = _gemv_inputs(p, d)
-        if p["weight"] == g.W8A8:  # static activation scale, as a calibrated engine has
-            return g.gemv(x, ws[i], scale, config=c, quantize_input=True,
-                          input_scale=scale.reshape(1))
         return g.gemv(x, ws[i], scale, config=c)
-
-    def default(p: dict) -> dict:
-        if p["weight"] == g.W8A8:
-            return g.w8a8_config(p["m"], p["n"], p["k"])
-        return g.default_config(p["m"], p["n"], p["k"], p["weight"] == "fp8")
 
     return Tunable(
         name="gemv", problems=_gemv_problems,
         key=lambda p: g.tuning_key(p["m"], p["n"], p["k"], p["weight"]),
-        candidates=lambda p: [dict(c, SPLIT_K=s)
-                              for c in (g.W8A8_CONFIGS if p["weight"] == g.W8A8
-                                        else g.GEMV_CONFIGS)
+        candidates=lambda p: [dict(c, SPLIT_K=s) for c in g.GEMV_CONFIGS
                               for s in g.split_candidates(p["n"], p["k"], c)],
-        default=default,
+        default=lambda p: g.default_config(p["m"], p["n"], p["k"], p["weight"] == "fp8"),
         run=lambda p, c, d: call(p, c, d, 0),
         bench=lambda p, c, d: time_cuda(lambda i: call(p, c, d, i), d,
                                         len(_gemv_inputs(p, d)[1])),

@@ -10,16 +10,16 @@ An FP8 linear ``prefix`` has, in the weights dict (see kiln/builder/weights.py):
 
 CUDA runs ``torch._scaled_mm`` (FP8 tensor cores) after one fused Triton kernel quantizes
 the activations into an M-padded buffer (kiln/runtime/kernels/fp8_quant.py; dynamic scales
-add an amax kernel); everything else, and shapes _scaled_mm refuses, runs the dequantized
-matmul. Both paths quantize activations the same way (x -> e4m3(x / s), bit-exact), so the
+add an amax kernel), or, at M <= 8 on large weights (``gemv.w8a8_wins``), the Triton FP8
+tensor-core skinny GEMM on the same quantized activations; everything else, and shapes
+_scaled_mm refuses, runs the dequantized matmul. Both paths quantize activations the same way (x -> e4m3(x / s), bit-exact), so the
 CPU result is the GPU result up to accumulation order.
 
 Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
 the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than
-cuBLAS. For FP8 weights that is one of two products: W8A8 (``gemv.w8a8_wins``: the FP8
-tensor cores, the activations quantized with ``input_scale`` or their amax as the tiles
-load; the same function as the _scaled_mm path above), or W8A16 (``gemv_wins``: activations
-stay bf16/fp16, the e4m3 weights are widened in registers, ``input_scale`` unused). float32
+cuBLAS (``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
+e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
+used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32
 weights, CPU and every other case keep the paths above unchanged.
 """
 
@@ -69,11 +69,16 @@ def fp8_linear(
     m = x2.shape[0]
     if x.is_cuda and scaled_mm_ok(m, k, n):
         xq, x_scale = _quantize_padded(x2, input_scale)  # [M rounded up to 16, K] e4m3
-        # weight is [N, K] row-major, so weight.t() is the column-major [K, N] _scaled_mm wants
-        y = torch._scaled_mm(
-            xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=weight_scale.float().reshape(()),
-            out_dtype=x.dtype,
-        )[:m]
+        gemv = _w8a8_gemv(m, n, k, x, weight_scale)
+        if gemv is not None:  # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
+            y = gemv.gemv(xq[:m], weight, weight_scale.reshape(1), x_scale=x_scale,
+                          out_dtype=x.dtype)
+        else:
+            # weight is [N, K] row-major: weight.t() is the column-major [K, N] it wants
+            y = torch._scaled_mm(
+                xq, weight.t(), scale_a=x_scale.reshape(()),
+                scale_b=weight_scale.float().reshape(()), out_dtype=x.dtype,
+            )[:m]
     else:
         x_scale = fp8_scale(x2) if input_scale is None else input_scale.float()
         xq = quantize_fp8(x2, x_scale)  # [M, K] e4m3
@@ -86,6 +91,16 @@ def fp8_linear(
     if bias is not None:
         y = y + bias
     return y.reshape(*shape[:-1], n)
+
+
+def _w8a8_gemv(m: int, n: int, k: int, x: torch.Tensor, weight_scale: torch.Tensor):
+    """The gemv module where its W8A8 form takes this GEMM (``gemv.w8a8_wins``), else None."""
+    if (x.dtype not in (torch.bfloat16, torch.float16) or weight_scale.dtype != torch.float32
+            or not _triton()):
+        return None
+    from kiln.runtime.kernels import gemv
+
+    return gemv if gemv.w8a8_wins(m, n, k) else None
 
 
 def _quantize_padded(
@@ -127,27 +142,16 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     fp8 = weight.dtype == FP8
     if not (1 <= m <= gemv.GEMV_MAX_M and (fp8 or weight.dtype == x.dtype)
             and weight.shape[1] == k and weight.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype)):
-        return None
-    w8a8 = fp8 and not silu_and_mul and gemv.w8a8_wins(m, n, k)
-    if not (w8a8 or gemv.gemv_wins(m, n, k, fp8)):
+            and (bias is None or bias.dtype == x.dtype) and gemv.gemv_wins(m, n, k, fp8)):
         return None
     scale = w.get(prefix + ".weight_scale") if fp8 else None
-    if fp8 and not _scale_ok(scale):
-        return None
-    input_scale = w.get(prefix + ".input_scale") if w8a8 else None
-    if input_scale is not None and not _scale_ok(input_scale):
+    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() != 1):
         return None
     x2 = x.reshape(m, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul, quantize_input=w8a8,
-                  input_scale=input_scale.reshape(1) if input_scale is not None else None)
+    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul)
     return y.reshape(*x.shape[:-1], n)
-
-
-def _scale_ok(t: torch.Tensor | None) -> bool:
-    return t is not None and t.dtype == torch.float32 and t.numel() == 1
 
 
 def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
