@@ -255,6 +255,7 @@ def test_gemv_w8a8_errors():
 
 def test_gemv_w8a8_default_config_rule():
     assert not gemv.w8a8_wins(1, 576, 576) and gemv.w8a8_wins(8, 28672, 4096)
+    assert gemv.w8a8_wins(2, 4096, 14336) and not gemv.w8a8_wins(8, 6144, 4096)
     assert not gemv.w8a8_wins(gemv.GEMV_MAX_M + 1, 28672, 4096)
     for m in range(1, gemv.GEMV_MAX_M + 1):
         for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)):

@@ -313,7 +313,7 @@ def default_config(m: int, n: int, k: int, fp8: bool) -> dict:
     return cfg
 
 
-# W8A8 (e4m3 x) tensor-core tiles: bench_w8a8.py timed these on the H200 (notes/NOTES.md,
+# W8A8 (e4m3 x) tensor-core tiles: bench_w8a8.py's sweep on the H200 (notes/NOTES.md,
 # 2026-11-30 third session): 64 x 128, 4 stages won at every llama-3-8b shape at M 1 and 8
 # (gate_up at M = 8: 128 x 128); SPLIT_K is tried on top (``split_candidates``).
 W8A8_CONFIGS: list[dict] = [
@@ -334,10 +334,11 @@ def w8a8_config(m: int, n: int, k: int) -> dict:
 
 def w8a8_wins(m: int, n: int, k: int) -> bool:
     """Whether fp8_linear's W8A8 GEMM runs here (gemv with e4m3 x) rather than _scaled_mm.
-    Measured on the H200 at M = 8 on llama-3-8b's four layer shapes (1.3-1.6x faster than
-    cuBLAS after the same activation quant kernel); at M = 1 the W8A16 gemv runs instead
-    (linear() never reaches fp8_linear there)."""
-    return 1 <= m <= GEMV_MAX_M and n * k >= 16 << 20
+    Measured on the H200 (scripts/bench_w8a8.py, both after the same quant kernel): faster
+    on llama-3-8b's gate_up and down at M 1-8 (36.6 vs 38.9 and 24.9 vs 26.1 us at M = 8),
+    0.1-0.7 us slower on qkv and o_proj, so weights of at least 32 M elements only. At M = 1
+    the W8A16 gemv runs instead (linear() never reaches fp8_linear there)."""
+    return 1 <= m <= GEMV_MAX_M and n * k >= 32 << 20
 
 
 def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
