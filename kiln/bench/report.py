@@ -45,6 +45,9 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "cuda_graphs": getattr(getattr(engine, "runner", None), "graphs", None) is not None
         if engine is not None else None,
         "async_scheduling": getattr(engine, "async_scheduling", None),
+        # speculative engines: tokens per speculative step below which a request pauses
+        # speculation (None: always speculates)
+        "spec_break_even": getattr(engine, "spec_break_even", None),
     }
 
 

@@ -35,20 +35,27 @@ ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at s
 NO_ASYNC_HELP = ("Read each decode step's tokens before scheduling the next (no host/GPU "
                  "overlap; same results, for A/B timing). Also KILN_ASYNC_SCHEDULING=0.")
 
+FIXED_SPEC_HELP = ("Speculative engines: always speculate. By default a request pauses "
+                   "speculation while it commits fewer tokens per speculative step than the "
+                   "step costs (measured from the CUDA graphs at start-up) and probes again "
+                   "later; the output is the same either way. Also KILN_ADAPTIVE_SPECULATION=0.")
+
 
 def runtime_config(device: str | None, enforce_eager: bool = False,
-                   no_async: bool = False) -> Any:
+                   no_async: bool = False, fixed_spec: bool = False) -> Any:
     """The RuntimeConfig the CLI commands load engines with."""
     from kiln.runtime.engine import RuntimeConfig
 
     kw: dict[str, Any] = {"cuda_graphs": False} if enforce_eager else {}
     if no_async:
         kw["async_scheduling"] = False
+    if fixed_spec:
+        kw["adaptive_speculation"] = False
     return RuntimeConfig(device=device, **kw)
 
 
-def load_engine(engine_dir: Path, device: str | None = None,
-                enforce_eager: bool = False, no_async: bool = False) -> tuple[Any, float]:
+def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool = False,
+                no_async: bool = False, fixed_spec: bool = False) -> tuple[Any, float]:
     """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
     check_engine_dir(engine_dir)
     from rich.console import Console
@@ -58,8 +65,8 @@ def load_engine(engine_dir: Path, device: str | None = None,
     with console.status(f"loading engine {engine_dir}", spinner="dots"):
         from kiln.runtime.engine import LLMEngine
 
-        engine = LLMEngine.from_engine_dir(engine_dir,
-                                           runtime_config(device, enforce_eager, no_async))
+        engine = LLMEngine.from_engine_dir(
+            engine_dir, runtime_config(device, enforce_eager, no_async, fixed_spec))
     return engine, time.perf_counter() - t0
 
 
@@ -103,6 +110,7 @@ def generate(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
+    fixed_spec: bool = typer.Option(False, "--no-adaptive-speculation", help=FIXED_SPEC_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
     from kiln.builder.speculative import parse_window, validate_request_window
@@ -122,7 +130,7 @@ def generate(
         spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
         validate_request_window(spec, *params.lookahead)
     text = _read_prompt(prompt)
-    engine, load_s = load_engine(engine_dir, device, enforce_eager, no_async)
+    engine, load_s = load_engine(engine_dir, device, enforce_eager, no_async, fixed_spec)
     request: str | list[int] = text
     if not raw:
         if not getattr(engine.tokenizer, "chat_template", None):

@@ -142,6 +142,21 @@ class CudaGraphRunner:
         self.graphs[b] = graph
         self.ready.add(b)
 
+    def replay_ms(self, b: Bucket, iters: int = 5) -> float:
+        """Median GPU time of a captured bucket's replay on dummy inputs (CUDA events)."""
+        self.stager.fill_dummy(b.num_seqs, b.num_tokens)
+        graph = self.graphs[b]
+        graph.replay()  # warm
+        times = []
+        for _ in range(iters):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
     # -- a step ------------------------------------------------------------------------------
     def find_bucket(self, num_seqs: int, num_tokens: int, masked: bool) -> Bucket | None:
         fits = [b for b in self.buckets

@@ -25,6 +25,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.outputs import RequestOutput, TokenLogprob
 from kiln.runtime.request import Request
+from kiln.runtime.speculative.pace import SpecPace
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
@@ -67,6 +68,16 @@ class RuntimeConfig:
     # overlaps the GPU; see LLMEngine.step). KILN_ASYNC_SCHEDULING=0 turns it off.
     async_scheduling: bool = field(
         default_factory=lambda: os.environ.get("KILN_ASYNC_SCHEDULING", "1") not in ("0", ""))
+    # Pause a request's speculation while it commits fewer tokens per speculative step than
+    # the step costs in decode steps (kiln/runtime/speculative/pace.py; output unchanged).
+    # KILN_ADAPTIVE_SPECULATION=0 turns it off (always speculate).
+    adaptive_speculation: bool = field(
+        default_factory=lambda: os.environ.get("KILN_ADAPTIVE_SPECULATION", "1")
+        not in ("0", ""))
+    # The break-even in committed tokens per speculative step; None: measured from the CUDA
+    # graphs at start-up (speculative step replay / decode step replay), and no pacing
+    # where there is nothing to measure (no CUDA graphs).
+    spec_break_even: float | None = None
 
 
 @dataclass
@@ -194,6 +205,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
+        self.spec_break_even = self._spec_break_even() if self.spec_worker else None
         self.async_scheduling = config.async_scheduling  # may be switched between steps
         self._inflight: LaunchedStep | None = None
         self._host_tokens = [torch.empty(self.scheduler.max_num_seqs, dtype=torch.long,
@@ -278,6 +290,8 @@ class LLMEngine:
         window = self._spec_window(params)
         if window is not None:
             self.spec_worker.init_request(req, window)
+            if self.spec_break_even is not None and params.seed is None:
+                req.spec_pace = SpecPace(self.spec_break_even)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -369,7 +383,7 @@ class LLMEngine:
         None when the next step needs the host (the plain scheduler then runs after it)."""
         sched = self.scheduler
         if (len(cur.reqs) != len(cur.batch.items) or len(cur.reqs) != len(sched.running)
-                or any(r.is_finished or r.spec_state is not None for r in cur.reqs)):
+                or any(r.is_finished or _may_speculate_next(r) for r in cur.reqs)):
             return None  # partial prefill chunks, aborted or speculating requests
         cont = [r for r in cur.reqs
                 if len(r.output_token_ids) + 1 < r.params.max_tokens
@@ -431,6 +445,11 @@ class LLMEngine:
                 self.spec_stats["accepted_tokens"] += committed[req]
             if req.spec_state is not None and self.spec_worker is not None:
                 self.spec_worker.on_commit(req, committed[req])
+                if req.spec_pace is not None:
+                    if req in result.verified:
+                        req.spec_pace.on_spec_step(committed[req])
+                    elif req.num_computed_tokens == req.num_tokens - 1:  # a decode step
+                        req.spec_pace.on_plain_step()
             self.detokenizer.update(req, final=req.is_finished)
             if req.is_finished:
                 self.scheduler.finish(req)
@@ -582,6 +601,28 @@ class LLMEngine:
         finally:
             self.abort(rid)
 
+    def _spec_break_even(self) -> float | None:
+        """RuntimeConfig.spec_break_even, else measured: a one-sequence speculative step's
+        graph replay over a decode step's (GPU time; the host work of a speculative step
+        comes on top, so this pauses only requests that certainly lose). None: no pacing."""
+        cfg = self.config
+        if not cfg.adaptive_speculation:
+            return None
+        if cfg.spec_break_even is not None:
+            if cfg.spec_break_even <= 0:
+                raise ValueError(f"spec_break_even={cfg.spec_break_even} must be > 0 "
+                                 "(committed tokens per speculative step)")
+            return float(cfg.spec_break_even)
+        graphs = self.runner.graphs
+        if graphs is None or self.device.type != "cuda":
+            return None
+        spec = graphs.find_bucket(1, self.speculative.tokens_per_step,
+                                  self.speculative.mode == "lookahead")
+        plain = graphs.find_bucket(1, 1, False)
+        if spec is None or plain is None or spec not in graphs.graphs or plain not in graphs.graphs:
+            return None
+        return graphs.replay_ms(spec) / graphs.replay_ms(plain)
+
     @property
     def tokens_per_spec_step(self) -> float | None:
         """Mean tokens committed per speculative step over the engine's life."""
@@ -615,6 +656,15 @@ def _report_capture_failures(runner: ModelRunner) -> None:
           file=sys.stderr, flush=True)
     if not graphs.ready:
         runner.graphs = None
+
+
+def _may_speculate_next(req: Request) -> bool:
+    """Whether the step after the one in flight may speculate for ``req`` (then it cannot be
+    launched ahead: its draft needs the in-flight token). A paced request that stays paused
+    through the in-flight step's commit decodes plainly next."""
+    if req.spec_state is None:
+        return False
+    return req.spec_pace is None or req.spec_pace.pause_left <= 1
 
 
 def _make_worker(spec: SpeculativeConfig) -> DraftWorker | None:

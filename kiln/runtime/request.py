@@ -46,6 +46,7 @@ class Request:
         self.matcher = None  # GuidedMatcher when params.guided is set
         self.spec_state = None  # the speculative worker's per-request state, if it speculates
         self.draft = None  # DraftPlan for the next step (cleared after every step)
+        self.spec_pace = None  # SpecPace when speculation is paced (speculative/pace.py)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator()

@@ -318,3 +318,46 @@ def test_structured_output_with_speculation_equals_plain_and_checks_drafts(tiny_
     assert sum(o.metrics.spec_tokens for o in spec_outs) > sum(
         o.metrics.spec_steps for o in spec_outs)  # grammatical drafts were accepted
     eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_paced_speculation_pauses_where_it_cannot_pay_and_keeps_plain_output(tiny_reference,
+                                                                             async_on):
+    """An unreachable break-even pauses every request after MIN_STEPS speculative steps
+    (plain steps follow, launched ahead under async scheduling), then it probes again; a
+    reachable one never pauses. Greedy output equals plain greedy either way; seeded
+    requests are never paced."""
+    from kiln.runtime.speculative.pace import FIRST_PAUSE, MIN_STEPS
+
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
+        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+    prompts = _repetitive_prompts()[:4]
+    n = 2 * MIN_STEPS + FIRST_PAUSE + 8
+
+    ahead = []
+
+    def run(break_even):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", spec_break_even=break_even, async_scheduling=async_on))
+        real = eng._launch_next
+        eng._launch_next = lambda cur: ahead.append(real(cur)) or ahead[-1]
+        return eng, eng.generate(prompts, _greedy(n))
+
+    plain_eng, plain = run(None)
+    assert plain_eng.spec_break_even is None  # nothing measured on CPU: no pacing
+    assert not any(ahead)  # always speculating: nothing runs ahead
+    eng, paced = run(50.0)
+    assert eng.spec_break_even == 50.0
+    assert any(ahead) == async_on  # paused requests decode plainly, ahead when async
+    assert [o.token_ids for o in paced] == [o.token_ids for o in plain]
+    for o in paced:  # 4 steps, a 16-step pause, then a second probe
+        assert MIN_STEPS < o.metrics.spec_steps <= 2 * MIN_STEPS + 1, o.metrics.spec_steps
+    _, unpaced = run(0.5)
+    assert [o.metrics.spec_steps for o in unpaced] == [o.metrics.spec_steps for o in plain]
+    eng.add_request(prompts[0], SamplingParams(max_tokens=4, seed=3))
+    eng.add_request(prompts[0], SamplingParams(max_tokens=4))
+    seeded, unseeded = list(eng.scheduler.waiting)[-2:]
+    assert seeded.spec_pace is None and unseeded.spec_pace is not None
+    with pytest.raises(ValueError, match="spec_break_even=0"):
+        LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", spec_break_even=0))

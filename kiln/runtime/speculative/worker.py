@@ -90,7 +90,8 @@ class DraftWorker(SpeculativeWorker):
     # -- the step ----------------------------------------------------------------------------
     def propose_all(self, reqs: list[Request]) -> None:
         for req in reqs:
-            if req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1:
+            if (req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1
+                    and (req.spec_pace is None or req.spec_pace.speculating)):
                 req.draft = self.propose(req)
 
     def _save_state(self, engine: LLMEngine, batch: ScheduledBatch) -> None:

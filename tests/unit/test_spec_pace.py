@@ -1,0 +1,48 @@
+"""SpecPace: when a request pauses speculation and when it probes again."""
+
+from __future__ import annotations
+
+from kiln.runtime.speculative.pace import FIRST_PAUSE, MAX_PAUSE, MIN_STEPS, SpecPace
+
+
+def test_pauses_after_min_steps_below_break_even_and_probes_again():
+    p = SpecPace(break_even=1.5)
+    for _ in range(MIN_STEPS - 1):
+        p.on_spec_step(1)
+        assert p.speculating  # too few steps to decide
+    p.on_spec_step(1)
+    assert not p.speculating and p.pause_left == FIRST_PAUSE
+    for i in range(FIRST_PAUSE):
+        assert not p.speculating, i
+        p.on_plain_step()
+    assert p.speculating and p.paused_steps == FIRST_PAUSE
+    for _ in range(MIN_STEPS):  # the probe fails: the pause doubles
+        p.on_spec_step(1)
+    assert p.pause_left == 2 * FIRST_PAUSE
+
+
+def test_paying_steps_never_pause_and_reset_the_backoff():
+    p = SpecPace(break_even=1.5)
+    for _ in range(50):
+        p.on_spec_step(3)
+        assert p.speculating
+    p.next_pause = 128
+    for _ in range(MIN_STEPS):
+        p.on_spec_step(2)
+    assert p.speculating and p.next_pause == FIRST_PAUSE
+
+
+def test_moving_average_tolerates_one_bad_step_and_the_pause_is_capped():
+    p = SpecPace(break_even=1.5)
+    for n in (3, 3, 3, 1):  # ema 2.5 after a single 1
+        p.on_spec_step(n)
+    assert p.speculating
+    for _ in range(4):  # 2.125, 1.84, 1.63, 1.47: the fourth bad step pauses
+        p.on_spec_step(1)
+    assert p.pause_left == FIRST_PAUSE
+    p.pause_left, p.next_pause = 0, MAX_PAUSE
+    for _ in range(MIN_STEPS):
+        p.on_spec_step(1)
+    assert p.pause_left == MAX_PAUSE and p.next_pause == MAX_PAUSE
+    p.on_plain_step()
+    assert p.pause_left == MAX_PAUSE - 1
