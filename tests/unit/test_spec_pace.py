@@ -32,13 +32,17 @@ def test_paying_steps_never_pause_and_reset_the_backoff():
     assert p.speculating and p.next_pause == FIRST_PAUSE
 
 
-def test_moving_average_tolerates_one_bad_step_and_the_pause_is_capped():
+def test_the_mean_tolerates_bad_steps_and_the_pause_is_capped():
     p = SpecPace(break_even=1.5)
-    for n in (3, 3, 3, 1):  # ema 2.5 after a single 1
-        p.on_spec_step(n)
-    assert p.speculating
-    for _ in range(4):  # 2.125, 1.84, 1.63, 1.47: the fourth bad step pauses
+    for _ in range(MIN_STEPS // 2):
+        p.on_spec_step(3)
+    for _ in range(MIN_STEPS // 2):  # mean 2.0 >= 1.5
         p.on_spec_step(1)
+    assert p.speculating
+    for _ in range(2 * MIN_STEPS):  # the mean sinks below 1.5 after 13 more bad steps
+        p.on_spec_step(1)
+        if not p.speculating:
+            break
     assert p.pause_left == FIRST_PAUSE
     p.pause_left, p.next_pause = 0, MAX_PAUSE
     for _ in range(MIN_STEPS):

@@ -5,9 +5,9 @@ smollm2-135m replays in 1.107 ms against 0.715 ms for a decode step (H200, notes
 so it pays only while it commits more than ~1.55 tokens. Chat prompts commit ~1.27: always
 speculating made them ~40 % slower than plain decoding.
 
-``SpecPace`` tracks one request's committed tokens per speculative step (an exponential
-moving average over the steps since it last (re)started speculating). After ``MIN_STEPS``
-such steps below ``break_even`` it pauses: the next ``pause_left`` steps decode plainly (and
+``SpecPace`` tracks one request's committed tokens per speculative step (the mean over the
+steps since it last (re)started speculating). After ``MIN_STEPS`` such steps with a mean
+below ``break_even`` it pauses: the next ``pause_left`` steps decode plainly (and
 may run ahead under async scheduling), then it probes again. Each failed probe doubles the
 pause (up to ``MAX_PAUSE``); a probe that pays resets it.
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_STEPS = 4  # speculative steps measured before a pause is decided
+MIN_STEPS = 12  # speculative steps measured before a pause is decided (4 paused code
+# prompts early, while their n-gram pools were still filling: notes/NOTES.md)
 FIRST_PAUSE = 16  # plain steps of the first pause
 MAX_PAUSE = 256
-ALPHA = 0.25  # weight of the newest step in the moving average
 
 
 @dataclass
@@ -32,7 +32,7 @@ class SpecPace:
     a speculative step costs what the same tokens cost in plain decode steps."""
 
     break_even: float
-    ema: float | None = None
+    tokens: int = 0  # tokens committed by the speculative steps since (re)start
     steps: int = 0  # speculative steps since speculation (re)started
     pause_left: int = 0  # plain steps to run before speculating again
     next_pause: int = FIRST_PAUSE
@@ -44,15 +44,14 @@ class SpecPace:
 
     def on_spec_step(self, committed: int) -> None:
         """After a verified speculative step that committed ``committed`` tokens."""
-        self.ema = committed if self.ema is None else (
-            ALPHA * committed + (1 - ALPHA) * self.ema)
+        self.tokens += committed
         self.steps += 1
         if self.steps < MIN_STEPS:
             return
-        if self.ema < self.break_even:
+        if self.tokens < self.break_even * self.steps:
             self.pause_left = self.next_pause
             self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
-            self.ema, self.steps = None, 0
+            self.tokens = self.steps = 0
         else:
             self.next_pause = FIRST_PAUSE
 
