@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from kiln.cli.generate import ENFORCE_EAGER_HELP, FIXED_SPEC_HELP, NO_ASYNC_HELP
+from kiln.cli.generate import ENFORCE_EAGER_HELP, ADAPTIVE_SPEC_HELP, NO_ASYNC_HELP
 from kiln.errors import KilnError
 
 _ENGINE = typer.Argument(..., metavar="ENGINE", help="Engine directory written by `kiln build`.")
@@ -49,7 +49,7 @@ def _check_baseline(name: str) -> str:
 
 
 def _load(engine_dir: Path, device: str | None, enforce_eager: bool = False,
-          no_async: bool = False, fixed_spec: bool = False) -> tuple[Any, dict]:
+          no_async: bool = False, adaptive_spec: bool = False) -> tuple[Any, dict]:
     """Load the engine; returns (engine, start-up record). Imports are not start-up time."""
     from kiln.cli.generate import check_engine_dir, load_engine
 
@@ -57,7 +57,7 @@ def _load(engine_dir: Path, device: str | None, enforce_eager: bool = False,
     import kiln.runtime.engine  # noqa: F401
 
     t0 = time.perf_counter()
-    engine, _ = load_engine(engine_dir, device, enforce_eager, no_async, fixed_spec)
+    engine, _ = load_engine(engine_dir, device, enforce_eager, no_async, adaptive_spec)
     startup = {"startup_s": time.perf_counter() - t0,
                "startup_times": getattr(engine, "startup_times", None)}
     return engine, startup
@@ -110,7 +110,8 @@ def throughput(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    fixed_spec: bool = typer.Option(False, "--no-adaptive-speculation", help=FIXED_SPEC_HELP),
+    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
+                                       help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Offline throughput: all requests queued at once, continuous batching to the end.
 
@@ -121,7 +122,7 @@ def throughput(
     from kiln.bench.report import environment, render_throughput
 
     _check_baseline(baseline)
-    engine, startup = _load(engine_dir, device, enforce_eager, no_async, fixed_spec)
+    engine, startup = _load(engine_dir, device, enforce_eager, no_async, adaptive_spec)
     if dataset is not None:
         from kiln.bench.datasets import load_requests
 
@@ -192,7 +193,8 @@ def latency(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    fixed_spec: bool = typer.Option(False, "--no-adaptive-speculation", help=FIXED_SPEC_HELP),
+    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
+                                       help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 
@@ -210,7 +212,7 @@ def latency(
 
     _check_baseline(baseline)
     window = parse_window(lookahead) if lookahead else None
-    engine, startup = _load(engine_dir, device, enforce_eager, no_async, fixed_spec)
+    engine, startup = _load(engine_dir, device, enforce_eager, no_async, adaptive_spec)
     with _progress("latency", num_iters) as advance:
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)

@@ -35,27 +35,28 @@ ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at s
 NO_ASYNC_HELP = ("Read each decode step's tokens before scheduling the next (no host/GPU "
                  "overlap; same results, for A/B timing). Also KILN_ASYNC_SCHEDULING=0.")
 
-FIXED_SPEC_HELP = ("Speculative engines: always speculate. By default a request pauses "
-                   "speculation while it commits fewer tokens per speculative step than the "
-                   "step costs (measured from the CUDA graphs at start-up) and probes again "
-                   "later; the output is the same either way. Also KILN_ADAPTIVE_SPECULATION=0.")
+ADAPTIVE_SPEC_HELP = ("Speculative engines (experimental): a request pauses speculation while "
+                      "it commits fewer tokens per speculative step than the step costs "
+                      "(measured from the CUDA graphs at start-up) and probes again later; "
+                      "the output is the same. Default: always speculate. Also "
+                      "KILN_ADAPTIVE_SPECULATION=1.")
 
 
 def runtime_config(device: str | None, enforce_eager: bool = False,
-                   no_async: bool = False, fixed_spec: bool = False) -> Any:
+                   no_async: bool = False, adaptive_spec: bool = False) -> Any:
     """The RuntimeConfig the CLI commands load engines with."""
     from kiln.runtime.engine import RuntimeConfig
 
     kw: dict[str, Any] = {"cuda_graphs": False} if enforce_eager else {}
     if no_async:
         kw["async_scheduling"] = False
-    if fixed_spec:
-        kw["adaptive_speculation"] = False
+    if adaptive_spec:
+        kw["adaptive_speculation"] = True
     return RuntimeConfig(device=device, **kw)
 
 
 def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool = False,
-                no_async: bool = False, fixed_spec: bool = False) -> tuple[Any, float]:
+                no_async: bool = False, adaptive_spec: bool = False) -> tuple[Any, float]:
     """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
     check_engine_dir(engine_dir)
     from rich.console import Console
@@ -66,7 +67,7 @@ def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool
         from kiln.runtime.engine import LLMEngine
 
         engine = LLMEngine.from_engine_dir(
-            engine_dir, runtime_config(device, enforce_eager, no_async, fixed_spec))
+            engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
     return engine, time.perf_counter() - t0
 
 
@@ -110,7 +111,8 @@ def generate(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    fixed_spec: bool = typer.Option(False, "--no-adaptive-speculation", help=FIXED_SPEC_HELP),
+    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
+                                       help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
     from kiln.builder.speculative import parse_window, validate_request_window
@@ -130,7 +132,7 @@ def generate(
         spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
         validate_request_window(spec, *params.lookahead)
     text = _read_prompt(prompt)
-    engine, load_s = load_engine(engine_dir, device, enforce_eager, no_async, fixed_spec)
+    engine, load_s = load_engine(engine_dir, device, enforce_eager, no_async, adaptive_spec)
     request: str | list[int] = text
     if not raw:
         if not getattr(engine.tokenizer, "chat_template", None):

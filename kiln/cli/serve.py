@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from kiln.cli.generate import ENFORCE_EAGER_HELP, FIXED_SPEC_HELP, NO_ASYNC_HELP
+from kiln.cli.generate import ENFORCE_EAGER_HELP, ADAPTIVE_SPEC_HELP, NO_ASYNC_HELP
 from kiln.errors import KilnError
 
 
@@ -90,7 +90,8 @@ def serve(
                                   help="uvicorn log level (info shows each request)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    fixed_spec: bool = typer.Option(False, "--no-adaptive-speculation", help=FIXED_SPEC_HELP),
+    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
+                                       help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
     import uvicorn
@@ -104,7 +105,7 @@ def serve(
     engine_dir, _ = _engine_dir_for(engine_or_source, device)
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(
-        engine_dir, runtime_config(device, enforce_eager, no_async, fixed_spec))
+        engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
     t_engine = time.perf_counter()
     # A source (smollm2-135m, a HF dir) is served under its own name, an engine under its dir's.
     from_source = engine_dir != Path(engine_or_source).expanduser()

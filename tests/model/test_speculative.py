@@ -339,7 +339,8 @@ def test_paced_speculation_pauses_where_it_cannot_pay_and_keeps_plain_output(tin
 
     def run(break_even):
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-            device="cpu", spec_break_even=break_even, async_scheduling=async_on))
+            device="cpu", spec_break_even=break_even, async_scheduling=async_on,
+            adaptive_speculation=True))
         real = eng._launch_next
         eng._launch_next = lambda cur: ahead.append(real(cur)) or ahead[-1]
         return eng, eng.generate(prompts, _greedy(n))
@@ -360,4 +361,5 @@ def test_paced_speculation_pauses_where_it_cannot_pay_and_keeps_plain_output(tin
     seeded, unseeded = list(eng.scheduler.waiting)[-2:]
     assert seeded.spec_pace is None and unseeded.spec_pace is not None
     with pytest.raises(ValueError, match="spec_break_even=0"):
-        LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", spec_break_even=0))
+        LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", spec_break_even=0,
+                                                     adaptive_speculation=True))

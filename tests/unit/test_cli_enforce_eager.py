@@ -1,5 +1,5 @@
-"""--enforce-eager, --no-async-scheduling and --no-adaptive-speculation (serve, generate, bench
-throughput/latency): no CUDA graphs / no step launched ahead / always speculate, same results."""
+"""--enforce-eager, --no-async-scheduling and --adaptive-speculation (serve, generate, bench
+throughput/latency): no CUDA graphs / no step launched ahead / paced speculation, same results."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_runtime_config_turns_graphs_off_only_when_asked(monkeypatch):
 def test_flag_is_documented(cmd):
     res = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--enforce-eager" in res.output
-    assert "--no-async-scheduling" in res.output and "--no-adaptive-speculation" in res.output
+    assert "--no-async-scheduling" in res.output and "--adaptive-speculation" in res.output
 
 
 def test_generate_with_enforce_eager(tmp_path):
@@ -50,12 +50,12 @@ def test_runtime_config_turns_async_scheduling_off_only_when_asked(monkeypatch):
     assert runtime_config(None).async_scheduling is False
 
 
-def test_runtime_config_turns_adaptive_speculation_off_only_when_asked(monkeypatch):
+def test_runtime_config_turns_adaptive_speculation_on_only_when_asked(monkeypatch):
     monkeypatch.delenv("KILN_ADAPTIVE_SPECULATION", raising=False)
-    assert runtime_config(None).adaptive_speculation is True
-    assert runtime_config("cpu", fixed_spec=True).adaptive_speculation is False
-    monkeypatch.setenv("KILN_ADAPTIVE_SPECULATION", "0")
     assert runtime_config(None).adaptive_speculation is False
+    assert runtime_config("cpu", adaptive_spec=True).adaptive_speculation is True
+    monkeypatch.setenv("KILN_ADAPTIVE_SPECULATION", "1")
+    assert runtime_config(None).adaptive_speculation is True
 
 
 def test_bench_latency_records_how_the_engine_ran(tmp_path):
