@@ -197,17 +197,29 @@ def render_speculative(result: dict, console: Console) -> None:
              + (f" {tuple(window)}" if window else f" (max draft {cfg['max_draft_len']})")
              + f", batch 1, greedy, {cfg['output_len']} tokens")
     t = Table(title=title, title_justify="left")
-    for col in ("prompts", "plain tok/s", "speculative tok/s", "speed-up", "tokens/step",
-                "same output"):
+    repeats = cfg.get("repeats", 1)
+    if repeats > 1:
+        t.title += f"; median of {repeats} alternating runs, range of the speed-up"
+    cols = ["prompts", "plain tok/s", "speculative tok/s", "speed-up"]
+    cols += ["range"] if repeats > 1 else []
+    for col in cols + ["tokens/step", "same output"]:
         t.add_column(col, justify="left" if col == "prompts" else "right")
 
     def fmt(v, spec="{:.1f}"):
         return "-" if v is None else spec.format(v)
 
+    dtype = cfg.get("dtype")
     for name, s in result["sets"].items():
-        t.add_row(name, fmt(s["plain_tokens_per_s"]), fmt(s["spec_tokens_per_s"]),
-                  fmt(s["speedup"], "{:.2f}x"), fmt(s["tokens_per_step"], "{:.2f}"),
-                  "yes" if s["same_output"] else "NO")
+        row = [name, fmt(s["plain_tokens_per_s"]), fmt(s["spec_tokens_per_s"]),
+               fmt(s["speedup"], "{:.2f}x")]
+        ups = [u for u in s.get("speedups") or [] if u is not None]
+        if repeats > 1:
+            row.append(f"{min(ups):.2f}-{max(ups):.2f}x" if ups else "-")
+        # greedy output is equal in float32; in bf16/fp16 the speculative step's GEMMs round
+        # differently from the decode GEMV and may pick the other token at a near-tie
+        same = ("yes" if s["same_output"] else
+                f"differs ({dtype} rounding)" if dtype and dtype != "float32" else "NO")
+        t.add_row(*row, fmt(s["tokens_per_step"], "{:.2f}"), same)
     console.print(t)
 
 

@@ -33,6 +33,11 @@ def _timed(engine: Any, prompt_ids: list[int], params: SamplingParams) -> dict:
     }
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median elapsed time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["elapsed_s"])[(len(runs) - 1) // 2]
+
+
 def run_speculative_latency(
     engine: Any,
     output_len: int = 128,
@@ -40,8 +45,16 @@ def run_speculative_latency(
     window: tuple[int, int, int] | None = None,
     warmup: int = 1,
     progress: Callable[[int], None] | None = None,
+    repeats: int = 1,
 ) -> dict:
-    """Per prompt set (code, chat): plain and speculative tokens/s, ratio, tokens/step."""
+    """Per prompt set (code, chat): plain and speculative tokens/s, ratio, tokens/step.
+
+    ``repeats``: each prompt runs plain then speculative that many times, alternating; the
+    rates use each run's median time, and ``speedups`` lists the set's ratio per repeat
+    (their spread is the noise of the number).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
     if engine.speculative.mode == "none":
         raise ValueError(
             "this engine has no speculative decoding (mode none); rebuild it with "
@@ -65,10 +78,13 @@ def run_speculative_latency(
         rows = []
         for text in texts[:prompts_per_set]:
             ids = encode(text)
-            plain = _timed(engine, ids, plain_p)
-            spec = _timed(engine, ids, spec_p)
+            runs = [(_timed(engine, ids, plain_p), _timed(engine, ids, spec_p))
+                    for _ in range(repeats)]
+            plain, spec = (_median_run([r[i] for r in runs]) for i in (0, 1))
             rows.append({"prompt": text, "plain": plain, "spec": spec,
-                         "same_output": plain["token_ids"] == spec["token_ids"]})
+                         "same_output": plain["token_ids"] == spec["token_ids"],
+                         "elapsed_s_per_repeat": [[p["elapsed_s"], s["elapsed_s"]]
+                                                  for p, s in runs]})
             if progress is not None:
                 progress(1)
         p_tok = sum(r["plain"]["tokens"] for r in rows)
@@ -77,12 +93,18 @@ def run_speculative_latency(
         s_time = sum(r["spec"]["elapsed_s"] for r in rows)
         s_steps = sum(r["spec"]["spec_steps"] for r in rows)
         s_committed = sum(r["spec"]["spec_tokens"] for r in rows)
+        speedups = []
+        for i in range(repeats):
+            pt = sum(r["elapsed_s_per_repeat"][i][0] for r in rows)
+            st = sum(r["elapsed_s_per_repeat"][i][1] for r in rows)
+            speedups.append((s_tok / st) / (p_tok / pt) if pt and st else None)
         for r in rows:
             del r["plain"]["token_ids"], r["spec"]["token_ids"]
         sets[name] = {
             "plain_tokens_per_s": p_tok / p_time if p_time else None,
             "spec_tokens_per_s": s_tok / s_time if s_time else None,
             "speedup": (s_tok / s_time) / (p_tok / p_time) if p_time and s_time else None,
+            "speedups": speedups,
             "tokens_per_step": s_committed / s_steps if s_steps else None,
             "same_output": all(r["same_output"] for r in rows),
             "requests": rows,
@@ -97,6 +119,8 @@ def run_speculative_latency(
             "max_draft_len": spec.max_draft_len,
             "output_len": output_len,
             "prompts_per_set": prompts_per_set,
+            "repeats": repeats,
+            "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch.") or None,
             "batch_size": 1,
             "greedy": True,
         },

@@ -185,6 +185,11 @@ def latency(
         help="Speculative engines: request window W,N,G for the comparison (default: the "
         "engine's).",
     ),
+    spec_repeats: int = typer.Option(
+        3, "--spec-repeats", min=1,
+        help="Speculative engines: plain and speculative runs per prompt, alternated; the "
+        "comparison uses each one's median time and prints the spread of the ratio.",
+    ),
     baseline: str = typer.Option("none", "--baseline", help=_BASELINE_HELP),
     hf_compile: bool | None = typer.Option(
         None, "--hf-compile/--no-hf-compile",
@@ -219,7 +224,8 @@ def latency(
     if engine.speculative.mode != "none":
         with _progress("plain vs speculative", spec_prompts * len(PROMPT_SETS)) as advance:
             result["speculative"] = run_speculative_latency(
-                engine, output_len, spec_prompts, window, progress=advance)
+                engine, output_len, spec_prompts, window, progress=advance,
+                repeats=spec_repeats)
     result.update(startup)
     env = environment(engine, engine_dir)
     if baseline == "hf":

@@ -91,9 +91,13 @@ def test_bench_latency_compares_plain_and_lookahead(la_engine, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Plain vs lookahead" in proc.stdout
     spec = json.loads(out.read_text())["speculative"]
+    assert spec["config"]["repeats"] == 3  # the default: alternated runs, medians
+    assert "range" in proc.stdout
     for name in ("code", "chat"):
         s = spec["sets"][name]
         assert s["same_output"] and s["speedup"] > 0 and s["tokens_per_step"] >= 1
+        assert len(s["speedups"]) == 3 and all(u > 0 for u in s["speedups"])
+        assert len(s["requests"][0]["elapsed_s_per_repeat"]) == 3
 
 
 def test_the_lookahead_engine_serves_with_per_request_windows(la_engine):

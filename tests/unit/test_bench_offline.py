@@ -123,3 +123,28 @@ def test_run_latency_validates_arguments():
         run_latency(eng, num_iters=0)
     with pytest.raises(ValueError, match="batch_size"):
         run_latency(eng, batch_size=0)
+
+
+def test_speculative_report_renders_the_spread_and_bf16_differences():
+    """render_speculative: a range column when runs were repeated; a bf16 difference is
+    labelled as rounding, a float32 one as NO."""
+    import io
+
+    from rich.console import Console
+
+    from kiln.bench.report import render_speculative
+
+    def result(dtype, same):
+        s = {"plain_tokens_per_s": 100.0, "spec_tokens_per_s": 120.0, "speedup": 1.2,
+             "speedups": [1.1, 1.2, 1.3], "tokens_per_step": 2.0, "same_output": same}
+        return {"config": {"mode": "lookahead", "engine_window": [7, 7, 7],
+                           "request_window": None, "max_draft_len": 48, "output_len": 8,
+                           "repeats": 3, "dtype": dtype}, "sets": {"code": s}}
+
+    for dtype, same, want in (("bfloat16", False, "differs (bfloat16 rounding)"),
+                              ("float32", False, "NO"), ("bfloat16", True, "yes")):
+        buf = io.StringIO()
+        render_speculative(result(dtype, same), Console(file=buf, width=200))
+        text = buf.getvalue()
+        assert "1.10-1.30x" in text and "median of 3 alternating runs" in text, text
+        assert want in text, text
