@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from kiln.cli.generate import ENFORCE_EAGER_HELP, ADAPTIVE_SPEC_HELP, NO_ASYNC_HELP
+from kiln.cli.generate import ADAPTIVE_SPEC_HELP, ENFORCE_EAGER_HELP, NO_ASYNC_HELP
 from kiln.errors import KilnError
 
 

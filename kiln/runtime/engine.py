@@ -25,11 +25,11 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.outputs import RequestOutput, TokenLogprob
 from kiln.runtime.request import Request
-from kiln.runtime.speculative.pace import SpecPace
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker
+from kiln.runtime.speculative.pace import SpecPace
 from kiln.runtime.speculative.worker import DraftWorker
 from kiln.runtime.staging import StepStager
 
@@ -620,7 +620,7 @@ class LLMEngine:
         spec = graphs.find_bucket(1, self.speculative.tokens_per_step,
                                   self.speculative.mode == "lookahead")
         plain = graphs.find_bucket(1, 1, False)
-        if spec is None or plain is None or spec not in graphs.graphs or plain not in graphs.graphs:
+        if spec not in graphs.graphs or plain not in graphs.graphs:  # None or not captured
             return None
         return graphs.replay_ms(spec) / graphs.replay_ms(plain)
 
