@@ -10,6 +10,8 @@ past L2; median of replays). Prints a table last, and the per-decode-step sum (3
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from bench_gemv import Shape, time_us  # scripts/ is on sys.path when run as a script
 
@@ -21,26 +23,28 @@ SHAPES = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 28672),
 VARIANTS = ("W8A16 gemv", "fp8_linear _scaled_mm", "fp8_linear W8A8 gemv")
 
 
+@contextlib.contextmanager
+def w8a8_everywhere(on: bool):
+    """fp8_linear takes the Triton W8A8 GEMM at every shape (on) or _scaled_mm (off)."""
+    real = g.w8a8_wins
+    g.w8a8_wins = lambda m, n, k: on
+    try:
+        yield
+    finally:
+        g.w8a8_wins = real
+
+
 def measure(s: Shape, m: int) -> tuple[dict, float]:
     """µs per call of each variant at M = m, and the W8A8 vs _scaled_mm relative error."""
     x = s.x(m)
     res = {"W8A16 gemv": time_us(lambda i: g.gemv(x, s.q[i], s.scale), s.cq)["us"]}
-    real = g.w8a8_wins
-    g.w8a8_wins = lambda m, n, k: False
-    try:
-        res["fp8_linear _scaled_mm"] = time_us(
-            lambda i: fp8_linear(x, s.q[i], s.scale, s.input_scale), s.cq)["us"]
-        ref = fp8_linear(x, s.q[0], s.scale, s.input_scale)
-    finally:
-        g.w8a8_wins = real
-    g.w8a8_wins = lambda m, n, k: True  # the Triton W8A8 GEMM at every shape here
-    try:
-        res["fp8_linear W8A8 gemv"] = time_us(
-            lambda i: fp8_linear(x, s.q[i], s.scale, s.input_scale), s.cq)["us"]
-        y = fp8_linear(x, s.q[0], s.scale, s.input_scale)
-    finally:
-        g.w8a8_wins = real
-    return res, float((y.float() - ref.float()).norm() / ref.float().norm())
+    out = {}
+    for name, on in (("fp8_linear _scaled_mm", False), ("fp8_linear W8A8 gemv", True)):
+        with w8a8_everywhere(on):
+            res[name] = time_us(
+                lambda i: fp8_linear(x, s.q[i], s.scale, s.input_scale), s.cq)["us"]
+            out[on] = fp8_linear(x, s.q[0], s.scale, s.input_scale).float()
+    return res, float((out[True] - out[False]).norm() / out[False].norm())
 
 
 def main() -> None:

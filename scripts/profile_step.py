@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,17 +29,8 @@ from kiln.sources.builtin import BUILTINS, cached_path
 
 
 def replay_ms(runner, bucket, iters: int = 50) -> float:
-    runner.stager.fill_dummy(bucket.num_seqs, bucket.num_tokens)
-    g = runner.graphs[bucket]
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median GPU ms of a bucket's replay on the dummy step (left staged for a profile)."""
+    return runner.replay_ms(bucket, iters)
 
 
 def main() -> None:

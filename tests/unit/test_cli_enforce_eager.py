@@ -12,12 +12,20 @@ from kiln.cli.app import app
 from kiln.cli.generate import runtime_config
 
 
-def test_runtime_config_turns_graphs_off_only_when_asked(monkeypatch):
-    monkeypatch.delenv("KILN_CUDA_GRAPHS", raising=False)
-    assert runtime_config(None).cuda_graphs is True
-    assert runtime_config("cpu", enforce_eager=True).cuda_graphs is False
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")  # the environment still works without the flag
-    assert runtime_config(None).cuda_graphs is False
+@pytest.mark.parametrize("flag, field, default, env", [
+    ("enforce_eager", "cuda_graphs", True, ("KILN_CUDA_GRAPHS", "0")),
+    ("no_async", "async_scheduling", True, ("KILN_ASYNC_SCHEDULING", "0")),
+    ("adaptive_spec", "adaptive_speculation", False, ("KILN_ADAPTIVE_SPECULATION", "1")),
+])
+def test_runtime_config_changes_a_setting_only_when_asked(monkeypatch, flag, field, default,
+                                                          env):
+    """Each flag flips its RuntimeConfig field; without it the default holds, and the
+    environment variable still works without the flag."""
+    monkeypatch.delenv(env[0], raising=False)
+    assert getattr(runtime_config(None), field) is default
+    assert getattr(runtime_config("cpu", **{flag: True}), field) is (not default)
+    monkeypatch.setenv(*env)
+    assert getattr(runtime_config(None), field) is (not default)
 
 
 @pytest.mark.parametrize("cmd", [["serve"], ["generate"], ["bench", "throughput"],
@@ -40,22 +48,6 @@ def test_generate_with_enforce_eager(tmp_path):
     assert plain.exit_code == 0 and eager.exit_code == 0, (plain.output, eager.output)
     assert (json.loads(eager.stdout.strip().splitlines()[-1])["token_ids"]
             == json.loads(plain.stdout.strip().splitlines()[-1])["token_ids"])
-
-
-def test_runtime_config_turns_async_scheduling_off_only_when_asked(monkeypatch):
-    monkeypatch.delenv("KILN_ASYNC_SCHEDULING", raising=False)
-    assert runtime_config(None).async_scheduling is True
-    assert runtime_config("cpu", no_async=True).async_scheduling is False
-    monkeypatch.setenv("KILN_ASYNC_SCHEDULING", "0")
-    assert runtime_config(None).async_scheduling is False
-
-
-def test_runtime_config_turns_adaptive_speculation_on_only_when_asked(monkeypatch):
-    monkeypatch.delenv("KILN_ADAPTIVE_SPECULATION", raising=False)
-    assert runtime_config(None).adaptive_speculation is False
-    assert runtime_config("cpu", adaptive_spec=True).adaptive_speculation is True
-    monkeypatch.setenv("KILN_ADAPTIVE_SPECULATION", "1")
-    assert runtime_config(None).adaptive_speculation is True
 
 
 def test_bench_latency_records_how_the_engine_ran(tmp_path):

@@ -441,12 +441,7 @@ def gemv(
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use F.linear)")
     fp8 = weight.dtype in FP8_DTYPES
     if fp8:
-        if not isinstance(weight_scale, torch.Tensor):
-            raise ValueError("weight_scale is required with FP8 weights (a float32 tensor)")
-        check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,), device=x.device)
-        if weight_scale.numel() != 1:
-            raise ValueError(f"weight_scale has shape {tuple(weight_scale.shape)}; gemv "
-                             "takes a per-tensor scale (0-dim or 1 element)")
+        _check_scale("weight_scale", weight_scale, x.device, "FP8 weights")
     elif weight_scale is not None:
         raise ValueError(f"weight_scale is only for FP8 weights; weight is {weight.dtype}")
     if bias is not None:
@@ -462,6 +457,16 @@ def gemv(
     return y
 
 
+def _check_scale(name: str, t, device: torch.device, needed_with: str) -> None:
+    """A per-tensor float32 scale on ``device`` (0-dim or 1 element), required here."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} is required with {needed_with} (a float32 tensor)")
+    check_tensor(name, t, dtypes=(torch.float32,), device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; gemv takes a per-tensor scale "
+                         "(0-dim or 1 element)")
+
+
 def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> torch.Tensor:
     """gemv's W8A8 form (x e4m3 with x_scale): checks, then the tensor-core kernel."""
     check_tensor("x", x, ndim=2, dtypes=FP8_DTYPES)
@@ -473,13 +478,8 @@ def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> tor
     check_shape("weight", weight, (n, k))
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use _scaled_mm)")
-    for name, t in (("weight_scale", weight_scale), ("x_scale", x_scale)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} is required with FP8 x and weights (a float32 tensor)")
-        check_tensor(name, t, dtypes=(torch.float32,), device=x.device)
-        if t.numel() != 1:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; gemv takes a per-tensor "
-                             "scale (0-dim or 1 element)")
+    _check_scale("weight_scale", weight_scale, x.device, "FP8 x and weights")
+    _check_scale("x_scale", x_scale, x.device, "FP8 x and weights")
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(out_dtype,), device=x.device)
         check_shape("bias", bias, (n,))
