@@ -171,6 +171,59 @@ def test_gemv_cuda_graph_split_k():
         assert _rel(y, gemv_ref(x, q, s)) < TOL
 
 
+def _pdl_chain(x, h, norm_w, wq, sq, w_up, w_down, s_down):
+    """A decode-like chain of kiln kernels, each reading the one before: add+RMSNorm, a
+    W8A16 gemv (the L2 prefetch path at M = 1), bf16 gate_up, SiLU-and-mul, FP8 down, and
+    the split-K form."""
+    from kiln.runtime.kernels.activation import silu_and_mul
+    from kiln.runtime.kernels.gemv import gemv
+    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+
+    xn, h2 = fused_add_rms_norm(x, h, norm_w, 1e-5)
+    a = gemv(xn, wq, sq)
+    up = gemv(xn, w_up)
+    y = gemv(silu_and_mul(up), w_down, s_down)
+    z = gemv(y[:, : wq.shape[1]], wq, sq, config={"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 4,
+                                                  "USE_DOT": False, "num_warps": 4})
+    return torch.cat([a, y, z, h2], dim=1)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_pdl_modes_are_bit_identical_in_a_captured_chain(m):
+    """Programmatic dependent launch changes when kernels start, never what they compute:
+    KILN_PDL 0 / 1 / 2, eager and replayed from a CUDA graph, give the same bits (a missing
+    wait would show as a race here)."""
+    from kiln.runtime.kernels import _pdl
+
+    if not _pdl.supported():
+        pytest.skip("PDL needs compute capability 9.0 and a triton with launch_pdl")
+    torch.manual_seed(0)
+    _, wq, sq = _weights(4096, 6144)
+    w_up = (torch.randn(28672, 4096, device=DEV) * 4096**-0.5).to(BF16)
+    _, w_down, s_down = _weights(14336, 4096)
+    x = torch.randn(m, 4096, device=DEV).to(BF16)
+    h = torch.randn(m, 4096, device=DEV).to(BF16)
+    norm_w = torch.rand(4096, device=DEV).to(BF16) + 0.5
+    args = (x, h, norm_w, wq, sq, w_up, w_down, s_down)
+    with _pdl.forced(_pdl.OFF):
+        ref = _pdl_chain(*args)
+    for mode in (_pdl.ON, _pdl.PREFETCH):
+        with _pdl.forced(mode):
+            assert torch.equal(_pdl_chain(*args), ref), f"eager, KILN_PDL={mode}"
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                _pdl_chain(*args)
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                out = _pdl_chain(*args)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref), f"graph, KILN_PDL={mode}"
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("k", [576, 4096, 14336])
 def test_fp8_quant_bit_exact(m, k):

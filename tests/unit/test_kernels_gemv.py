@@ -47,6 +47,29 @@ def test_gemv_matches_reference(dtype, wdtype, cfg):
         assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
 
 
+def test_pdl_mode_rules(monkeypatch):
+    """PDL is off without a Hopper GPU (here: the interpreter), whatever KILN_PDL says; a bad
+    KILN_PDL is one clear error where PDL is supported."""
+    from kiln.runtime.kernels import _pdl
+
+    monkeypatch.setenv("KILN_PDL", "2")
+    assert _pdl.mode() == _pdl.OFF and _pdl.launch_kwargs() == {"PDL": False}
+    monkeypatch.setattr(_pdl, "supported", lambda: True)
+    assert _pdl.mode() == _pdl.PREFETCH and _pdl.prefetch()
+    monkeypatch.delenv("KILN_PDL")
+    assert _pdl.mode() == _pdl.PREFETCH  # the default
+    assert _pdl.launch_kwargs() == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("KILN_PDL", "0")
+    assert _pdl.mode() == _pdl.OFF
+    with _pdl.forced(_pdl.ON):
+        assert _pdl.mode() == _pdl.ON and not _pdl.prefetch()
+    monkeypatch.setenv("KILN_PDL", "yes")
+    with pytest.raises(ValueError, match="KILN_PDL='yes' must be 0"):
+        _pdl.mode()
+    with pytest.raises(ValueError, match="PDL mode 3"), _pdl.forced(3):
+        pass
+
+
 @pytest.mark.parametrize("wdtype", ["same", "fp8"])
 @pytest.mark.parametrize("cfg", [CUDA_CORE, TENSOR_CORE, dict(CUDA_CORE, SPLIT_K=3),
                                  dict(TENSOR_CORE, SPLIT_K=2)], ids=["cc", "tc", "cc-sk", "tc-sk"])

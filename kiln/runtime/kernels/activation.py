@@ -7,13 +7,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FLOAT_DTYPES, check_tensor
+from kiln.runtime.kernels._pdl import pdl_begin
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr,
+    x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -40,6 +43,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **_pdl.launch_kwargs(),
     )
     return out
 

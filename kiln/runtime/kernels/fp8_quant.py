@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FLOAT_DTYPES, check_tensor
+from kiln.runtime.kernels._pdl import pdl_begin
 
 FP8_MAX = 448.0
 SCALE_MIN = 1e-12
@@ -26,7 +28,9 @@ ROW_PAD = 16  # _scaled_mm (older torch/cuBLAS) wants M % 16 == 0
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_begin(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r_ok = rows < M
     cols = tl.arange(0, BLOCK_K)
@@ -41,8 +45,9 @@ def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: 
 @triton.jit
 def _quant_kernel(
     x_ptr, scale_ptr, out_ptr, scale_out_ptr, M, M_PAD, K, stride_xm, stride_om,
-    DYNAMIC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    DYNAMIC: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     if DYNAMIC:  # scale_ptr holds amax; torch computes amax / 448.0 as amax * fp32(1 / 448)
         scale = tl.maximum(tl.load(scale_ptr) * (1.0 / 448.0), 1e-12)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -92,6 +97,7 @@ def quantize_fp8_padded(
             _amax_kernel[(triton.cdiv(m, arows),)](
                 x, amax, m, k, x.stride(0), ROWS=arows,
                 BLOCK_K=min(block_k, max(16, 4096 // arows)), num_warps=4,
+                **_pdl.launch_kwargs(),
             )
         scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
         src, dynamic = amax, True
@@ -100,7 +106,7 @@ def quantize_fp8_padded(
         dynamic = False
     _quant_kernel[(triton.cdiv(m_pad, rows), triton.cdiv(k, block_k))](
         x, src, out, scale_out, m, m_pad, k, x.stride(0), out.stride(0),
-        DYNAMIC=dynamic, ROWS=rows, BLOCK_K=block_k, num_warps=4,
+        DYNAMIC=dynamic, ROWS=rows, BLOCK_K=block_k, num_warps=4, **_pdl.launch_kwargs(),
     )
     return out, scale_out
 

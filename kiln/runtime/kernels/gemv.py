@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
+from kiln.runtime.kernels._pdl import pdl_begin
 
 GEMV_MAX_M = 8  # rows handled here; linear() sends larger batches to cuBLAS / _scaled_mm
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -120,13 +122,33 @@ def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT:
 
 
 @triton.jit
+def _prefetch_l2(addr, ok):
+    """Fire and forget: pull the sector at each address where ``ok`` into L2 (PTX
+    ``prefetch.global.L2``; no register waits for it). GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r", args=[addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)
+
+
+@triton.jit
+def _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo, k_hi, SECTOR: tl.constexpr):
+    """L2-prefetch W[rows_n, k_lo:k_hi], one hint per 32-byte sector (SECTOR elements)."""
+    cols = tl.arange(0, 32) * SECTOR
+    for k in range(k_lo, k_hi, 32 * SECTOR):
+        _prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + (k + cols)[None, :],
+                     tl.broadcast_to((k + cols < k_hi)[None, :], (rows_n.shape[0], 32)))
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, xs_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
-    ACT: tl.constexpr, X_FP8: tl.constexpr,
+    ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    ESIZE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,6 +163,7 @@ def _gemv_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        pdl_begin(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kk in range(0, K_SPLIT, BLOCK_K):
             if EVEN_K:
@@ -174,6 +197,11 @@ def _gemv_kernel(
         # CUDA cores, BLOCK_M = M rows unrolled: one [BLOCK_N, BLOCK_K] float32 accumulator
         # per row, the widened W tile shared by all rows; reduced over K once at the end
         x_ptrs = x_ptr + offs_k
+        if PREFETCH:  # the first two W tiles into L2 before the PDL wait (no kernel writes W)
+            k_lo = pid_k * K_SPLIT
+            _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo,
+                            tl.minimum(K, k_lo + tl.minimum(K_SPLIT, 2 * BLOCK_K)), 32 // ESIZE)
+        pdl_begin(PDL)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 1:
             acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -241,8 +269,9 @@ def _gemv_kernel(
 def _splitk_reduce_kernel(
     part_ptr, scale_ptr, bias_ptr, y_ptr, xs_ptr, M, N, stride_ym,
     SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    X_FP8: tl.constexpr, BLOCK: tl.constexpr,
+    X_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -513,12 +542,15 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
+        **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
             part, scale, b, y, xs, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=fp8,
             HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
+            **_pdl.launch_kwargs(),
         )
 
 

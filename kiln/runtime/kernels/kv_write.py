@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -18,6 +19,7 @@ from kiln.runtime.kernels._checks import (
     check_tensor,
     scale_tensor,
 )
+from kiln.runtime.kernels._pdl import pdl_begin
 
 FP8_MAX = 448.0
 
@@ -28,8 +30,9 @@ def _kv_write_kernel(
     kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    IS_FP8: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    IS_FP8: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -84,7 +87,7 @@ def reshape_and_cache(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         IS_FP8=is_fp8, H_PAD=triton.next_power_of_2(heads),
-        D_PAD=triton.next_power_of_2(dim), num_warps=4,
+        D_PAD=triton.next_power_of_2(dim), num_warps=4, **_pdl.launch_kwargs(),
     )
 
 

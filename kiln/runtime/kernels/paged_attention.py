@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.runtime.kernels import tuning
+from kiln.runtime.kernels import _pdl, tuning
 from kiln.runtime.kernels._checks import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -33,6 +33,7 @@ from kiln.runtime.kernels._checks import (
     next_pow2,
     scale_tensor,
 )
+from kiln.runtime.kernels._pdl import pdl_begin
 
 LOG2E = 1.4426950408889634
 
@@ -118,8 +119,9 @@ def _paged_attn_kernel(
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -202,8 +204,9 @@ def _paged_attn_kernel(
 def _reduce_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, S_PAD)
@@ -413,12 +416,13 @@ def _launch(
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
         num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
+        **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
         _reduce_kernel[(t, heads)](
             out, part_acc, part_ml, heads, out.stride(0), out.stride(1),
             HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=next_pow2(num_splits), num_warps=4,
+            S_PAD=next_pow2(num_splits), num_warps=4, **_pdl.launch_kwargs(),
         )
 
 

@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+from kiln.runtime.kernels._pdl import pdl_begin
 from kiln.runtime.layers.norm import rms_norm as _rms_norm_torch
 
 
@@ -20,8 +22,9 @@ from kiln.runtime.layers.norm import rms_norm as _rms_norm_torch
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
     stride_xt, stride_rt, stride_ot, stride_rot,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < hidden
@@ -55,7 +58,7 @@ def _launch(x, res, weight, out, res_out, eps) -> None:
         x, res if res is not None else x, weight, out, res_out if res_out is not None else out,
         hidden, eps, x.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        HAS_RESIDUAL=res is not None, BLOCK=block, num_warps=warps,
+        HAS_RESIDUAL=res is not None, BLOCK=block, num_warps=warps, **_pdl.launch_kwargs(),
     )
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -20,6 +21,7 @@ from kiln.runtime.kernels._checks import (
     check_tensor,
     scale_tensor,
 )
+from kiln.runtime.kernels._pdl import pdl_begin
 
 
 @triton.jit
@@ -54,8 +56,9 @@ def _cos_sin(pos_ptr, cache_ptr, t, stride_ct, half, HALF_PAD: tl.constexpr):
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr, num_heads, num_kv_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-    QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     _, _, cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_ct, half, HALF_PAD)
     _rotate(q_ptr, stride_qt, stride_qh, t, num_heads, cos, sin, half, QH_PAD, HALF_PAD)
@@ -69,7 +72,9 @@ def _rotary_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     IS_FP8: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     d, dm, cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_ct, half, HALF_PAD)
     _rotate(q_ptr, stride_qt, stride_qh, t, num_heads, cos, sin, half, QH_PAD, HALF_PAD)
@@ -127,6 +132,7 @@ def rotary_embedding_(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         QH_PAD=triton.next_power_of_2(heads), KH_PAD=triton.next_power_of_2(k.shape[1]),
         HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+        **_pdl.launch_kwargs(),
     )
 
 
@@ -185,7 +191,7 @@ def rotary_and_cache_(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         IS_FP8=fp8, QH_PAD=triton.next_power_of_2(heads),
         KH_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
+        num_warps=4, **_pdl.launch_kwargs(),
     )
 
 

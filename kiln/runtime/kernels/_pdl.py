@@ -1,0 +1,105 @@
+"""Programmatic dependent launch (PDL) for kiln's Triton kernels on Hopper and later.
+
+A decode step is a chain of small kernels (a GEMV, the rotary/KV write, attention, a norm,
+...). Normally each one starts only after the previous one has drained and its launch has
+gone through the front end: a few microseconds of idle SMs at every boundary, about 300
+boundaries per llama-3-8b step. With PDL (``launch_pdl=True``) a kernel is launched as soon
+as every program of the kernel before it has called ``griddepcontrol.launch_dependents``; it
+then waits (``griddepcontrol.wait``) before it reads or writes anything an earlier kernel
+touches. What it may do before the wait: set up, and (the GEMV) prefetch its first weight
+tiles into L2: no kernel writes weights.
+
+The protocol every kiln kernel launched with ``launch_kwargs()`` follows (``PDL`` constexpr):
+
+    [read-only weights only]  ->  gdc_wait()  ->  gdc_launch_dependents()  ->  the work
+
+``gdc_wait`` returns once the previous kernel has completed and its writes are visible;
+since that kernel waited for its own predecessor before completing, the wait covers every
+earlier kernel in the stream. Kernels that are not ours (torch's) launch normally and are
+full barriers. CUDA graph capture keeps the programmatic edges.
+
+``KILN_PDL``: ``0`` off, ``1`` PDL, ``2`` (the default) PDL and, in the CUDA-core GEMV, an
+L2 prefetch of the program's first two weight tiles before the wait. Replay ms on the H200
+(notes/NOTES.md, 2026-11-30 fourth session), modes 0 / 1 / 2: llama-3-8b FP8 batch 1
+2.98 / 2.82-2.85 / 2.80, bf16 4.34 / 4.13-4.16 / 4.16, smollm2 0.72 / 0.58-0.60 / 0.55.
+PDL is off without CUDA capability 9.0, under ``TRITON_INTERPRET`` and where this triton
+lacks ``launch_pdl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+OFF, ON, PREFETCH = 0, 1, 2
+_forced: int | None = None
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this process can launch with PDL (Hopper+, compiled triton with the option)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    try:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+            return False
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return ("launch_pdl" in CUDAOptions.__dataclass_fields__
+                and hasattr(tl.extra.cuda, "gdc_wait"))
+    except Exception:  # noqa: BLE001 - any import/driver problem means: launch plainly
+        return False
+
+
+def mode() -> int:
+    """OFF, ON or PREFETCH: ``forced`` (benchmarks), else ``KILN_PDL`` (default PREFETCH)."""
+    if not supported():
+        return OFF
+    if _forced is not None:
+        return _forced
+    raw = os.environ.get("KILN_PDL", str(PREFETCH)).strip()
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"KILN_PDL={raw!r} must be 0 (off), 1 (PDL) or 2 (PDL and the "
+                         "GEMV weight prefetch)")
+    return int(raw)
+
+
+def launch_kwargs() -> dict:
+    """Keyword arguments for a kernel launch: the ``PDL`` constexpr, and ``launch_pdl``."""
+    if mode() == OFF:
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@contextlib.contextmanager
+def forced(m: int):
+    """Launch with mode ``m`` inside the block (A/B benchmarks; graphs captured inside keep
+    it). Ignored where PDL is not supported."""
+    global _forced
+    if m not in (OFF, ON, PREFETCH):
+        raise ValueError(f"PDL mode {m!r} must be 0, 1 or 2")
+    old, _forced = _forced, m
+    try:
+        yield
+    finally:
+        _forced = old
+
+
+def prefetch() -> bool:
+    """Whether the GEMV prefetches its weight slice into L2 before the wait (PREFETCH)."""
+    return mode() == PREFETCH
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """Wait for the kernels before this one, then let the next kernel launch (see above)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,112 @@
+"""Programmatic dependent launch A/B on the GPU: KILN_PDL 0 (off) / 1 (PDL) / 2 (PDL + the
+GEMV's first-tile prefetch), one engine per mode in one process.
+
+    KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pdl.py [--only 8b,smol] [--out r.json]
+
+Per model and mode: the CUDA-graph replay time of the batch-1 and batch-8 decode buckets (and
+the lookahead (7,7,7) masked batch-1 bucket on smollm2), batch-1 decode tokens/s (128 in /
+128 out, greedy, async scheduling), and whether the greedy tokens equal mode 0's (PDL changes
+when kernels start, never what they compute: any difference is a race). Engines are built
+from random weights (llama-3-8b bf16 and FP8, smollm2-135m bf16 with lookahead) unless the
+smollm2 GGUF is in $KILN_CACHE. Benchmarks, not tests; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_fast_path import free  # scripts/ is on sys.path when run as a script
+
+from kiln.builder import QuantConfig, build_engine
+from kiln.builder.speculative import SpeculativeConfig
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.kernels import _pdl
+from kiln.runtime.sampling_params import SamplingParams
+
+ROWS: list[tuple[str, str]] = []
+
+
+def one_mode(path: Path, mode: int, prompt: list[int]) -> dict:
+    with _pdl.forced(mode):
+        t0 = time.perf_counter()
+        eng = LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", max_num_seqs=8))
+        load_s = time.perf_counter() - t0
+        runner = eng.runner.graphs
+        replays = {}
+        for b in sorted(runner.graphs, key=lambda b: (b.masked, b.num_seqs)):
+            if b.num_seqs in (1, 8):
+                name = f"S={b.num_seqs} T={b.num_tokens}" + (" masked" if b.masked else "")
+                replays[name] = runner.replay_ms(b, 50)
+        plain = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True,
+                               lookahead=(1, 1, 0))
+        eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                              lookahead=(1, 1, 0)))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = eng.generate([prompt], plain)[0]
+        torch.cuda.synchronize()
+        tps = len(out.token_ids) / (time.perf_counter() - t)
+        tokens = list(out.token_ids)
+        del eng, runner
+    free()
+    return {"replay_ms": replays, "tok_s": tps, "tokens": tokens, "load_s": load_s}
+
+
+def compare(res: dict, name: str, path: Path, modes: list[int]) -> None:
+    prompt = list(range(1000, 1128))
+    r = res.setdefault(name, {})
+    for m in modes:
+        r[str(m)] = one_mode(path, m, prompt)
+    base = r[str(modes[0])]
+    for m in modes:
+        x = r[str(m)]
+        same = x["tokens"] == base["tokens"]
+        reps = ", ".join(f"{k} {v:.3f}" for k, v in x["replay_ms"].items())
+        row = (f"{x['tok_s']:.1f} tok/s b1, replay ms: {reps}; tokens == mode {modes[0]}: "
+               f"{same}; load {x['load_s']:.1f} s")
+        ROWS.append((f"{name} KILN_PDL={m}", row))
+        print(ROWS[-1], flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="8b,smol")
+    ap.add_argument("--modes", default="0,1,2")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    modes = [int(m) for m in args.modes.split(",")]
+    res: dict = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                 "pdl_supported": _pdl.supported()}
+    tmp = Path(tempfile.mkdtemp())
+    only = args.only.split(",")
+    if "8b" in only:
+        for quant in ("fp8", "bf16"):
+            out = tmp / f"l3-{quant}"
+            build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
+                         max_num_tokens=8192, max_batch_size=8, progress=False,
+                         quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
+            compare(res, f"llama-3-8b {quant}", out, modes)
+    if "smol" in only:
+        from kiln.sources.builtin import BUILTINS, cached_path
+
+        gguf = cached_path(BUILTINS["smollm2-135m"])
+        source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
+        out = tmp / "smol"
+        build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
+                     max_batch_size=8, progress=False,
+                     speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+        compare(res, f"smollm2 ({source})", out, modes)
+    print(f"\n{res['card']}, PDL supported: {res['pdl_supported']}")
+    for a, b in ROWS:
+        print(f"| {a} | {b} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
