@@ -3,6 +3,10 @@ GEMV's first-tile prefetch), one engine per mode in one process.
 
     KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pdl.py [--only 8b,smol] [--out r.json]
 
+``--mid-m 1,0`` also A/Bs gemv's tensor-core tiles for 9-128 rows (``gemv.MID_M``, the
+speculative steps' GEMMs on small weights) against cuBLAS; with the real smollm2 GGUF each
+variant also runs plain vs lookahead (7,7,7) on the bundled code and chat prompts.
+
 Per model and mode: the CUDA-graph replay time of the batch-1 and batch-8 decode buckets (and
 the lookahead (7,7,7) masked batch-1 bucket on smollm2), batch-1 decode tokens/s (128 in /
 128 out, greedy, async scheduling), and whether the greedy tokens equal mode 0's (PDL changes
@@ -25,13 +29,15 @@ from bench_fast_path import free  # scripts/ is on sys.path when run as a script
 from kiln.builder import QuantConfig, build_engine
 from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
-from kiln.runtime.kernels import _pdl
+from kiln.runtime.kernels import _pdl, gemv
 from kiln.runtime.sampling_params import SamplingParams
 
 ROWS: list[tuple[str, str]] = []
 
 
-def one_mode(path: Path, mode: int, prompt: list[int]) -> dict:
+def one_mode(path: Path, mode: int, prompt: list[int], mid_m: bool = True,
+             lookahead: bool = False) -> dict:
+    gemv.MID_M = mid_m
     with _pdl.forced(mode):
         t0 = time.perf_counter()
         eng = LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", max_num_seqs=8))
@@ -52,24 +58,36 @@ def one_mode(path: Path, mode: int, prompt: list[int]) -> dict:
         torch.cuda.synchronize()
         tps = len(out.token_ids) / (time.perf_counter() - t)
         tokens = list(out.token_ids)
+        spec = None
+        if lookahead:  # plain vs (7,7,7) on the bundled code and chat prompts
+            from kiln.bench.speculative import run_speculative_latency
+
+            spec = run_speculative_latency(eng, output_len=256, prompts_per_set=3,
+                                          repeats=2)["sets"]
         del eng, runner
     free()
-    return {"replay_ms": replays, "tok_s": tps, "tokens": tokens, "load_s": load_s}
+    gemv.MID_M = True
+    return {"replay_ms": replays, "tok_s": tps, "tokens": tokens, "load_s": load_s,
+            "lookahead": spec}
 
 
-def compare(res: dict, name: str, path: Path, modes: list[int]) -> None:
+def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool],
+            lookahead: bool = False) -> None:
     prompt = list(range(1000, 1128))
     r = res.setdefault(name, {})
-    for m in modes:
-        r[str(m)] = one_mode(path, m, prompt)
-    base = r[str(modes[0])]
-    for m in modes:
-        x = r[str(m)]
-        same = x["tokens"] == base["tokens"]
+    variants = [(m, mid) for mid in mids for m in modes]
+    for m, mid in variants:
+        r[f"{m}{'' if mid else '-nomid'}"] = one_mode(path, m, prompt, mid, lookahead)
+    first = f"{variants[0][0]}{'' if variants[0][1] else '-nomid'}"
+    for key, x in r.items():
+        same = x["tokens"] == r[first]["tokens"]
         reps = ", ".join(f"{k} {v:.3f}" for k, v in x["replay_ms"].items())
-        row = (f"{x['tok_s']:.1f} tok/s b1, replay ms: {reps}; tokens == mode {modes[0]}: "
-               f"{same}; load {x['load_s']:.1f} s")
-        ROWS.append((f"{name} KILN_PDL={m}", row))
+        row = (f"{x['tok_s']:.1f} tok/s b1, replay ms: {reps}; tokens == {first}: {same}; "
+               f"load {x['load_s']:.1f} s")
+        for set_name, sp in (x["lookahead"] or {}).items():
+            row += (f"; {set_name} lookahead x{sp['speedup']:.2f} ({sp['plain_tokens_per_s']:.0f}"
+                    f" -> {sp['spec_tokens_per_s']:.0f}, {sp['tokens_per_step']:.2f} tok/step)")
+        ROWS.append((f"{name} KILN_PDL={key}", row))
         print(ROWS[-1], flush=True)
 
 
@@ -77,9 +95,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="8b,smol")
     ap.add_argument("--modes", default="0,1,2")
+    ap.add_argument("--mid-m", default="1", help="gemv.MID_M values to A/B, e.g. 1,0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
+    mids = [v == "1" for v in args.mid_m.split(",")]
     res: dict = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                  "pdl_supported": _pdl.supported()}
     tmp = Path(tempfile.mkdtemp())
@@ -90,7 +110,7 @@ def main() -> None:
             build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
                          max_num_tokens=8192, max_batch_size=8, progress=False,
                          quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
-            compare(res, f"llama-3-8b {quant}", out, modes)
+            compare(res, f"llama-3-8b {quant}", out, modes, mids)
     if "smol" in only:
         from kiln.sources.builtin import BUILTINS, cached_path
 
@@ -100,7 +120,8 @@ def main() -> None:
         build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
                      max_batch_size=8, progress=False,
                      speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
-        compare(res, f"smollm2 ({source})", out, modes)
+        compare(res, f"smollm2 ({source})", out, modes, mids,
+                lookahead=source == "smollm2-135m")
     print(f"\n{res['card']}, PDL supported: {res['pdl_supported']}")
     for a, b in ROWS:
         print(f"| {a} | {b} |")

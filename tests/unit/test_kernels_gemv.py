@@ -47,6 +47,37 @@ def test_gemv_matches_reference(dtype, wdtype, cfg):
         assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("cfg", [None, TENSOR_CORE, dict(TENSOR_CORE, SPLIT_K=2)],
+                         ids=["default", "tc", "tc-sk"])
+def test_gemv_mid_m_tensor_core_tiles(wdtype, cfg):
+    """9..GEMM_MAX_M rows (speculative steps): 16-row tiles on grid axis 2, the last one
+    ragged; plain, with the SiLU prologue and with bias."""
+    from kiln.runtime.kernels.activation import silu_and_mul
+
+    dtype = torch.bfloat16
+    for m, n, k in ((9, 40, 96), (37, 33, 80)):
+        w, s = _w(n, k, FP8 if wdtype == "fp8" else dtype)
+        x = torch.randn(m, k).to(dtype)
+        b = torch.randn(n).to(dtype)
+        y = gemv.gemv(x, w, s, b, config=cfg)
+        assert y.shape == (m, n) and rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
+        gu = torch.randn(m, 2 * k).to(dtype)
+        assert torch.equal(gemv.gemv(gu, w, s, config=cfg, silu_and_mul=True),
+                           gemv.gemv(silu_and_mul(gu), w, s, config=cfg))
+
+
+def test_gemv_wins_mid_m_rule(monkeypatch):
+    """Past GEMV_MAX_M rows: small bf16/fp16 weights only (smollm2's), never FP8 or 8B."""
+    monkeypatch.setattr(gemv, "MID_M", True)
+    assert gemv.gemv_wins(84, 960, 576, False) and gemv.gemv_wins(128, 576, 1536, False)
+    assert not gemv.gemv_wins(84, 6144, 4096, False)
+    assert not gemv.gemv_wins(84, 960, 576, True)
+    assert not gemv.gemv_wins(gemv.GEMM_MAX_M + 1, 960, 576, False)
+    monkeypatch.setattr(gemv, "MID_M", False)
+    assert not gemv.gemv_wins(84, 960, 576, False)
+
+
 def test_pdl_mode_rules(monkeypatch):
     """PDL is off without a Hopper GPU (here: the interpreter), whatever KILN_PDL says; a bad
     KILN_PDL is one clear error where PDL is supported."""
@@ -148,7 +179,9 @@ def test_gemv_wrapper_errors():
         ({"x": x, "weight": w.half()}, "weight has dtype"),
         ({"x": x, "weight": torch.randn(16, 31, dtype=bf)}, "weight has shape"),
         ({"x": x[0], "weight": w}, "x must have 2 dims"),
-        ({"x": torch.randn(9, 32, dtype=bf), "weight": w}, "x has 9 rows"),
+        ({"x": torch.randn(129, 32, dtype=bf), "weight": w}, "x has 129 rows"),
+        ({"x": torch.randn(9, 32, dtype=bf), "weight": w, "config": CUDA_CORE},
+         "x has 9 rows; CUDA-core configs"),
         ({"x": torch.randn(0, 32, dtype=bf), "weight": w}, "x has 0 rows"),
         ({"x": x, "weight": w.to("meta")}, "weight is on meta"),
         ({"x": x, "weight": w, "bias": torch.randn(15, dtype=bf)}, "bias has shape"),

@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for 1 <= M <= GEMV_MAX_M.
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for 1 <= M <= GEMM_MAX_M.
 
 W is row-major [N, K] like ``F.linear``'s weight: bf16/fp16 (the input dtype), or FP8 e4m3
 with a per-tensor float32 ``weight_scale`` (W8A16: activations stay bf16/fp16, weights are
@@ -35,7 +35,13 @@ from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
 from kiln.runtime.kernels._pdl import pdl_begin
 
-GEMV_MAX_M = 8  # rows handled here; linear() sends larger batches to cuBLAS / _scaled_mm
+GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
+# Tensor-core tiles take up to GEMM_MAX_M rows, BLOCK_M = 16 per program (grid axis 2): the
+# speculative steps' 9-128-token batches on small weights, where cuBLAS is launch-bound and,
+# not being a PDL kernel, a full barrier in the chain (``gemv_wins``).
+GEMM_MAX_M = 128
+MID_M = False  # whether gemv_wins routes 9..GEMM_MAX_M rows here (off until measured)
+MID_M_MAX_WEIGHT = 4 << 20  # elements: smollm2's projections (the 8B ones stay on cuBLAS)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 W8A8 = "w8a8"  # the tuning-table dtype of W8A8 launches (e4m3 x)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "num_warps", "num_stages")
@@ -160,7 +166,7 @@ def _gemv_kernel(
     if USE_DOT:
         # x^T tile [BLOCK_K, BLOCK_M] (BLOCK_M = 16, rows >= M masked: no memory read);
         # acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T ("swap AB")
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
         pdl_begin(PDL)
@@ -305,7 +311,9 @@ def default_config(m: int, n: int, k: int, fp8: bool) -> dict:
     to bf16 for the dot costs ALU time, so they need more programs in flight.
     """
     small_k, wide = k <= 2048, n >= 16384
-    if m == 1:
+    if m > GEMV_MAX_M:  # tensor-core tiles only (CUDA-core rows are unrolled up to 8)
+        cfg = _cfg(64, 128, True, stages=4)
+    elif m == 1:
         if wide:  # gate_up, lm_head
             cfg = (_cfg(64, 128, True, stages=4) if k < 1024 and not fp8
                    else _cfg(16, 256, False))
@@ -379,6 +387,8 @@ def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
     bf16 with no activation quant); at M >= 2 only up to 4096 x 4096 weights: beyond that
     W8A8 on the FP8 tensor cores wins (widening e4m3 in registers costs ALU time at M > 1).
     """
+    if GEMV_MAX_M < m <= GEMM_MAX_M:
+        return MID_M and not fp8 and n * k <= MID_M_MAX_WEIGHT
     if not 1 <= m <= GEMV_MAX_M:
         return False
     if fp8:
@@ -444,7 +454,8 @@ def gemv(
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale)^T + bias, in x's dtype.
 
-    x: bf16/fp16, 1 <= M <= GEMV_MAX_M rows (row stride free, last dim contiguous).
+    x: bf16/fp16, 1 <= M <= GEMM_MAX_M rows (row stride free, last dim contiguous); past
+    GEMV_MAX_M rows only tensor-core configs (the default there).
     weight: x's dtype, or float8_e4m3fn with ``weight_scale`` a 0-dim or 1-element float32
     tensor on x's device (required for FP8, refused otherwise). bias: [N] in x's dtype.
     ``silu_and_mul``: x is a gate_up output [M, 2K] and the product uses
@@ -466,8 +477,8 @@ def gemv(
             raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
         k //= 2
     check_shape("weight", weight, (n, k))
-    if not 1 <= m <= GEMV_MAX_M:
-        raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use F.linear)")
+    if not 1 <= m <= GEMM_MAX_M:
+        raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMM_MAX_M} (use F.linear)")
     fp8 = weight.dtype in FP8_DTYPES
     if fp8:
         _check_scale("weight_scale", weight_scale, x.device, "FP8 weights")
@@ -481,8 +492,11 @@ def gemv(
         return y.zero_()
     if config is None:
         config = _tuned(tuning_key(m, n, k, weight.dtype)) or default_config(m, n, k, fp8)
-    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, check_config(config),
-            silu_and_mul)
+    config = check_config(config)
+    if m > GEMV_MAX_M and not config["USE_DOT"]:
+        raise ValueError(f"x has {m} rows; CUDA-core configs (USE_DOT=False) take at most "
+                         f"{GEMV_MAX_M}: use a tensor-core config (got {config})")
+    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, silu_and_mul)
     return y
 
 
@@ -536,7 +550,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
     scale = weight_scale if fp8 else y  # any pointer when unused
     b = bias if bias is not None else y
     xs = x_scale if x_scale is not None else y
-    _gemv_kernel[(triton.cdiv(n, bn), split)](
+    _gemv_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, block_m))](
         x, weight, scale, b, y, part, xs, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=fp8,

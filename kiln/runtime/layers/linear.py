@@ -15,9 +15,10 @@ tensor-core skinny GEMM on the same quantized activations; everything else, and 
 _scaled_mm refuses, runs the dequantized matmul. Both paths quantize activations the same way (x -> e4m3(x / s), bit-exact), so the
 CPU result is the GPU result up to accumulation order.
 
-Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
-the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than
-cuBLAS (``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
+Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations; up to
+``GEMM_MAX_M`` rows on small bf16/fp16 weights, the speculative steps) go to the Triton
+skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than cuBLAS
+(``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
 e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
 used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32
 weights, CPU and every other case keep the paths above unchanged.
@@ -140,7 +141,7 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     m = x.numel() // x.shape[-1] if k else 0
     n = weight.shape[0]
     fp8 = weight.dtype == FP8
-    if not (1 <= m <= gemv.GEMV_MAX_M and (fp8 or weight.dtype == x.dtype)
+    if not (1 <= m <= gemv.GEMM_MAX_M and (fp8 or weight.dtype == x.dtype)
             and weight.shape[1] == k and weight.stride(-1) == 1
             and (bias is None or bias.dtype == x.dtype) and gemv.gemv_wins(m, n, k, fp8)):
         return None
