@@ -39,6 +39,38 @@ elif [ "$phase" = t ]; then  # right after w (GGUF half a in /tmp/parts): lookah
     > "$OUT/profile.log" 2>&1
   grep -v "USDT\|Converting" "$OUT/trace.log" | tail -40; tail -10 "$OUT/smol.log"
   tail -30 "$OUT/profile.log"
+elif [ "$phase" = p ]; then  # PDL session, call 1 (carry .carry/a): mid-M A/B, 8B latency
+  [ -d .carry/a ] && mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 90 python3 -m pytest -q tests/gpu/test_gemv_gpu.py -k "mid_m or routes or dispatch or pdl" \
+    > "$OUT/gemv_tests.log" 2>&1
+  timeout 100 python3 scripts/bench_pdl.py --only smol --modes 2 --mid-m 1,0 \
+    --out "$OUT/pdl_mid.json" > "$OUT/pdl_mid.log" 2>&1
+  for q in none fp8; do
+    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
+      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --force > /dev/null
+    timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
+      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
+  done
+  tail -2 "$OUT/gemv_tests.log"; grep "^|" "$OUT/pdl_mid.log"; tail -n 15 "$OUT"/lat-*.log
+elif [ "$phase" = p2 ]; then  # PDL session, call 2 (carry .carry/b, .whl; right after p1)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  mkdir -p /tmp/kcache/smollm2-135m
+  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
+    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+    > "$OUT/correctness.log" 2>&1
+  timeout 130 python3 scripts/bench_pdl.py --only smol --modes 2 --mid-m 1,0 \
+    --out "$OUT/pdl_smol.json" > "$OUT/pdl_smol.log" 2>&1
+  timeout 170 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
+    --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
+  tail -3 "$OUT/correctness.log"; grep "^|" "$OUT/pdl_smol.log"; tail -12 "$OUT/smol.log"
+elif [ "$phase" = p1 ]; then  # the first half of the GGUF, and the kernel tests
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
+  tail -3 "$OUT/kernels.log"
 elif [ "$phase" = a ]; then
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout ${PROFILE_8B_S:-420} python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
