@@ -58,6 +58,11 @@ def one_mode(path: Path, mode: int, prompt: list[int], mid_m: bool = True,
         torch.cuda.synchronize()
         tps = len(out.token_ids) / (time.perf_counter() - t)
         tokens = list(out.token_ids)
+        la_tokens, la_steps = None, None
+        if eng.speculative.mode != "none":  # greedy lookahead: must not move with the mode
+            la = eng.generate([prompt], SamplingParams(max_tokens=128, temperature=0,
+                                                       ignore_eos=True))[0]
+            la_tokens, la_steps = list(la.token_ids), la.metrics.spec_steps
         spec = None
         if lookahead:  # plain vs (7,7,7) on the bundled code and chat prompts
             from kiln.bench.speculative import run_speculative_latency
@@ -68,7 +73,7 @@ def one_mode(path: Path, mode: int, prompt: list[int], mid_m: bool = True,
     free()
     gemv.MID_M = True
     return {"replay_ms": replays, "tok_s": tps, "tokens": tokens, "load_s": load_s,
-            "lookahead": spec}
+            "lookahead": spec, "la_tokens": la_tokens, "la_steps": la_steps}
 
 
 def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool],
@@ -84,6 +89,9 @@ def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool]
         reps = ", ".join(f"{k} {v:.3f}" for k, v in x["replay_ms"].items())
         row = (f"{x['tok_s']:.1f} tok/s b1, replay ms: {reps}; tokens == {first}: {same}; "
                f"load {x['load_s']:.1f} s")
+        if x["la_tokens"] is not None:
+            row += (f"; lookahead tokens == {first}: {x['la_tokens'] == r[first]['la_tokens']}"
+                    f" ({x['la_steps']} spec steps)")
         for set_name, sp in (x["lookahead"] or {}).items():
             row += (f"; {set_name} lookahead x{sp['speedup']:.2f} ({sp['plain_tokens_per_s']:.0f}"
                     f" -> {sp['spec_tokens_per_s']:.0f}, {sp['tokens_per_step']:.2f} tok/step)")

@@ -40,10 +40,12 @@ GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
 # speculative steps' 9-128-token batches on small weights, where cuBLAS is launch-bound and,
 # not being a PDL kernel, a full barrier in the chain (``gemv_wins``).
 GEMM_MAX_M = 128
-# Whether gemv_wins routes 9..GEMM_MAX_M rows here (an A/B switch for benchmarks). H200,
-# smollm2 lookahead (7,7,7) replays (notes/NOTES.md, 2026-11-30 fourth session): S=1 T=84
-# 1.161 -> 1.108 ms, S=8 T=672 1.948 -> 1.838 ms against cuBLAS.
-MID_M = True
+# Whether gemv_wins routes 9..GEMM_MAX_M rows here (an A/B switch; off). H200, smollm2
+# lookahead (7,7,7) (notes/NOTES.md, 2026-11-30 fourth session): the graph replays are faster
+# than cuBLAS (S=1 T=84 1.161 -> 1.108 ms, S=8 T=672 1.948 -> 1.838), but end to end on the
+# code prompts lookahead fell from 1513 to 1053 tok/s (2.30 -> 1.90 tokens per step, and
+# slower steps) in the same call. Unexplained yet; off until it is.
+MID_M = False
 MID_M_MAX_WEIGHT = 4 << 20  # elements: smollm2's projections (the 8B ones stay on cuBLAS)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 W8A8 = "w8a8"  # the tuning-table dtype of W8A8 launches (e4m3 x)
