@@ -49,7 +49,7 @@ def _check_baseline(name: str) -> str:
 
 
 def _load(engine_dir: Path, device: str | None, enforce_eager: bool = False,
-          no_async: bool = False, adaptive_spec: bool = False) -> tuple[Any, dict]:
+          no_async: bool = False, adaptive_spec: bool | None = None) -> tuple[Any, dict]:
     """Load the engine; returns (engine, start-up record). Imports are not start-up time."""
     from kiln.cli.generate import check_engine_dir, load_engine
 
@@ -110,8 +110,8 @@ def throughput(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
-                                       help=ADAPTIVE_SPEC_HELP),
+    adaptive_spec: bool | None = typer.Option(
+        None, "--adaptive-speculation/--always-speculate", help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Offline throughput: all requests queued at once, continuous batching to the end.
 
@@ -198,8 +198,8 @@ def latency(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
-                                       help=ADAPTIVE_SPEC_HELP),
+    adaptive_spec: bool | None = typer.Option(
+        None, "--adaptive-speculation/--always-speculate", help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 

@@ -35,28 +35,30 @@ ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at s
 NO_ASYNC_HELP = ("Read each decode step's tokens before scheduling the next (no host/GPU "
                  "overlap; same results, for A/B timing). Also KILN_ASYNC_SCHEDULING=0.")
 
-ADAPTIVE_SPEC_HELP = ("Speculative engines (experimental): a request pauses speculation while "
-                      "it commits fewer tokens per speculative step than the step costs "
-                      "(measured from the CUDA graphs at start-up) and probes again later; "
-                      "the output is the same. Default: always speculate. Also "
-                      "KILN_ADAPTIVE_SPECULATION=1.")
+ADAPTIVE_SPEC_HELP = ("Speculative engines: --adaptive-speculation (the default) pauses a "
+                      "request's speculation while it commits fewer tokens per speculative "
+                      "step than the step costs (measured from the CUDA graphs at start-up) "
+                      "and probes again later; --always-speculate never pauses. The output "
+                      "is the same either way. Also KILN_ADAPTIVE_SPECULATION=0/1.")
 
 
 def runtime_config(device: str | None, enforce_eager: bool = False,
-                   no_async: bool = False, adaptive_spec: bool = False) -> Any:
-    """The RuntimeConfig the CLI commands load engines with."""
+                   no_async: bool = False, adaptive_spec: bool | None = None) -> Any:
+    """The RuntimeConfig the CLI commands load engines with (``adaptive_spec`` None: the
+    RuntimeConfig default, which KILN_ADAPTIVE_SPECULATION sets)."""
     from kiln.runtime.engine import RuntimeConfig
 
     kw: dict[str, Any] = {"cuda_graphs": False} if enforce_eager else {}
     if no_async:
         kw["async_scheduling"] = False
-    if adaptive_spec:
-        kw["adaptive_speculation"] = True
+    if adaptive_spec is not None:
+        kw["adaptive_speculation"] = adaptive_spec
     return RuntimeConfig(device=device, **kw)
 
 
 def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool = False,
-                no_async: bool = False, adaptive_spec: bool = False) -> tuple[Any, float]:
+                no_async: bool = False,
+                adaptive_spec: bool | None = None) -> tuple[Any, float]:
     """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
     check_engine_dir(engine_dir)
     from rich.console import Console
@@ -111,8 +113,8 @@ def generate(
     ),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
-                                       help=ADAPTIVE_SPEC_HELP),
+    adaptive_spec: bool | None = typer.Option(
+        None, "--adaptive-speculation/--always-speculate", help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
     from kiln.builder.speculative import parse_window, validate_request_window

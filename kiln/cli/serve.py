@@ -90,8 +90,8 @@ def serve(
                                   help="uvicorn log level (info shows each request)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
-    adaptive_spec: bool = typer.Option(False, "--adaptive-speculation",
-                                       help=ADAPTIVE_SPEC_HELP),
+    adaptive_spec: bool | None = typer.Option(
+        None, "--adaptive-speculation/--always-speculate", help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
     import uvicorn

@@ -70,10 +70,10 @@ class RuntimeConfig:
         default_factory=lambda: os.environ.get("KILN_ASYNC_SCHEDULING", "1") not in ("0", ""))
     # Pause a request's speculation while it commits fewer tokens per speculative step than
     # the step costs in decode steps (kiln/runtime/speculative/pace.py; output unchanged).
-    # Off by default until measured to pay on code and chat alike (notes/NOTES.md, third
-    # session of 2026-11-30); KILN_ADAPTIVE_SPECULATION=1 turns it on.
+    # On by default: on the H200 it beat always-speculating on code and chat alike (notes/
+    # NOTES.md, 2026-11-30 fourth session); KILN_ADAPTIVE_SPECULATION=0 turns it off.
     adaptive_speculation: bool = field(
-        default_factory=lambda: os.environ.get("KILN_ADAPTIVE_SPECULATION", "0")
+        default_factory=lambda: os.environ.get("KILN_ADAPTIVE_SPECULATION", "1")
         not in ("0", ""))
     # The break-even in committed tokens per speculative step; None: measured from the CUDA
     # graphs at start-up (speculative step replay / decode step replay), and no pacing

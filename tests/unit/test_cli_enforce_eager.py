@@ -1,5 +1,6 @@
-"""--enforce-eager, --no-async-scheduling and --adaptive-speculation (serve, generate, bench
-throughput/latency): no CUDA graphs / no step launched ahead / paced speculation, same results."""
+"""--enforce-eager, --no-async-scheduling and --adaptive-speculation/--always-speculate (serve,
+generate, bench throughput/latency): no CUDA graphs / no step launched ahead / paced or
+unpaced speculation, same results."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from kiln.cli.generate import runtime_config
 @pytest.mark.parametrize("flag, field, default, env", [
     ("enforce_eager", "cuda_graphs", True, ("KILN_CUDA_GRAPHS", "0")),
     ("no_async", "async_scheduling", True, ("KILN_ASYNC_SCHEDULING", "0")),
-    ("adaptive_spec", "adaptive_speculation", False, ("KILN_ADAPTIVE_SPECULATION", "1")),
 ])
 def test_runtime_config_changes_a_setting_only_when_asked(monkeypatch, flag, field, default,
                                                           env):
@@ -28,12 +28,24 @@ def test_runtime_config_changes_a_setting_only_when_asked(monkeypatch, flag, fie
     assert getattr(runtime_config(None), field) is (not default)
 
 
+def test_adaptive_speculation_is_the_default_and_can_be_turned_off(monkeypatch):
+    """--adaptive-speculation is the default; --always-speculate (adaptive_spec=False) or
+    KILN_ADAPTIVE_SPECULATION=0 turn it off; the explicit flag beats the environment."""
+    monkeypatch.delenv("KILN_ADAPTIVE_SPECULATION", raising=False)
+    assert runtime_config(None).adaptive_speculation is True
+    assert runtime_config("cpu", adaptive_spec=False).adaptive_speculation is False
+    monkeypatch.setenv("KILN_ADAPTIVE_SPECULATION", "0")
+    assert runtime_config(None).adaptive_speculation is False
+    assert runtime_config(None, adaptive_spec=True).adaptive_speculation is True
+
+
 @pytest.mark.parametrize("cmd", [["serve"], ["generate"], ["bench", "throughput"],
                                  ["bench", "latency"]])
 def test_flag_is_documented(cmd):
     res = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--enforce-eager" in res.output
     assert "--no-async-scheduling" in res.output and "--adaptive-speculation" in res.output
+    assert "--always-speculate" in res.output
 
 
 def test_generate_with_enforce_eager(tmp_path):
