@@ -1,0 +1,62 @@
+"""Programmatic dependent launch protocol (kiln/runtime/kernels/_pdl.py), checked statically:
+a kernel launched with ``launch_pdl`` may start before the previous kernel has finished, so it
+must wait (``pdl_begin(PDL)``) before it reads or writes anything but weights. A new kernel
+that forgets the wait would race only on a Hopper GPU, so the rule is checked here on CPU."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+KERNELS = Path(__file__).resolve().parents[2] / "kiln" / "runtime" / "kernels"
+# before the wait: index arithmetic, and the GEMV's L2 prefetch of its (read-only) weights
+ALLOWED_BEFORE_WAIT = {"_prefetch_slice"}
+MEMORY_OPS = re.compile(r"\btl\.(load|store|atomic_\w+)\(")
+
+
+def _kernel_modules() -> list[Path]:
+    return sorted(p for p in KERNELS.glob("*.py") if "@triton.jit" in p.read_text())
+
+
+def _launched_kernels(src: str) -> list[tuple[str, str]]:
+    """(kernel name, the launch call's source) for every ``name[grid](...)`` launch."""
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)):
+            out.append((node.func.value.id, ast.get_source_segment(src, node)))
+    return out
+
+
+def test_every_launch_passes_the_pdl_arguments():
+    launches = 0
+    for path in _kernel_modules():
+        for name, call in _launched_kernels(path.read_text()):
+            launches += 1
+            assert "**_pdl.launch_kwargs()" in call, f"{path.name}: {name} launched without PDL"
+    assert launches >= 9  # gemv x2, attention x2, rms_norm, silu, kv write, rotary x2, ...
+
+
+def test_every_launched_kernel_waits_before_touching_memory():
+    import importlib
+
+    checked = 0
+    for path in _kernel_modules():
+        mod = importlib.import_module(f"kiln.runtime.kernels.{path.stem}")
+        for name, _ in _launched_kernels(path.read_text()):
+            fn = getattr(mod, name)
+            assert "PDL" in fn.arg_names, f"{name} has no PDL constexpr"
+            body = inspect.getsource(fn.fn)
+            body = body[body.index("):\n") + 3:]  # past the signature
+            before = body[: body.index("pdl_begin(PDL)")]
+            assert not MEMORY_OPS.search(before), f"{name} touches memory before the wait"
+            calls = set(re.findall(r"\b(_\w+)\(", before)) - ALLOWED_BEFORE_WAIT
+            assert not calls, f"{name} calls {calls} before the wait"
+            checked += 1
+    assert checked >= 9
