@@ -62,18 +62,25 @@ def decode_tps(engine: LLMEngine, prompt: list[int], batch: int, new_tokens: int
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def smol(res: dict, tmp: Path, configs: list[str]) -> None:
-    from kiln.bench.prompts import CHAT_PROMPTS
-    from kiln.bench.speculative import run_speculative_latency
+def build_smol(tmp: Path, max_batch_size: int) -> tuple[str, Path]:
+    """A smollm2-135m bf16 lookahead (7,7,7) engine in ``tmp``: (source, engine dir). Without
+    the GGUF in $KILN_CACHE, random weights of the same shapes (no lookahead numbers)."""
     from kiln.sources.builtin import BUILTINS, cached_path
 
-    # no GGUF in $KILN_CACHE: random weights of the same shapes (no lookahead numbers)
     gguf = cached_path(BUILTINS["smollm2-135m"])
     source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
     out = tmp / "smol"
     build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
-                 max_batch_size=64, progress=False,
+                 max_batch_size=max_batch_size, progress=False,
                  speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+    return source, out
+
+
+def smol(res: dict, tmp: Path, configs: list[str]) -> None:
+    from kiln.bench.prompts import CHAT_PROMPTS
+    from kiln.bench.speculative import run_speculative_latency
+
+    source, out = build_smol(tmp, max_batch_size=64)
     r = res.setdefault("smol", {"source": source})
     for name in configs:
         eng = load(out, name, adaptive_speculation=True)  # measures the break-even
@@ -96,8 +103,8 @@ def smol(res: dict, tmp: Path, configs: list[str]) -> None:
                 r.setdefault("lookahead", {})[f"{mode}-{rep}"] = spec
                 for set_name, s in spec["sets"].items():
                     ROWS.append((f"smollm2 {set_name}: plain -> lookahead (7,7,7) [{mode}]",
-                                 f"{s['plain_tokens_per_s']:.0f} -> "
-                                 f"{s['spec_tokens_per_s']:.0f}",
+                                 (f"{s['plain_tokens_per_s']:.0f} -> "
+                                  f"{s['spec_tokens_per_s']:.0f}"),
                                  (f"x{s['speedup']:.2f}, {s['tokens_per_step']:.2f} tok/step, "
                                   f"same output {s['same_output']}")))
             eng.spec_break_even = measured

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-from bench_fast_path import free  # scripts/ is on sys.path when run as a script
+from bench_fast_path import build_smol, free  # scripts/ is on sys.path as a script
 
 from kiln.builder import QuantConfig, build_engine
-from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.kernels import _pdl, gemv
 from kiln.runtime.sampling_params import SamplingParams
@@ -120,14 +119,7 @@ def main() -> None:
                          quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
             compare(res, f"llama-3-8b {quant}", out, modes, mids)
     if "smol" in only:
-        from kiln.sources.builtin import BUILTINS, cached_path
-
-        gguf = cached_path(BUILTINS["smollm2-135m"])
-        source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
-        out = tmp / "smol"
-        build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
-                     max_batch_size=8, progress=False,
-                     speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+        source, out = build_smol(tmp, max_batch_size=8)
         compare(res, f"smollm2 ({source})", out, modes, mids,
                 lookahead=source == "smollm2-135m")
     print(f"\n{res['card']}, PDL supported: {res['pdl_supported']}")
