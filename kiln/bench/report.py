@@ -45,10 +45,23 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "cuda_graphs": getattr(getattr(engine, "runner", None), "graphs", None) is not None
         if engine is not None else None,
         "async_scheduling": getattr(engine, "async_scheduling", None),
+        # programmatic dependent launch of the Triton kernels (KILN_PDL 0/1/2; None off CUDA)
+        "pdl": _pdl_mode(device),
         # speculative engines: tokens per speculative step below which a request pauses
         # speculation (None: always speculates)
         "spec_break_even": getattr(engine, "spec_break_even", None),
     }
+
+
+def _pdl_mode(device: str) -> int | None:
+    """The KILN_PDL mode CUDA kernels launch with (0 where the GPU or triton lacks PDL)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        from kiln.runtime.kernels import _pdl
+    except ImportError:  # no triton: the torch path, no kiln kernels
+        return None
+    return _pdl.mode()
 
 
 def _cpu_name() -> str:

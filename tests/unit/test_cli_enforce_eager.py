@@ -79,3 +79,4 @@ def test_bench_latency_records_how_the_engine_ran(tmp_path):
     assert runs[False]["async_scheduling"] is True and runs[True]["async_scheduling"] is False
     assert runs[False]["attention_backend"] == "torch" and runs[False]["cuda_graphs"] is False
     assert runs[False]["spec_break_even"] is None  # not speculative
+    assert runs[False]["pdl"] is None  # recorded on CUDA only (KILN_PDL's mode)

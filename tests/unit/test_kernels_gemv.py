@@ -317,3 +317,15 @@ def test_gemv_w8a8_default_config_rule():
         for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)):
             cfg = gemv.check_config(gemv.w8a8_config(m, n, k))
             assert cfg["USE_DOT"] and cfg["SPLIT_K"] * cfg["BLOCK_K"] <= k
+
+
+def test_bench_environment_records_the_pdl_mode(monkeypatch):
+    """Bench reports say which KILN_PDL mode the CUDA kernels ran with (None off CUDA)."""
+    from kiln.bench import report
+    from kiln.runtime.kernels import _pdl
+
+    assert report._pdl_mode("cpu") is None
+    assert report._pdl_mode("cuda") == _pdl.OFF  # the interpreter: no PDL
+    monkeypatch.setattr(_pdl, "supported", lambda: True)
+    monkeypatch.setenv("KILN_PDL", "1")
+    assert report._pdl_mode("cuda:0") == _pdl.ON
