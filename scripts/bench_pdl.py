@@ -3,8 +3,9 @@ GEMV's first-tile prefetch), one engine per mode in one process.
 
     KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pdl.py [--only 8b,smol] [--out r.json]
 
-``--mid-m 1,0`` also A/Bs gemv's tensor-core tiles for 9-128 rows (``gemv.MID_M``, the
-speculative steps' GEMMs on small weights) against cuBLAS; with the real smollm2 GGUF each
+``--mid-m 0,1`` also A/Bs gemv's tensor-core tiles for 9-128 rows (``gemv.MID_M``, the
+speculative steps' GEMMs on small weights) against cuBLAS, and ``--silu-max-k 4096,16384``
+the SiLU-and-mul prologue on llama-3-8b's down projection; with the real smollm2 GGUF each
 variant also runs plain vs lookahead (7,7,7) on the bundled code and chat prompts.
 
 Per model and mode: the CUDA-graph replay time of the batch-1 and batch-8 decode buckets (and
@@ -18,6 +19,7 @@ smollm2 GGUF is in $KILN_CACHE. Benchmarks, not tests; prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -34,10 +36,22 @@ from kiln.runtime.sampling_params import SamplingParams
 ROWS: list[tuple[str, str]] = []
 
 
-def one_mode(path: Path, mode: int, prompt: list[int], mid_m: bool = True,
+@contextlib.contextmanager
+def gemv_knobs(**knobs):
+    """Set gemv module rules (MID_M, SILU_FUSION_MAX_K) inside the block, then restore."""
+    old = {k: getattr(gemv, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(gemv, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(gemv, k, v)
+
+
+def one_mode(path: Path, mode: int, prompt: list[int], knobs: dict,
              lookahead: bool = False) -> dict:
-    gemv.MID_M = mid_m
-    with _pdl.forced(mode):
+    with _pdl.forced(mode), gemv_knobs(**knobs):
         t0 = time.perf_counter()
         eng = LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", max_num_seqs=8))
         load_s = time.perf_counter() - t0
@@ -70,20 +84,28 @@ def one_mode(path: Path, mode: int, prompt: list[int], mid_m: bool = True,
                                           repeats=2)["sets"]
         del eng, runner
     free()
-    gemv.MID_M = True
     return {"replay_ms": replays, "tok_s": tps, "tokens": tokens, "load_s": load_s,
             "lookahead": spec, "la_tokens": la_tokens, "la_steps": la_steps}
 
 
 def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool],
-            lookahead: bool = False) -> None:
+            silu_ks: list[int], lookahead: bool = False) -> None:
+    """Every mode x MID_M x SILU_FUSION_MAX_K variant on one engine dir, keyed
+    ``{mode}[-mid][-siluK]`` (the shipped rules add nothing to the key)."""
     prompt = list(range(1000, 1128))
     r = res.setdefault(name, {})
-    variants = [(m, mid) for mid in mids for m in modes]
-    for m, mid in variants:
-        r[f"{m}{'' if mid else '-nomid'}"] = one_mode(path, m, prompt, mid, lookahead)
-    first = f"{variants[0][0]}{'' if variants[0][1] else '-nomid'}"
-    for key, x in r.items():
+    keys = []
+    for silu_k in silu_ks:
+        for mid in mids:
+            for m in modes:
+                key = (f"{m}{f'-mid{int(mid)}' if mid != gemv.MID_M else ''}"
+                       f"{f'-silu{silu_k}' if silu_k != gemv.SILU_FUSION_MAX_K else ''}")
+                knobs = {"MID_M": mid, "SILU_FUSION_MAX_K": silu_k}
+                r[key] = one_mode(path, m, prompt, knobs, lookahead)
+                keys.append(key)
+    first = keys[0]
+    for key in keys:
+        x = r[key]
         same = x["tokens"] == r[first]["tokens"]
         reps = ", ".join(f"{k} {v:.3f}" for k, v in x["replay_ms"].items())
         row = (f"{x['tok_s']:.1f} tok/s b1, replay ms: {reps}; tokens == {first}: {same}; "
@@ -101,12 +123,17 @@ def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="8b,smol")
-    ap.add_argument("--modes", default="0,1,2")
-    ap.add_argument("--mid-m", default="1", help="gemv.MID_M values to A/B, e.g. 1,0")
+    ap.add_argument("--modes", default="0,1,2", help="KILN_PDL modes to A/B")
+    ap.add_argument("--mid-m", default=str(int(gemv.MID_M)),
+                    help="gemv.MID_M values to A/B, e.g. 0,1")
+    ap.add_argument("--silu-max-k", default=str(gemv.SILU_FUSION_MAX_K),
+                    help="gemv.SILU_FUSION_MAX_K values to A/B, e.g. 4096,16384 (16384 fuses "
+                    "llama-3-8b's SiLU-and-mul into the down GEMV)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
     mids = [v == "1" for v in args.mid_m.split(",")]
+    silu_ks = [int(v) for v in args.silu_max_k.split(",")]
     res: dict = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                  "pdl_supported": _pdl.supported()}
     tmp = Path(tempfile.mkdtemp())
@@ -117,10 +144,10 @@ def main() -> None:
             build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
                          max_num_tokens=8192, max_batch_size=8, progress=False,
                          quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
-            compare(res, f"llama-3-8b {quant}", out, modes, mids)
+            compare(res, f"llama-3-8b {quant}", out, modes, mids, silu_ks)
     if "smol" in only:
         source, out = build_smol(tmp, max_batch_size=8)
-        compare(res, f"smollm2 ({source})", out, modes, mids,
+        compare(res, f"smollm2 ({source})", out, modes, mids, silu_ks,
                 lookahead=source == "smollm2-135m")
     print(f"\n{res['card']}, PDL supported: {res['pdl_supported']}")
     for a, b in ROWS:
