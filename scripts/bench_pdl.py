@@ -5,7 +5,8 @@ GEMV's first-tile prefetch), one engine per mode in one process.
 
 ``--mid-m 0,1`` also A/Bs gemv's tensor-core tiles for 9-128 rows (``gemv.MID_M``, the
 speculative steps' GEMMs on small weights) against cuBLAS, and ``--silu-max-k 4096,16384``
-the SiLU-and-mul prologue on llama-3-8b's down projection; with the real smollm2 GGUF each
+the SiLU-and-mul prologue on llama-3-8b's down projection, and ``--norm-prologue 0,1`` the
+add + RMSNorm folded into the next GEMV at batch 1; with the real smollm2 GGUF each
 variant also runs plain vs lookahead (7,7,7) on the bundled code and chat prompts.
 
 Per model and mode: the CUDA-graph replay time of the batch-1 and batch-8 decode buckets (and
@@ -89,20 +90,23 @@ def one_mode(path: Path, mode: int, prompt: list[int], knobs: dict,
 
 
 def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool],
-            silu_ks: list[int], lookahead: bool = False) -> None:
-    """Every mode x MID_M x SILU_FUSION_MAX_K variant on one engine dir, keyed
-    ``{mode}[-mid][-siluK]`` (the shipped rules add nothing to the key)."""
+            silu_ks: list[int], norms: list[bool], lookahead: bool = False) -> None:
+    """Every mode x MID_M x SILU_FUSION_MAX_K x NORM_PROLOGUE variant on one engine dir,
+    keyed ``{mode}[-midB][-siluK][-normB]`` (the shipped rules add nothing to the key)."""
     prompt = list(range(1000, 1128))
     r = res.setdefault(name, {})
     keys = []
-    for silu_k in silu_ks:
-        for mid in mids:
-            for m in modes:
-                key = (f"{m}{f'-mid{int(mid)}' if mid != gemv.MID_M else ''}"
-                       f"{f'-silu{silu_k}' if silu_k != gemv.SILU_FUSION_MAX_K else ''}")
-                knobs = {"MID_M": mid, "SILU_FUSION_MAX_K": silu_k}
-                r[key] = one_mode(path, m, prompt, knobs, lookahead)
-                keys.append(key)
+    for norm in norms:
+        for silu_k in silu_ks:
+            for mid in mids:
+                for m in modes:
+                    key = (f"{m}{f'-mid{int(mid)}' if mid != gemv.MID_M else ''}"
+                           f"{f'-silu{silu_k}' if silu_k != gemv.SILU_FUSION_MAX_K else ''}"
+                           f"{f'-norm{int(norm)}' if norm != gemv.NORM_PROLOGUE else ''}")
+                    knobs = {"MID_M": mid, "SILU_FUSION_MAX_K": silu_k,
+                             "NORM_PROLOGUE": norm}
+                    r[key] = one_mode(path, m, prompt, knobs, lookahead)
+                    keys.append(key)
     first = keys[0]
     for key in keys:
         x = r[key]
@@ -129,11 +133,15 @@ def main() -> None:
     ap.add_argument("--silu-max-k", default=str(gemv.SILU_FUSION_MAX_K),
                     help="gemv.SILU_FUSION_MAX_K values to A/B, e.g. 4096,16384 (16384 fuses "
                     "llama-3-8b's SiLU-and-mul into the down GEMV)")
+    ap.add_argument("--norm-prologue", default=str(int(gemv.NORM_PROLOGUE)),
+                    help="gemv.NORM_PROLOGUE values to A/B, e.g. 0,1 (add + RMSNorm folded "
+                    "into the next GEMV at batch 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
     mids = [v == "1" for v in args.mid_m.split(",")]
     silu_ks = [int(v) for v in args.silu_max_k.split(",")]
+    norms = [v == "1" for v in args.norm_prologue.split(",")]
     res: dict = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                  "pdl_supported": _pdl.supported()}
     tmp = Path(tempfile.mkdtemp())
@@ -144,10 +152,10 @@ def main() -> None:
             build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
                          max_num_tokens=8192, max_batch_size=8, progress=False,
                          quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
-            compare(res, f"llama-3-8b {quant}", out, modes, mids, silu_ks)
+            compare(res, f"llama-3-8b {quant}", out, modes, mids, silu_ks, norms)
     if "smol" in only:
         source, out = build_smol(tmp, max_batch_size=8)
-        compare(res, f"smollm2 ({source})", out, modes, mids, silu_ks,
+        compare(res, f"smollm2 ({source})", out, modes, mids, silu_ks, norms,
                 lookahead=source == "smollm2-135m")
     print(f"\n{res['card']}, PDL supported: {res['pdl_supported']}")
     for a, b in ROWS:

@@ -224,6 +224,33 @@ def test_pdl_modes_are_bit_identical_in_a_captured_chain(m):
             assert torch.equal(out, ref), f"graph, KILN_PDL={mode}"
 
 
+@pytest.mark.parametrize("shape", ["8b-qkv", "8b-gate_up", "smol-qkv", "smol-gate_up"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_add_rms_norm_real_shapes(shape, fp8):
+    """The add + RMSNorm prologue == fused_add_rms_norm then gemv at the real shapes (the
+    new residual bit for bit), eager and replayed from a CUDA graph."""
+    from kiln.runtime.kernels.gemv import gemv, gemv_add_rms_norm
+    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+
+    k, n = SHAPES[shape]
+    w, q, s = _weights(k, n)
+    wt, sc = (q, s) if fp8 else (w, None)
+    x = torch.randn(1, k, device=DEV).to(BF16)
+    r = torch.randn(1, k, device=DEV).to(BF16)
+    g = (torch.rand(k, device=DEV) + 0.5).to(BF16)
+    xn, h_ref = fused_add_rms_norm(x, r, g, 1e-5)
+    ref = gemv(xn, wt, sc)
+    y, h = gemv_add_rms_norm(x, r, g, 1e-5, wt, sc)
+    assert torch.equal(h, h_ref) and _rel(y, ref) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg, hg = gemv_add_rms_norm(x, r, g, 1e-5, wt, sc)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    xn, h_ref = fused_add_rms_norm(x, r, g, 1e-5)
+    assert torch.equal(hg, h_ref) and _rel(yg, gemv(xn, wt, sc)) < TOL
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("k", [576, 4096, 14336])
 def test_fp8_quant_bit_exact(m, k):

@@ -329,3 +329,50 @@ def test_bench_environment_records_the_pdl_mode(monkeypatch):
     monkeypatch.setattr(_pdl, "supported", lambda: True)
     monkeypatch.setenv("KILN_PDL", "1")
     assert report._pdl_mode("cuda:0") == _pdl.ON
+
+
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("cfg", [CUDA_CORE, dict(CUDA_CORE, SPLIT_K=3)], ids=["cc", "cc-sk"])
+@pytest.mark.parametrize("k", [96, 80])  # even and ragged K tiles
+def test_gemv_add_rms_norm_equals_norm_then_gemv(wdtype, cfg, k):
+    """One kernel == fused_add_rms_norm then gemv: the same new residual bit for bit, the
+    same product (the norm computed per program, the residual written once)."""
+    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+
+    dtype = torch.bfloat16
+    n = 40
+    w, s = _w(n, k, FP8 if wdtype == "fp8" else dtype)
+    x = torch.randn(1, k).to(dtype)
+    res = torch.randn(1, k).to(dtype)
+    g = (torch.rand(k) + 0.5).to(dtype)
+    b = torch.randn(n).to(dtype)
+    y, h = gemv.gemv_add_rms_norm(x, res, g, 1e-5, w, s, b, config=cfg)
+    xn, h_ref = fused_add_rms_norm(x, res, g, 1e-5)
+    assert torch.equal(h, h_ref)
+    assert rel_err(y, gemv.gemv(xn, w, s, b, config=cfg)) < 1e-2
+    assert rel_err(y, gemv.gemv_ref(xn, w, s, b)) < TOL[dtype]
+
+
+def test_gemv_add_rms_norm_errors():
+    bf = torch.bfloat16
+    x, r, g = torch.randn(1, 32, dtype=bf), torch.randn(1, 32, dtype=bf), torch.ones(32, dtype=bf)
+    w = torch.randn(16, 32, dtype=bf)
+    cases = [
+        ((torch.randn(2, 32, dtype=bf), torch.randn(2, 32, dtype=bf), g, 1e-5, w), {},
+         "x has 2 rows; gemv_add_rms_norm takes one"),
+        ((x, torch.randn(1, 31, dtype=bf), g, 1e-5, w), {}, "residual has shape"),
+        ((x, r, torch.ones(32), 1e-5, w), {}, "norm_weight has dtype"),
+        ((x, r, g, 1e-5, w), {"config": TENSOR_CORE}, "CUDA-core tiles only"),
+    ]
+    for args, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            gemv.gemv_add_rms_norm(*args, **kw)
+
+
+def test_norm_prologue_rule(monkeypatch):
+    """Off unless switched on; then one row, where gemv runs on CUDA-core tiles."""
+    assert not gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
+    monkeypatch.setattr(gemv, "NORM_PROLOGUE", True)
+    assert gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
+    assert gemv.norm_prologue_applies(1, 28672, 4096, FP8)
+    assert not gemv.norm_prologue_applies(2, 6144, 4096, torch.bfloat16)

@@ -118,6 +118,22 @@ def _load_x(x_ptrs, K, mask, ACT: tl.constexpr):
 
 
 @triton.jit
+def _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
+    """rms_norm(x + residual) * g on one K tile, in rms_norm.py's rounding: the sum rounded
+    to x's dtype, normalised in float32 and rounded, then times the weight and rounded."""
+    if EVEN_K:
+        a = tl.load(x_ptrs)
+        r = tl.load(r_ptrs)
+        g = tl.load(g_ptrs)
+    else:
+        a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        r = tl.load(r_ptrs, mask=k_ok, other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok, other=0.0)
+    h = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype).to(tl.float32)
+    return ((h * inv).to(a.dtype).to(tl.float32) * g.to(tl.float32)).to(a.dtype)
+
+
+@triton.jit
 def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
     p = x_ptrs + row * stride_xm
@@ -159,7 +175,8 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    ESIZE: tl.constexpr,
+    ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -213,6 +230,18 @@ def _gemv_kernel(
             _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo,
                             tl.minimum(K, k_lo + tl.minimum(K_SPLIT, 2 * BLOCK_K)), 32 // ESIZE)
         pdl_begin(PDL)
+        if NORM:  # one row: x is an addend, the input is rms_norm(x + residual) * g
+            ka = tl.arange(0, K_PAD)
+            ka_ok = ka < K
+            h = (tl.load(x_ptr + ka, mask=ka_ok, other=0.0).to(tl.float32)
+                 + tl.load(res_ptr + ka, mask=ka_ok, other=0.0).to(tl.float32))
+            h = h.to(x_ptr.dtype.element_ty)
+            if (pid_n == 0) & (pid_k == 0):  # the new residual, written once
+                tl.store(res_out_ptr + ka, h, mask=ka_ok)
+            hf = h.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
+            r_ptrs = res_ptr + offs_k
+            g_ptrs = g_ptr + offs_k
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 1:
             acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -234,7 +263,13 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs).to(tl.float32)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
+            if NORM:
+                xv = _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K)
+                acc0 += w * xv.to(tl.float32)[None, :]
+                r_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+            else:
+                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 1:
                 acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 2:
@@ -542,8 +577,10 @@ def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> tor
     return y
 
 
-def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: bool) -> None:
-    """The kernel (and the split-K reduce) for checked arguments and a checked config."""
+def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: bool,
+            norm: tuple | None = None) -> None:
+    """The kernel (and the split-K reduce) for checked arguments and a checked config;
+    ``norm`` = (residual, norm weight, residual out, eps) for ``gemv_add_rms_norm``."""
     m, n, k = y.shape[0], y.shape[1], weight.shape[1]
     bn, bk, dot = cfg["BLOCK_N"], cfg["BLOCK_K"], bool(cfg["USE_DOT"])
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
@@ -562,7 +599,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        **_pdl.launch_kwargs(),
+        **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -571,6 +608,87 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
             HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
             **_pdl.launch_kwargs(),
         )
+
+
+def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
+    """The kernel's add + RMSNorm arguments (``unused`` fills the pointers when off)."""
+    if norm is None:
+        return {"NORM": False, "res_ptr": unused, "g_ptr": unused, "res_out_ptr": unused,
+                "eps": 0.0, "K_PAD": 1}
+    residual, g, res_out, eps = norm
+    return {"NORM": True, "res_ptr": residual, "g_ptr": g, "res_out_ptr": res_out,
+            "eps": float(eps), "K_PAD": triton.next_power_of_2(k)}
+
+
+# The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
+NORM_MAX_K = 16384
+
+
+def gemv_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, *, config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gemv(rms_norm(x + residual) * norm_weight, weight, ...)`` and the new residual
+    ``x + residual``, in one kernel (``fused_add_rms_norm`` then ``gemv``, without the norm
+    launch: every program normalises the row itself, one writes the new residual).
+
+    x, residual: [1, K] bf16/fp16 (a decode step of one sequence); norm_weight [K] in x's
+    dtype; weight/weight_scale/bias as in ``gemv``; CUDA-core configs only (the default at
+    M = 1). Returns (y [1, N], new residual [1, K]). Same rounding points as the two kernels;
+    the float32 sum of squares may differ in its last bits (another reduction order).
+    """
+    check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
+    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
+        check_tensor(name, t, ndim=2 if name == "residual" else 1, dtypes=(x.dtype,),
+                     device=x.device)
+    m, k = x.shape
+    check_shape("residual", residual, (m, k))
+    check_shape("norm_weight", norm_weight, (k,))
+    if m != 1:
+        raise ValueError(f"x has {m} rows; gemv_add_rms_norm takes one (use "
+                         "fused_add_rms_norm, then gemv)")
+    if k > NORM_MAX_K:
+        raise ValueError(f"K={k} is over the prologue's one-row limit {NORM_MAX_K}")
+    if x.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError("x and residual need a contiguous last dimension")
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
+    n = weight.shape[0]
+    check_shape("weight", weight, (n, k))
+    fp8 = weight.dtype in FP8_DTYPES
+    if fp8:
+        _check_scale("weight_scale", weight_scale, x.device, "FP8 weights")
+    elif weight_scale is not None:
+        raise ValueError(f"weight_scale is only for FP8 weights; weight is {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device)
+        check_shape("bias", bias, (n,))
+    if config is None:
+        config = _tuned(tuning_key(1, n, k, weight.dtype)) or default_config(1, n, k, fp8)
+    config = check_config(config)
+    if config["USE_DOT"]:
+        raise ValueError(f"config {config}: the add + RMSNorm prologue runs on CUDA-core "
+                         "tiles only (USE_DOT=False)")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(1, k, dtype=x.dtype, device=x.device)
+    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, False,
+            norm=(residual, norm_weight, res_out, eps))
+    return y, res_out
+
+
+def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> bool:
+    """Whether linear's add + RMSNorm goes into the GEMV (``gemv_add_rms_norm``): one row,
+    where the GEMV takes the shape and its config is CUDA-core (the M = 1 default)."""
+    fp8 = weight_dtype in FP8_DTYPES
+    if not (NORM_PROLOGUE and m == 1 and k <= NORM_MAX_K and gemv_wins(m, n, k, fp8)):
+        return False
+    cfg = _tuned(tuning_key(m, n, k, weight_dtype)) or default_config(m, n, k, fp8)
+    return not cfg["USE_DOT"]
+
+
+# Whether the model folds each add + RMSNorm into the following GEMV at batch 1 (an A/B
+# switch; unmeasured on the GPU, so off).
+NORM_PROLOGUE = False
 
 
 def gemv_ref(

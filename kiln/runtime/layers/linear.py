@@ -178,6 +178,33 @@ def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
                       bias)
 
 
+def linear_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    w: dict[str, torch.Tensor], prefix: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual) * norm_weight), x + residual) on the Triton path: one
+    kernel where the GEMV takes the norm as its prologue (``gemv.norm_prologue_applies``:
+    batch 1 on CUDA), else the fused add + RMSNorm kernel, then ``linear``."""
+    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+
+    weight = w[prefix + ".weight"]
+    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and _triton():
+        from kiln.runtime.kernels import gemv
+
+        fp8 = weight.dtype == FP8
+        scale = w.get(prefix + ".weight_scale") if fp8 else None
+        bias = w.get(prefix + ".bias")
+        if (gemv.norm_prologue_applies(x.shape[0], weight.shape[0], x.shape[1], weight.dtype)
+                and (fp8 or weight.dtype == x.dtype) and weight.stride(-1) == 1
+                and (not fp8 or (scale is not None and scale.dtype == torch.float32
+                                 and scale.numel() == 1))
+                and (bias is None or bias.dtype == x.dtype)
+                and x.stride(-1) == 1 and residual.stride(-1) == 1):
+            return gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, scale, bias)
+    xn, h = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(xn, w, prefix), h
+
+
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from kiln.runtime.kernels.activation import silu_and_mul
 

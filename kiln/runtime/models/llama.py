@@ -5,8 +5,9 @@ Weights use the engine's prepared names (fused ``qkv`` and ``gate_up``), see
 kiln/builder/weights.py. Tokens of all sequences are flattened into one batch.
 
 Two formulations of the same layer: the reference (plain torch ops, the oracle) and the
-fused one (Triton kernels: add+RMSNorm, rotary fused into the KV write, SiLU-and-mul, which
-the down projection's GEMV may take in its loads), used with the Triton attention backend. The fused kernels keep the reference's rounding points (the
+fused one (Triton kernels: add+RMSNorm, which at batch 1 the next projection's GEMV may take
+as its prologue, rotary fused into the KV write, SiLU-and-mul, which the down projection's
+GEMV may take in its loads), used with the Triton attention backend. The fused kernels keep the reference's rounding points (the
 residual add is rounded to the compute dtype, RMSNorm statistics in float32) except rotary,
 which computes in float32 and rounds once; float32 results are identical up to FMA
 contraction.
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
-from kiln.runtime.layers.linear import linear
+from kiln.runtime.layers.linear import linear, linear_add_rms_norm
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
@@ -94,8 +95,11 @@ class LlamaModel:
         return linear(h, w, self.lm_head).float()
 
     def _qkv(self, x: torch.Tensor, p: str, n: int):
+        return self._split_qkv(linear(x, self.w, p + "qkv"), p, n)
+
+    def _split_qkv(self, qkv: torch.Tensor, p: str, n: int):
+        """q, k, v [n, heads, head_dim] of the qkv projection (per-head q/k norms applied)."""
         cfg, w = self.cfg, self.w
-        qkv = linear(x, w, p + "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -107,24 +111,27 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
-        from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
         from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
 
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
         h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden], the residual
-        x = k_rms_norm(h, w["layers.0.input_norm.weight"], eps)
+        qkv = linear(k_rms_norm(h, w["layers.0.input_norm.weight"], eps), w, "layers.0.qkv")
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            q, k, v = self._qkv(x, p, n)
+            q, k, v = self._split_qkv(qkv, p, n)
             # the Triton backend: rotary fused into the KV write, then paged attention
             o = self.attention.rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache,
                                             meta, self.scale)
             attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
-            x, h = fused_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps)
-            mlp = linear(linear(x, w, p + "gate_up"), w, p + "down", silu_and_mul=True)
+            # each add + RMSNorm goes with the projection after it (one kernel at batch 1)
+            gate_up, h = linear_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps, w,
+                                             p + "gate_up")
+            mlp = linear(gate_up, w, p + "down", silu_and_mul=True)
             if i + 1 < cfg.num_layers:
-                x, h = fused_add_rms_norm(mlp, h, w[f"layers.{i + 1}.input_norm.weight"], eps)
+                nxt = f"layers.{i + 1}."
+                qkv, h = linear_add_rms_norm(mlp, h, w[nxt + "input_norm.weight"], eps, w,
+                                             nxt + "qkv")
             else:
                 h = h + mlp
         h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
