@@ -5,7 +5,8 @@
 # Call 2 (carry [".carry/b", ".whl"]):  bash scripts/device_profile.sh b   (smollm2-135m, GPU tests,
 #                                       spec-step trace)
 # Or w (FP8 W8A8 gemv tests and A/B; carry [".carry/a"]) then t (carry [".carry/b", ".whl"]:
-# the lookahead trace, the smollm2 bench, profile_step).
+# the lookahead trace, the smollm2 bench, profile_step). p / p1 / p2: the PDL session's calls.
+# n: the fusion switches that are off and unmeasured (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 KILN_CACHE=/tmp/kcache
@@ -67,6 +68,13 @@ elif [ "$phase" = p2 ]; then  # PDL session, call 2 (carry .carry/b, .whl; right
   timeout 170 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
   tail -3 "$OUT/correctness.log"; grep "^|" "$OUT/pdl_smol.log"; tail -12 "$OUT/smol.log"
+elif [ "$phase" = n ]; then  # next: the fusion switches (off, unmeasured), A/B on 8B + smollm2
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py -k "add_rms_norm or pdl" \
+    > "$OUT/fusion_tests.log" 2>&1
+  timeout 420 python3 scripts/bench_pdl.py --modes 2 --norm-prologue 0,1 \
+    --silu-max-k 4096,16384 --out "$OUT/fusion.json" > "$OUT/fusion.log" 2>&1
+  tail -2 "$OUT/fusion_tests.log"; grep "^|" "$OUT/fusion.log"
 elif [ "$phase" = p1 ]; then  # the first half of the GGUF, and the kernel tests
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
