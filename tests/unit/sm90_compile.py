@@ -1,0 +1,115 @@
+"""Compile kiln's Triton kernels for sm_90 (H100/H200) without a GPU: Triton's CUDA backend
+lowers to PTX and runs ptxas on the host. Catches what the CPU interpreter cannot: code
+generation errors, the PDL intrinsics, inline PTX (the GEMV's L2 prefetch).
+
+Run in a process without TRITON_INTERPRET (the kernels must be real JIT functions):
+    python tests/unit/sm90_compile.py   -> one JSON line {"compiled": [...], "failed": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+I32_PTRS = {"bt_ptr", "qsl_ptr", "ctx_ptr", "slot_ptr", "pos_ptr", "mask_off_ptr"}
+F32_PTRS = {"scale_ptr", "k_scale_ptr", "v_scale_ptr", "part_ptr", "part_acc_ptr",
+            "part_ml_ptr", "xs_ptr", "amax_ptr", "scale_out_ptr", "cache_ptr"}
+F32_SCALARS = {"eps", "qk_scale"}
+
+
+def signature(fn, constexprs: dict, ptr_types: dict | None = None):
+    sig, const = {}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a in constexprs:
+            sig[a] = "constexpr"
+            const[(i,)] = constexprs[a]
+        elif a.endswith("_ptr"):
+            sig[a] = (ptr_types or {}).get(a) or (
+                "*i32" if a in I32_PTRS else "*fp32" if a in F32_PTRS
+                else "*u8" if a == "mask_ptr" else "*bf16")
+        else:
+            sig[a] = "fp32" if a in F32_SCALARS else "i32"
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for constexprs {missing}")
+    return sig, const
+
+
+def cases():
+    from kiln.runtime.kernels import (
+        activation,
+        fp8_quant,
+        gemv,
+        kv_write,
+        paged_attention,
+        rms_norm,
+        rotary,
+    )
+
+    g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
+         "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
+         "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1}
+    fp8w = {"w_ptr": "*fp8e4nv"}
+    yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
+    yield "gemv W8A16 M=1 add+rmsnorm", gemv._gemv_kernel, dict(g, NORM=True, K_PAD=4096), \
+        fp8w, 8
+    yield "gemv bf16 M=4 silu split", gemv._gemv_kernel, dict(
+        g, BLOCK_M=4, ACT=True, SPLIT=True, HAS_SCALE=False, PREFETCH=False, ESIZE=2), None, 8
+    yield "gemv bf16 tensor cores", gemv._gemv_kernel, dict(
+        g, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, HAS_SCALE=False, PREFETCH=False,
+        ESIZE=2), None, 4
+    w8a8 = dict(g, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, X_FP8=True,
+                PREFETCH=False)
+    yield "gemv W8A8 tensor cores", gemv._gemv_kernel, w8a8, {
+        "w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv"}, 4
+    reduce = {"SPLIT_K": 4, "HAS_SCALE": True, "HAS_BIAS": True, "X_FP8": False,
+              "BLOCK": 1024, "PDL": True}
+    yield "gemv split-K reduce", gemv._splitk_reduce_kernel, reduce, None, 4
+    norm = {"HAS_RESIDUAL": True, "BLOCK": 4096, "PDL": True}
+    yield "add+rmsnorm", rms_norm._rms_norm_kernel, norm, None, 8
+    yield "silu_and_mul", activation._silu_and_mul_kernel, {"BLOCK": 1024, "PDL": True}, None, 4
+    kv = {"IS_FP8": True, "H_PAD": 8, "D_PAD": 128, "PDL": True}
+    yield "kv write fp8", kv_write._kv_write_kernel, kv, {
+        "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4
+    yield "rotary + cache", rotary._rotary_cache_kernel, {
+        "IS_FP8": False, "QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True}, None, 4
+    rot = {"QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True}
+    yield "rotary", rotary._rotary_kernel, rot, None, 4
+    attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
+            "BLOCK_M": 16, "BLOCK_N": 64, "NUM_SPLITS": 16, "HAS_MASK": True, "KV_FP8": False,
+            "IEEE": False, "PDL": True}
+    yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
+    yield "paged attention reduce", paged_attention._reduce_kernel, {
+        "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True}, None, 4
+    yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
+    yield "fp8 quant", fp8_quant._quant_kernel, {
+        "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4
+
+
+def main() -> None:
+    target = GPUTarget("cuda", 90, 32)
+    compiled, failed = [], []
+    for name, fn, constexprs, ptr_types, warps in cases():
+        try:
+            sig, const = signature(fn, constexprs, ptr_types)
+            k = triton.compile(ASTSource(fn, sig, const), target=target,
+                               options={"num_warps": warps, "launch_pdl": True})
+            ptx = k.asm.get("ptx", "")
+            if "griddepcontrol.wait" not in ptx:
+                raise AssertionError("no griddepcontrol.wait in the PTX (PDL wait missing)")
+            compiled.append(name)
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail the test
+            failed.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    print(json.dumps({"compiled": compiled, "failed": failed}))
+
+
+if __name__ == "__main__":
+    main()
