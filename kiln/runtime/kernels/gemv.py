@@ -16,6 +16,11 @@ the whole cost is streaming W once, so the kernel is about bytes in flight:
   [SPLIT_K, M, N]; ``_splitk_reduce_kernel`` sums the slices in a fixed order (deterministic),
   applies scale and bias and casts. Worth its second launch only where N is small.
 
+``gemv_add_rms_norm`` (one row, CUDA-core tiles): x is the addend of a residual stream; every
+program computes rms_norm(x + residual) itself and normalises each x tile as it loads it, and
+program (0, 0) writes the new residual: the add + RMSNorm kernel before the projection is
+gone (``NORM_PROLOGUE``, off until measured).
+
 Everything stays on the device (graph-safe): no host syncs, the scale is read by the kernel,
 the split-K workspace size depends on the shapes only. Configs are dicts (``GEMV_CONFIGS``);
 ``gemv(config=None)`` asks ``kiln.runtime.kernels.tuning.lookup("gemv", key)`` first (a
