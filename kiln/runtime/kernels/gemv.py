@@ -514,16 +514,32 @@ def gemv(
     if x_scale is not None:
         return _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype)
     check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
     m, k = x.shape
-    n = weight.shape[0]
     if silu_and_mul:
         if k % 2:
             raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
         k //= 2
-    check_shape("weight", weight, (n, k))
+    n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
     if not 1 <= m <= GEMM_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMM_MAX_M} (use F.linear)")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return y.zero_()
+    config = _config(config, m, n, k, weight.dtype)
+    if m > GEMV_MAX_M and not config["USE_DOT"]:
+        raise ValueError(f"x has {m} rows; CUDA-core configs (USE_DOT=False) take at most "
+                         f"{GEMV_MAX_M}: use a tensor-core config (got {config})")
+    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, silu_and_mul)
+    return y
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale, bias,
+                  k: int) -> tuple[int, bool]:
+    """The weight [N, K] (x's dtype or FP8 with its per-tensor scale) and bias [N] of a
+    bf16/fp16 x; returns (N, whether FP8)."""
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
+    n = weight.shape[0]
+    check_shape("weight", weight, (n, k))
     fp8 = weight.dtype in FP8_DTYPES
     if fp8:
         _check_scale("weight_scale", weight_scale, x.device, "FP8 weights")
@@ -532,17 +548,15 @@ def gemv(
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device)
         check_shape("bias", bias, (n,))
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if n == 0 or k == 0:
-        return y.zero_()
+    return n, fp8
+
+
+def _config(config: dict | None, m: int, n: int, k: int, weight_dtype) -> dict:
+    """The given config, else the tuned one for this shape, else the default; checked."""
     if config is None:
-        config = _tuned(tuning_key(m, n, k, weight.dtype)) or default_config(m, n, k, fp8)
-    config = check_config(config)
-    if m > GEMV_MAX_M and not config["USE_DOT"]:
-        raise ValueError(f"x has {m} rows; CUDA-core configs (USE_DOT=False) take at most "
-                         f"{GEMV_MAX_M}: use a tensor-core config (got {config})")
-    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, silu_and_mul)
-    return y
+        config = (_tuned(tuning_key(m, n, k, weight_dtype))
+                  or default_config(m, n, k, weight_dtype in FP8_DTYPES))
+    return check_config(config)
 
 
 def _check_scale(name: str, t, device: torch.device, needed_with: str) -> None:
@@ -657,20 +671,8 @@ def gemv_add_rms_norm(
         raise ValueError(f"K={k} is over the prologue's one-row limit {NORM_MAX_K}")
     if x.stride(-1) != 1 or residual.stride(-1) != 1:
         raise ValueError("x and residual need a contiguous last dimension")
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
-    n = weight.shape[0]
-    check_shape("weight", weight, (n, k))
-    fp8 = weight.dtype in FP8_DTYPES
-    if fp8:
-        _check_scale("weight_scale", weight_scale, x.device, "FP8 weights")
-    elif weight_scale is not None:
-        raise ValueError(f"weight_scale is only for FP8 weights; weight is {weight.dtype}")
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device)
-        check_shape("bias", bias, (n,))
-    if config is None:
-        config = _tuned(tuning_key(1, n, k, weight.dtype)) or default_config(1, n, k, fp8)
-    config = check_config(config)
+    n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
+    config = _config(config, 1, n, k, weight.dtype)
     if config["USE_DOT"]:
         raise ValueError(f"config {config}: the add + RMSNorm prologue runs on CUDA-core "
                          "tiles only (USE_DOT=False)")
@@ -687,8 +689,7 @@ def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> 
     fp8 = weight_dtype in FP8_DTYPES
     if not (NORM_PROLOGUE and m == 1 and k <= NORM_MAX_K and gemv_wins(m, n, k, fp8)):
         return False
-    cfg = _tuned(tuning_key(m, n, k, weight_dtype)) or default_config(m, n, k, fp8)
-    return not cfg["USE_DOT"]
+    return not _config(None, m, n, k, weight_dtype)["USE_DOT"]
 
 
 # Whether the model folds each add + RMSNorm into the following GEMV at batch 1 (an A/B

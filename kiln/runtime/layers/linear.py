@@ -129,6 +129,20 @@ def _triton() -> bool:
     return available()
 
 
+def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
+                     prefix: str, bias: torch.Tensor | None,
+                     k: int) -> tuple[bool, torch.Tensor | None]:
+    """(whether gemv's kernels take this weight, its FP8 scale): [N, K] row-major in x's
+    dtype, or FP8 with a per-tensor float32 scale; a bias in x's dtype."""
+    fp8 = weight.dtype == FP8
+    scale = w.get(prefix + ".weight_scale") if fp8 else None
+    ok = ((fp8 or weight.dtype == x.dtype) and weight.shape[1] == k
+          and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)
+          and (not fp8 or (scale is not None and scale.dtype == torch.float32
+                           and scale.numel() == 1)))
+    return ok, scale
+
+
 def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
                   prefix: str, bias: torch.Tensor | None,
                   silu_and_mul: bool = False) -> torch.Tensor | None:
@@ -140,13 +154,8 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     k = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
     m = x.numel() // x.shape[-1] if k else 0
     n = weight.shape[0]
-    fp8 = weight.dtype == FP8
-    if not (1 <= m <= gemv.GEMM_MAX_M and (fp8 or weight.dtype == x.dtype)
-            and weight.shape[1] == k and weight.stride(-1) == 1
-            and (bias is None or bias.dtype == x.dtype) and gemv.gemv_wins(m, n, k, fp8)):
-        return None
-    scale = w.get(prefix + ".weight_scale") if fp8 else None
-    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() != 1):
+    ok, scale = _kernel_operands(x, weight, w, prefix, bias, k)
+    if not (ok and 1 <= m <= gemv.GEMM_MAX_M and gemv.gemv_wins(m, n, k, weight.dtype == FP8)):
         return None
     x2 = x.reshape(m, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -191,16 +200,12 @@ def linear_add_rms_norm(
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and _triton():
         from kiln.runtime.kernels import gemv
 
-        fp8 = weight.dtype == FP8
-        scale = w.get(prefix + ".weight_scale") if fp8 else None
-        bias = w.get(prefix + ".bias")
-        if (gemv.norm_prologue_applies(x.shape[0], weight.shape[0], x.shape[1], weight.dtype)
-                and (fp8 or weight.dtype == x.dtype) and weight.stride(-1) == 1
-                and (not fp8 or (scale is not None and scale.dtype == torch.float32
-                                 and scale.numel() == 1))
-                and (bias is None or bias.dtype == x.dtype)
-                and x.stride(-1) == 1 and residual.stride(-1) == 1):
-            return gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, scale, bias)
+        if gemv.norm_prologue_applies(x.shape[0], weight.shape[0], x.shape[1], weight.dtype):
+            bias = w.get(prefix + ".bias")
+            ok, scale = _kernel_operands(x, weight, w, prefix, bias, x.shape[1])
+            if ok and x.stride(-1) == 1 and residual.stride(-1) == 1:
+                return gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, scale,
+                                              bias)
     xn, h = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(xn, w, prefix), h
 
