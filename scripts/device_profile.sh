@@ -6,7 +6,7 @@
 #                                       spec-step trace)
 # Or w (FP8 W8A8 gemv tests and A/B; carry [".carry/a"]) then t (carry [".carry/b", ".whl"]:
 # the lookahead trace, the smollm2 bench, profile_step). p / p1 / p2: the PDL session's calls.
-# n: the fusion switches that are off and unmeasured (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B).
+# n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 KILN_CACHE=/tmp/kcache

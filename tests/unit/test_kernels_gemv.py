@@ -370,9 +370,23 @@ def test_gemv_add_rms_norm_errors():
 
 
 def test_norm_prologue_rule(monkeypatch):
-    """Off unless switched on; then one row, where gemv runs on CUDA-core tiles."""
-    assert not gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
-    monkeypatch.setattr(gemv, "NORM_PROLOGUE", True)
+    """On for one row at K <= NORM_PROLOGUE_MAX_K where gemv runs on CUDA-core tiles (the
+    measured rule: smollm2's K 576 gained, llama-3-8b's K 4096 lost); off when switched off."""
+    assert gemv.norm_prologue_applies(1, 960, 576, torch.bfloat16)  # smollm2 qkv
+    assert gemv.norm_prologue_applies(1, 3072, 576, FP8)  # smollm2 gate_up
+    assert not gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)  # over the max K
+    assert not gemv.norm_prologue_applies(2, 960, 576, torch.bfloat16)
+    monkeypatch.setattr(gemv, "NORM_PROLOGUE_MAX_K", 4096)
     assert gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
     assert gemv.norm_prologue_applies(1, 28672, 4096, FP8)
-    assert not gemv.norm_prologue_applies(2, 6144, 4096, torch.bfloat16)
+    monkeypatch.setattr(gemv, "NORM_PROLOGUE", False)
+    assert not gemv.norm_prologue_applies(1, 960, 576, torch.bfloat16)
+
+
+def test_silu_fusion_rule():
+    """SiLU-and-mul goes into the down GEMV up to SILU_FUSION_MAX_K, and for FP8 weights at
+    one row whatever K (the measured rule under PDL)."""
+    assert gemv.silu_fusion_applies(1, 1536, False) and gemv.silu_fusion_applies(8, 1536, True)
+    assert not gemv.silu_fusion_applies(1, 14336, False)
+    assert gemv.silu_fusion_applies(1, 14336, True)
+    assert not gemv.silu_fusion_applies(2, 14336, True)

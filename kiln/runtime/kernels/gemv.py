@@ -19,7 +19,7 @@ the whole cost is streaming W once, so the kernel is about bytes in flight:
 ``gemv_add_rms_norm`` (one row, CUDA-core tiles): x is the addend of a residual stream; every
 program computes rms_norm(x + residual) itself and normalises each x tile as it loads it, and
 program (0, 0) writes the new residual: the add + RMSNorm kernel before the projection is
-gone (``NORM_PROLOGUE``, off until measured).
+gone (``NORM_PROLOGUE``, on where it measured faster: K <= ``NORM_PROLOGUE_MAX_K``).
 
 Everything stays on the device (graph-safe): no host syncs, the scale is read by the kernel,
 the split-K workspace size depends on the shapes only. Configs are dicts (``GEMV_CONFIGS``);
@@ -442,10 +442,19 @@ def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
 
 
 # The SiLU-and-mul prologue (gemv(silu_and_mul=True)) pays where the down projection is
-# short. Measured on the H200 (notes/NOTES.md, 2026-11-30 second session): smollm2 (K 1536)
-# gained ~40 us per decode step over 30 layers; llama-3-8b (K 14336) bf16 lost 10-65 us
-# over 32 layers, FP8 about even (every program recomputes the activation: N / BLOCK_N times).
+# short, and on FP8 weights at batch 1. Measured on the H200 (notes/NOTES.md): before PDL,
+# smollm2 (K 1536) gained ~40 us per decode step over 30 layers and llama-3-8b (K 14336)
+# bf16 lost 10-65 us over 32 layers (every program recomputes the activation: N / BLOCK_N
+# times). Under PDL (2026-11-30 fifth session, bench_pdl.py --silu-max-k 4096,16384) the 8B
+# FP8 batch-1 replay went 2.814 -> 2.751 ms with it, while 8B bf16 lost at batch 1 (4.191 ->
+# 4.228) and both lost at batch 8 (FP8 4.102 -> 4.209, bf16 4.810 -> 7.679).
 SILU_FUSION_MAX_K = 4096
+
+
+def silu_fusion_applies(m: int, k: int, fp8: bool) -> bool:
+    """Whether linear(silu_and_mul=True) folds the activation into the GEMV's loads: K (the
+    down projection's input width) at most SILU_FUSION_MAX_K, or FP8 weights at one row."""
+    return k <= SILU_FUSION_MAX_K or (fp8 and m == 1)
 
 
 def split_candidates(n: int, k: int, cfg: dict) -> list[int]:
@@ -687,14 +696,20 @@ def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> 
     """Whether linear's add + RMSNorm goes into the GEMV (``gemv_add_rms_norm``): one row,
     where the GEMV takes the shape and its config is CUDA-core (the M = 1 default)."""
     fp8 = weight_dtype in FP8_DTYPES
-    if not (NORM_PROLOGUE and m == 1 and k <= NORM_MAX_K and gemv_wins(m, n, k, fp8)):
+    if not (NORM_PROLOGUE and m == 1 and k <= min(NORM_PROLOGUE_MAX_K, NORM_MAX_K)
+            and gemv_wins(m, n, k, fp8)):
         return False
     return not _config(None, m, n, k, weight_dtype)["USE_DOT"]
 
 
-# Whether the model folds each add + RMSNorm into the following GEMV at batch 1 (an A/B
-# switch; unmeasured on the GPU, so off).
-NORM_PROLOGUE = False
+# Whether the model folds each add + RMSNorm into the following GEMV at batch 1, and up to
+# which K it pays. Every program recomputes the row's statistics (N / BLOCK_N times), against
+# one kernel launch saved. Measured under PDL (2026-11-30 fifth session, bench_pdl.py
+# --norm-prologue 0,1): smollm2 (K 576) decode replay 0.547 -> 0.500 ms; llama-3-8b (K 4096)
+# bf16 4.191 -> 4.261 (a loss), FP8 2.814 -> 2.780 alone and nothing on top of the SiLU
+# fusion (2.751 -> 2.750). K between 576 and 4096 is not measured; 2048 splits the two.
+NORM_PROLOGUE = True
+NORM_PROLOGUE_MAX_K = 2048
 
 
 def gemv_ref(

@@ -173,8 +173,8 @@ def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
     """
     weight = w[prefix + ".weight"]
     bias = w.get(prefix + ".bias")
-    if silu_and_mul and not (x.is_cuda and weight.shape[-1] <= _silu_fusion_max_k()):
-        x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses at this K
+    if silu_and_mul and not (x.is_cuda and _silu_fusion_applies(x, weight)):
+        x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses here
     if x.is_cuda and weight.dtype != torch.float32:
         y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul)
         if y is not None:
@@ -216,10 +216,11 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def _silu_fusion_max_k() -> int:
-    from kiln.runtime.kernels.gemv import SILU_FUSION_MAX_K
+def _silu_fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    from kiln.runtime.kernels.gemv import silu_fusion_applies
 
-    return SILU_FUSION_MAX_K
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return silu_fusion_applies(m, weight.shape[-1], weight.dtype == FP8)
 
 
 def place_weights(
