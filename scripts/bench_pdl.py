@@ -3,7 +3,8 @@ GEMV's first-tile prefetch), one engine per mode in one process.
 
     KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pdl.py [--only 8b,smol] [--out r.json]
 
-``--mid-m 0,1`` also A/Bs gemv's tensor-core tiles for 9-128 rows (``gemv.MID_M``, the
+``--knob gemv.PREFETCH_HINT_BYTES=32,128`` A/Bs any integer rule of the gemv or
+paged_attention module (repeatable; all combinations run). ``--mid-m 0,1`` also A/Bs gemv's tensor-core tiles for 9-128 rows (``gemv.MID_M``, the
 speculative steps' GEMMs on small weights) against cuBLAS, and ``--silu-max-k 4096,16384``
 the SiLU-and-mul prologue on llama-3-8b's down projection, and ``--norm-prologue 0,1`` the
 add + RMSNorm folded into the next GEMV at batch 1; with the real smollm2 GGUF each
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import tempfile
 import time
@@ -31,28 +33,31 @@ from bench_fast_path import build_smol, free  # scripts/ is on sys.path as a scr
 
 from kiln.builder import QuantConfig, build_engine
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
-from kiln.runtime.kernels import _pdl, gemv
+from kiln.runtime.kernels import _pdl, gemv, paged_attention
 from kiln.runtime.sampling_params import SamplingParams
 
 ROWS: list[tuple[str, str]] = []
 
 
+MODULES = {"gemv": gemv, "paged_attention": paged_attention}
+
+
 @contextlib.contextmanager
-def gemv_knobs(**knobs):
-    """Set gemv module rules (MID_M, SILU_FUSION_MAX_K) inside the block, then restore."""
-    old = {k: getattr(gemv, k) for k in knobs}
+def kernel_knobs(knobs: dict):
+    """Set kernel-module rules ({"gemv.MID_M": 1, ...}) inside the block, then restore."""
+    old = {k: getattr(MODULES[k.split(".")[0]], k.split(".")[1]) for k in knobs}
     for k, v in knobs.items():
-        setattr(gemv, k, v)
+        setattr(MODULES[k.split(".")[0]], k.split(".")[1], v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(gemv, k, v)
+            setattr(MODULES[k.split(".")[0]], k.split(".")[1], v)
 
 
 def one_mode(path: Path, mode: int, prompt: list[int], knobs: dict,
              lookahead: bool = False) -> dict:
-    with _pdl.forced(mode), gemv_knobs(**knobs):
+    with _pdl.forced(mode), kernel_knobs(knobs):
         t0 = time.perf_counter()
         eng = LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", max_num_seqs=8))
         load_s = time.perf_counter() - t0
@@ -89,24 +94,22 @@ def one_mode(path: Path, mode: int, prompt: list[int], knobs: dict,
             "lookahead": spec, "la_tokens": la_tokens, "la_steps": la_steps}
 
 
-def compare(res: dict, name: str, path: Path, modes: list[int], mids: list[bool],
-            silu_ks: list[int], norms: list[bool], lookahead: bool = False) -> None:
-    """Every mode x MID_M x SILU_FUSION_MAX_K x NORM_PROLOGUE variant on one engine dir,
-    keyed ``{mode}[-midB][-siluK][-normB]`` (the shipped rules add nothing to the key)."""
+def compare(res: dict, name: str, path: Path, modes: list[int], knob_values: dict,
+            lookahead: bool = False) -> None:
+    """Every PDL mode x knob combination on one engine dir, keyed ``{mode}[-ATTR=value]...``
+    (a knob at its shipped value adds nothing to the key)."""
     prompt = list(range(1000, 1128))
     r = res.setdefault(name, {})
     keys = []
-    for norm in norms:
-        for silu_k in silu_ks:
-            for mid in mids:
-                for m in modes:
-                    key = (f"{m}{f'-mid{int(mid)}' if mid != gemv.MID_M else ''}"
-                           f"{f'-silu{silu_k}' if silu_k != gemv.SILU_FUSION_MAX_K else ''}"
-                           f"{f'-norm{int(norm)}' if norm != gemv.NORM_PROLOGUE else ''}")
-                    knobs = {"MID_M": mid, "SILU_FUSION_MAX_K": silu_k,
-                             "NORM_PROLOGUE": norm}
-                    r[key] = one_mode(path, m, prompt, knobs, lookahead)
-                    keys.append(key)
+    names = list(knob_values)
+    for combo in itertools.product(*(knob_values[n] for n in names)):
+        knobs = dict(zip(names, combo))
+        for m in modes:
+            key = str(m) + "".join(
+                f"-{n.split('.')[1]}={v}" for n, v in knobs.items()
+                if v != getattr(MODULES[n.split(".")[0]], n.split(".")[1]))
+            r[key] = one_mode(path, m, prompt, knobs, lookahead)
+            keys.append(key)
     first = keys[0]
     for key in keys:
         x = r[key]
@@ -128,20 +131,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="8b,smol")
     ap.add_argument("--modes", default="0,1,2", help="KILN_PDL modes to A/B")
-    ap.add_argument("--mid-m", default=str(int(gemv.MID_M)),
-                    help="gemv.MID_M values to A/B, e.g. 0,1")
-    ap.add_argument("--silu-max-k", default=str(gemv.SILU_FUSION_MAX_K),
-                    help="gemv.SILU_FUSION_MAX_K values to A/B, e.g. 4096,16384 (16384 fuses "
-                    "llama-3-8b's SiLU-and-mul into the down GEMV)")
-    ap.add_argument("--norm-prologue", default=str(int(gemv.NORM_PROLOGUE)),
-                    help="gemv.NORM_PROLOGUE values to A/B, e.g. 0,1 (add + RMSNorm folded "
-                    "into the next GEMV at batch 1)")
+    ap.add_argument("--mid-m", help="gemv.MID_M values to A/B, e.g. 0,1")
+    ap.add_argument("--silu-max-k", help="gemv.SILU_FUSION_MAX_K values to A/B, e.g. "
+                    "4096,16384 (bf16 weights; FP8 at one row always fuse)")
+    ap.add_argument("--norm-prologue", help="gemv.NORM_PROLOGUE values to A/B, e.g. 0,1")
+    ap.add_argument("--knob", action="append", default=[], metavar="MODULE.ATTR=V1,V2",
+                    help="any integer rule of kiln.runtime.kernels.{gemv,paged_attention} "
+                    "to A/B, e.g. gemv.PREFETCH_HINT_BYTES=32,128 (repeatable)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
-    mids = [v == "1" for v in args.mid_m.split(",")]
-    silu_ks = [int(v) for v in args.silu_max_k.split(",")]
-    norms = [v == "1" for v in args.norm_prologue.split(",")]
+    knob_values: dict[str, list[int]] = {}
+    for attr, raw in (("gemv.MID_M", args.mid_m), ("gemv.SILU_FUSION_MAX_K", args.silu_max_k),
+                      ("gemv.NORM_PROLOGUE", args.norm_prologue)):
+        if raw:
+            knob_values[attr] = [int(v) for v in raw.split(",")]
+    for spec in args.knob:
+        attr, _, raw = spec.partition("=")
+        mod, _, name = attr.partition(".")
+        if mod not in MODULES or not hasattr(MODULES[mod], name) or not raw:
+            ap.error(f"--knob {spec!r}: want MODULE.ATTR=V1,V2 with MODULE one of "
+                     f"{sorted(MODULES)} and ATTR one of its rules")
+        knob_values[attr] = [int(v) for v in raw.split(",")]
     res: dict = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                  "pdl_supported": _pdl.supported()}
     tmp = Path(tempfile.mkdtemp())
@@ -152,10 +163,10 @@ def main() -> None:
             build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
                          max_num_tokens=8192, max_batch_size=8, progress=False,
                          quantization=QuantConfig(weights="fp8") if quant == "fp8" else None)
-            compare(res, f"llama-3-8b {quant}", out, modes, mids, silu_ks, norms)
+            compare(res, f"llama-3-8b {quant}", out, modes, knob_values)
     if "smol" in only:
         source, out = build_smol(tmp, max_batch_size=8)
-        compare(res, f"smollm2 ({source})", out, modes, mids, silu_ks, norms,
+        compare(res, f"smollm2 ({source})", out, modes, knob_values,
                 lookahead=source == "smollm2-135m")
     print(f"\n{res['card']}, PDL supported: {res['pdl_supported']}")
     for a, b in ROWS:

@@ -6,6 +6,7 @@
 #                                       spec-step trace)
 # Or w (FP8 W8A8 gemv tests and A/B; carry [".carry/a"]) then t (carry [".carry/b", ".whl"]:
 # the lookahead trace, the smollm2 bench, profile_step). p / p1 / p2: the PDL session's calls.
+# h: L2 hints of weights (gemv whole-slice / line hints, attention hinting o_proj) A/B.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -75,6 +76,15 @@ elif [ "$phase" = n ]; then  # next: the fusion switches (off, unmeasured), A/B 
   timeout 420 python3 scripts/bench_pdl.py --modes 2 --norm-prologue 0,1 \
     --silu-max-k 4096,16384 --out "$OUT/fusion.json" > "$OUT/fusion.log" 2>&1
   tail -2 "$OUT/fusion_tests.log"; grep "^|" "$OUT/fusion.log"
+elif [ "$phase" = h ]; then  # L2 hints of read-only weights: GPU bit-identity tests, A/B
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 150 python3 -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_gpu.py \
+    -k "pdl or hint or add_rms_norm" > "$OUT/hint_tests.log" 2>&1
+  timeout 420 python3 scripts/bench_pdl.py --modes 2 --knob gemv.PREFETCH_HINT_BYTES=32,128 \
+    --knob gemv.PREFETCH_WHOLE_MAX_BYTES=0,40000000 \
+    --knob paged_attention.ATTN_PREFETCH_MAX_BYTES=0,40000000 \
+    --out "$OUT/hints.json" > "$OUT/hints.log" 2>&1
+  tail -2 "$OUT/hint_tests.log"; grep "^|" "$OUT/hints.log"
 elif [ "$phase" = p1 ]; then  # the first half of the GGUF, and the kernel tests
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
