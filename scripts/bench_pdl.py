@@ -39,7 +39,7 @@ from kiln.runtime.sampling_params import SamplingParams
 ROWS: list[tuple[str, str]] = []
 
 
-MODULES = {"gemv": gemv, "paged_attention": paged_attention}
+MODULES = {"gemv": gemv, "paged_attention": paged_attention}  # --knob targets
 
 
 @contextlib.contextmanager

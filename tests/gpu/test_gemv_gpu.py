@@ -188,19 +188,17 @@ def _pdl_chain(x, h, norm_w, wq, sq, w_up, w_down, s_down):
     return torch.cat([a, y, z, h2], dim=1)
 
 
-@pytest.mark.parametrize("hints", ["shipped", "whole-slice lines"])
+@pytest.mark.parametrize("hints", ["lines", "sectors"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_pdl_modes_are_bit_identical_in_a_captured_chain(m, hints, monkeypatch):
     """Programmatic dependent launch changes when kernels start, never what they compute:
     KILN_PDL 0 / 1 / 2, eager and replayed from a CUDA graph, give the same bits (a missing
-    wait would show as a race here), with the shipped L2 hints and with every weight's whole
-    slice hinted line by line."""
+    wait would show as a race here), with the GEMV's L2 hints per 128-byte line (shipped) and
+    per 32-byte sector."""
     from kiln.runtime.kernels import _pdl
     from kiln.runtime.kernels import gemv as gm
 
-    if hints != "shipped":
-        monkeypatch.setattr(gm, "PREFETCH_HINT_BYTES", 128)
-        monkeypatch.setattr(gm, "PREFETCH_WHOLE_MAX_BYTES", 1 << 30)
+    monkeypatch.setattr(gm, "PREFETCH_HINT_BYTES", 128 if hints == "lines" else 32)
 
     if not _pdl.supported():
         pytest.skip("PDL needs compute capability 9.0 and a triton with launch_pdl")

@@ -34,7 +34,7 @@ def signature(fn, constexprs: dict, ptr_types: dict | None = None):
         elif a.endswith("_ptr"):
             sig[a] = (ptr_types or {}).get(a) or (
                 "*i32" if a in I32_PTRS else "*fp32" if a in F32_PTRS
-                else "*u8" if a in ("mask_ptr", "pf_ptr") else "*bf16")
+                else "*u8" if a == "mask_ptr" else "*bf16")
         else:
             sig[a] = "fp32" if a in F32_SCALARS else "i32"
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
@@ -57,10 +57,10 @@ def cases():
     g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
          "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
          "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-         "HINT": 32}
+         "HINT": 128}
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
-    yield "gemv W8A16 M=1 line hints", gemv._gemv_kernel, dict(g, HINT=128), fp8w, 8
+    yield "gemv W8A16 M=1 sector hints", gemv._gemv_kernel, dict(g, HINT=32), fp8w, 8
     yield "gemv W8A16 M=1 add+rmsnorm", gemv._gemv_kernel, dict(g, NORM=True, K_PAD=4096), \
         fp8w, 8
     yield "gemv bf16 M=4 silu split", gemv._gemv_kernel, dict(
@@ -87,10 +87,8 @@ def cases():
     yield "rotary", rotary._rotary_kernel, rot, None, 4
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
             "BLOCK_M": 16, "BLOCK_N": 64, "NUM_SPLITS": 16, "HAS_MASK": True, "KV_FP8": False,
-            "IEEE": False, "PDL": True, "PF": False, "PF_NT": 128}
+            "IEEE": False, "PDL": True}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
-    yield "paged attention + weight hints", paged_attention._paged_attn_kernel, dict(
-        attn, PF=True), None, 4
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True}, None, 4
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4

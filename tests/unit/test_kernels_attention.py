@@ -98,21 +98,6 @@ def test_paged_attention_validates():
     with pytest.raises(ValueError, match="mask and mask_offsets"):
         paged_attention(q, kc, vc, bt, qsl, ctx, 1.0, max_query_len=2, max_context_len=5,
                         mask=torch.ones(4, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"prefetch \(8, 16\) .* not one dense block"):
-        paged_attention(q, kc, vc, bt, qsl, ctx, 1.0, max_query_len=2, max_context_len=5,
-                        prefetch=torch.zeros(8, 32)[:, :16])
-
-
-def test_paged_attention_prefetch_hint_changes_nothing():
-    """The L2 hint of the next weight (a contiguous tensor) is advisory: the output is bit-identical with and without it (off on CPU; the sm_90
-    compile test checks the hint is emitted, the GPU tests that nothing moves)."""
-    q, kc, vc, bt, qsl, ctx, mask, offs = make_batch(MIXED, 6, 2, 16, 4, torch.float32)
-    kw = {"max_query_len": 7, "max_context_len": 13, "mask": mask, "mask_offsets": offs,
-          "num_splits": 3}
-    base = paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, **kw)
-    for w in (torch.randn(48, 32), torch.randn(7).to(torch.bfloat16)):
-        assert torch.equal(paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, prefetch=w, **kw),
-                           base)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [

@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("triton")
 
 KERNELS = Path(__file__).resolve().parents[2] / "kiln" / "runtime" / "kernels"
-# before the wait: index arithmetic, and L2 hints of (read-only) weights (gemv, attention)
-ALLOWED_BEFORE_WAIT = {"_prefetch_slice", "_prefetch_span"}
+# before the wait: index arithmetic, and the GEMV's L2 hints of its (read-only) weights
+ALLOWED_BEFORE_WAIT = {"_prefetch_slice"}
 MEMORY_OPS = re.compile(r"\btl\.(load|store|atomic_\w+)\(")
 
 

@@ -39,7 +39,6 @@ import triton.language as tl
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
 from kiln.runtime.kernels._pdl import pdl_begin
-from kiln.runtime.kernels._prefetch import _prefetch_l2
 
 GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
 # Tensor-core tiles take up to GEMM_MAX_M rows, BLOCK_M = 16 per program (grid axis 2): the
@@ -155,6 +154,16 @@ def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT:
 
 
 @triton.jit
+def _prefetch_l2(addr, ok):
+    """Fire and forget: pull the line at each address where ``ok`` into L2 (PTX
+    ``prefetch.global.L2``; no register waits for it). GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r", args=[addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)
+
+
+@triton.jit
 def _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo, k_hi, SECTOR: tl.constexpr):
     """L2-prefetch W[rows_n, k_lo:k_hi], one hint per SECTOR elements (PREFETCH_HINT_BYTES)."""
     cols = tl.arange(0, 32) * SECTOR
@@ -172,7 +181,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, PF_K, HINT: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -221,10 +230,10 @@ def _gemv_kernel(
         # CUDA cores, BLOCK_M = M rows unrolled: one [BLOCK_N, BLOCK_K] float32 accumulator
         # per row, the widened W tile shared by all rows; reduced over K once at the end
         x_ptrs = x_ptr + offs_k
-        if PREFETCH:  # the first PF_K columns of W into L2 before the PDL wait (W is read-only)
+        if PREFETCH:  # the first two W tiles into L2 before the PDL wait (no kernel writes W)
             k_lo = pid_k * K_SPLIT
             _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo,
-                            tl.minimum(K, k_lo + tl.minimum(K_SPLIT, PF_K)), HINT // ESIZE)
+                            tl.minimum(K, k_lo + tl.minimum(K_SPLIT, 2 * BLOCK_K)), HINT // ESIZE)
         pdl_begin(PDL)
         if NORM:  # one row: x is an addend, the input is rms_norm(x + residual) * g
             ka = tl.arange(0, K_PAD)
@@ -618,8 +627,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        PF_K=k_split if weight.numel() * weight.element_size() <= PREFETCH_WHOLE_MAX_BYTES
-        else 2 * bk, HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
+        HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -641,10 +649,12 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 
 
 # The CUDA-core GEMV's L2 hints before its PDL wait (KILN_PDL=2): each program hints the
-# first two W tiles of its slice, one hint per PREFETCH_HINT_BYTES (a 32-byte sector or a
-# 128-byte line); weights of at most PREFETCH_WHOLE_MAX_BYTES hint the whole slice.
-PREFETCH_HINT_BYTES = 32
-PREFETCH_WHOLE_MAX_BYTES = 0
+# first two W tiles of its slice, one hint per PREFETCH_HINT_BYTES. Measured under PDL
+# (2026-11-30 fifth session, bench_pdl.py --knob): per 128-byte line (4x fewer hints than
+# per 32-byte sector) the 8B FP8 batch-1 replay went 2.799 -> 2.754 ms, 8B bf16 and smollm2
+# unchanged. Hinting the whole slice of small weights (qkv, o_proj) lost (FP8 2.840 ms, or
+# 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
+PREFETCH_HINT_BYTES = 128
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384

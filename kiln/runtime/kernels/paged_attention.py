@@ -34,14 +34,9 @@ from kiln.runtime.kernels._checks import (
     scale_tensor,
 )
 from kiln.runtime.kernels._pdl import pdl_begin
-from kiln.runtime.kernels._prefetch import _prefetch_span, as_bytes, span_lines
 
 LOG2E = 1.4426950408889634
 
-
-# The largest ``prefetch`` tensor the attention programs hint into L2 (bytes; 0 = never).
-# The H200's L2 is 50 MB: a hint past what L2 holds evicts its own first lines.
-ATTN_PREFETCH_MAX_BYTES = 0
 
 @triton.jit
 def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
@@ -125,14 +120,7 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    pf_ptr, pf_lines, PF: tl.constexpr, PF_NT: tl.constexpr,
 ):
-    if PF:  # hint the next kernel's (read-only) weight into L2 while we wait and attend
-        n0 = tl.num_programs(0)
-        n1 = tl.num_programs(1)
-        _prefetch_span(pf_ptr, pf_lines,
-                       tl.program_id(0) + n0 * (tl.program_id(1) + n1 * tl.program_id(2)),
-                       n0 * n1 * tl.num_programs(2), PF_NT)
     pdl_begin(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -298,7 +286,7 @@ def paged_attention(
     mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None,
     k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
     num_splits: int | None = None, out: torch.Tensor | None = None,
-    config: dict | None = None, prefetch: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over one layer's paged cache [num_blocks, block_size, KVH, D].
 
@@ -310,10 +298,8 @@ def paged_attention(
     1-element float32 device tensors, e.g. ``cache.k_scale[layer : layer + 1]``). num_splits
     fixes the key-split count (CUDA graphs want a static one). ``config`` forces a launch
     config (BLOCK_N, num_warps, num_stages, tiles_per_split); by default the one tuned for
-    this shape (``tuning.lookup``, see ``tuning_key``) or ``default_config``. ``prefetch``:
-    a contiguous read-only CUDA tensor the next kernel reads (the output projection's weight);
-    the programs hint it into L2 before their PDL wait (``_prefetch``) where PDL prefetching is
-    on and it is at most ATTN_PREFETCH_MAX_BYTES. Returns [T, H, D] in q's dtype.
+    this shape (``tuning.lookup``, see ``tuning_key``) or ``default_config``. Returns
+    [T, H, D] in q's dtype.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     dev = q.device
@@ -368,18 +354,8 @@ def paged_attention(
     if config is None:
         key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len)
         config = tuning.lookup("paged_attention", key) or default
-    if prefetch is not None:
-        check_tensor("prefetch", prefetch, device=dev)
-        if not prefetch.is_contiguous():
-            raise ValueError(f"prefetch {tuple(prefetch.shape)} with strides "
-                             f"{prefetch.stride()} is not one dense block of memory: pass a "
-                             "contiguous tensor (a weight as the GEMV reads it)")
-        span = as_bytes(prefetch)
-        on = dev.type == "cuda" and _pdl.prefetch() and span.numel() <= ATTN_PREFETCH_MAX_BYTES
-        prefetch = span if on else None
     args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
-            mask_offsets, scale * LOG2E, ks, vs, max_query_len, max_context_len, num_splits,
-            prefetch)
+            mask_offsets, scale * LOG2E, ks, vs, max_query_len, max_context_len, num_splits)
     try:
         _launch(*args, config)
     except triton.runtime.errors.OutOfResources as e:
@@ -400,7 +376,7 @@ def _launch(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
     mask: torch.Tensor | None, mask_offsets: torch.Tensor | None, qk_scale: float,
     ks: torch.Tensor, vs: torch.Tensor, max_query_len: int, max_context_len: int,
-    num_splits: int | None, prefetch: torch.Tensor | None, config: dict,
+    num_splits: int | None, config: dict,
 ) -> None:
     """Launch the attention kernel (and the split reduction) with one launch config."""
     t, heads, dim = q.shape
@@ -439,9 +415,6 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        pf_ptr=prefetch if prefetch is not None else context_lens,
-        pf_lines=span_lines(prefetch) if prefetch is not None else 0,
-        PF=prefetch is not None, PF_NT=32 * int(config["num_warps"]),
         num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
         **_pdl.launch_kwargs(),
     )

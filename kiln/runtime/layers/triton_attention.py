@@ -110,16 +110,14 @@ class TritonAttention(AttentionBackend):
         reshape_and_cache(k, v, kc, vc, slots, k_scale, v_scale)
         return self._attend(q, kc, vc, dm, scale, k_scale, v_scale)
 
-    def rope_forward(self, layer, q, k, v, positions, cos_sin_cache, cache, meta, scale,
-                     prefetch=None):
+    def rope_forward(self, layer, q, k, v, positions, cos_sin_cache, cache, meta, scale):
         """``forward`` on q, k before the rotary embedding: rotary and the KV write are one
-        kernel (``rotary_and_cache_``); q and k are rotated in place. ``prefetch``: the
-        weight read next (the output projection's), an L2 hint (``paged_attention``)."""
+        kernel (``rotary_and_cache_``); q and k are rotated in place."""
         from kiln.runtime.kernels.rotary import rotary_and_cache_
 
         dm, slots, kc, vc, k_scale, v_scale = self._layer(layer, q, cache, meta)
         rotary_and_cache_(q, k, v, positions, cos_sin_cache, kc, vc, slots, k_scale, v_scale)
-        return self._attend(q, kc, vc, dm, scale, k_scale, v_scale, prefetch)
+        return self._attend(q, kc, vc, dm, scale, k_scale, v_scale)
 
     def _layer(self, layer, q, cache, meta):
         """Device metadata, slot mapping, the layer's caches and their scales."""
@@ -134,14 +132,13 @@ class TritonAttention(AttentionBackend):
         return dm, slot_mapping, cache.k[layer], cache.v[layer], k_scale, v_scale
 
     @staticmethod
-    def _attend(q, kc, vc, dm, scale, k_scale, v_scale, prefetch=None):
+    def _attend(q, kc, vc, dm, scale, k_scale, v_scale):
         from kiln.runtime.kernels.paged_attention import paged_attention
 
         return paged_attention(
             q, kc, vc, dm.block_tables, dm.query_start_loc, dm.context_lens, scale,
             max_query_len=dm.max_query_len, max_context_len=dm.max_context_len,
             mask=dm.mask, mask_offsets=dm.mask_offsets, k_scale=k_scale, v_scale=v_scale,
-            prefetch=prefetch,
         )
 
 

@@ -122,7 +122,7 @@ class LlamaModel:
             q, k, v = self._split_qkv(qkv, p, n)
             # the Triton backend: rotary fused into the KV write, then paged attention
             o = self.attention.rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache,
-                                            meta, self.scale, prefetch=w[p + "o_proj.weight"])
+                                            meta, self.scale)
             attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
             # each add + RMSNorm goes with the projection after it (one kernel at batch 1)
             gate_up, h = linear_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps, w,
