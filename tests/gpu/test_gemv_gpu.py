@@ -188,6 +188,23 @@ def _pdl_chain(x, h, norm_w, wq, sq, w_up, w_down, s_down):
     return torch.cat([a, y, z, h2], dim=1)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_x_in_w_layout_bit_identical(shape, fp8, monkeypatch):
+    """gemv.X_IN_W_LAYOUT changes where x is read from, not the arithmetic: same bits as the
+    shared x at every real shape (default config, one row)."""
+    from kiln.runtime.kernels import gemv as gm
+
+    k, n = SHAPES[shape]
+    w, q, s = _weights(k, n)
+    x = torch.randn(1, k, device=DEV).to(BF16)
+    args = (x, q, s) if fp8 else (x, w)
+    monkeypatch.setattr(gm, "X_IN_W_LAYOUT", False)
+    ref = gm.gemv(*args)
+    monkeypatch.setattr(gm, "X_IN_W_LAYOUT", True)
+    assert torch.equal(gm.gemv(*args), ref)
+
+
 @pytest.mark.parametrize("hints", ["lines", "sectors"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_pdl_modes_are_bit_identical_in_a_captured_chain(m, hints, monkeypatch):

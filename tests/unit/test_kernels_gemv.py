@@ -47,6 +47,20 @@ def test_gemv_matches_reference(dtype, wdtype, cfg):
         assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, FP8])
+def test_gemv_x_in_w_layout_equals_the_shared_x(wdtype, monkeypatch):
+    """X_IN_W_LAYOUT (one row, CUDA-core tiles, whole K tiles) reads x in W's layout: the
+    same products in the same order, so the same bits as the broadcast x; split K too."""
+    w, s = _w(40, 128, wdtype)
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    for cfg in (CUDA_CORE, dict(CUDA_CORE, SPLIT_K=2)):
+        ref = gemv.gemv(x, w, s, config=cfg)
+        monkeypatch.setattr(gemv, "X_IN_W_LAYOUT", True)
+        assert torch.equal(gemv.gemv(x, w, s, config=cfg), ref)
+        monkeypatch.setattr(gemv, "X_IN_W_LAYOUT", False)
+    assert rel_err(ref, gemv.gemv_ref(x, w, s)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("wdtype", ["same", "fp8"])
 @pytest.mark.parametrize("cfg", [None, TENSOR_CORE, dict(TENSOR_CORE, SPLIT_K=2)],
                          ids=["default", "tc", "tc-sk"])

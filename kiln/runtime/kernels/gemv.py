@@ -139,9 +139,14 @@ def _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+             XB: tl.constexpr = False):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
     p = x_ptrs + row * stride_xm
+    if XB:  # x loaded in W's layout (each thread its own copy, through L1): no shuffle
+        # through shared memory and no barrier per K step
+        p2 = p[None, :] + tl.zeros((acc.shape[0],), dtype=tl.int32)[:, None]
+        return acc + w * tl.load(p2).to(tl.float32)
     if EVEN_K:
         xv = tl.load(p)
         if ACT:
@@ -181,7 +186,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, HINT: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr, XB: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -274,7 +279,8 @@ def _gemv_kernel(
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
             else:
-                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
+                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT,
+                                XB and EVEN_K and not ACT)
             if BLOCK_M > 1:
                 acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 2:
@@ -627,7 +633,8 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
+        HINT=PREFETCH_HINT_BYTES, XB=X_IN_W_LAYOUT and not dot and m == 1,
+        **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -655,6 +662,11 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 # unchanged. Hinting the whole slice of small weights (qkv, o_proj) lost (FP8 2.840 ms, or
 # 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
 PREFETCH_HINT_BYTES = 128
+
+# One-row CUDA-core tiles: load x straight into W's register layout (every thread reads its
+# own copy of the x tile through L1) instead of one shared load redistributed through shared
+# memory with a barrier per K step (what Triton makes of the broadcast x[None, :]).
+X_IN_W_LAYOUT = False
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
