@@ -6,6 +6,7 @@ other kernel tests switch this process to TRITON_INTERPRET."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
-pytest.importorskip("triton.backends.nvidia.compiler")
+# find_spec, not importorskip: importing triton here, before the interpreter tests set
+# TRITON_INTERPRET, would turn their kernels into real JIT functions when this file runs first
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
 
 
 def test_every_kernel_compiles_for_sm90_with_the_pdl_wait():
@@ -23,6 +26,8 @@ def test_every_kernel_compiles_for_sm90_with_the_pdl_wait():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          env=env, timeout=600, check=False)
+    if "No module named 'triton.backends.nvidia" in res.stderr:
+        pytest.skip("this triton has no CUDA backend")
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["failed"] == [], "\n".join(out["failed"])

@@ -5,6 +5,10 @@ that forgets the wait would race only on a Hopper GPU, so the rule is checked he
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # like the other kernel tests (order-proof)
+
 import ast
 import inspect
 import re
