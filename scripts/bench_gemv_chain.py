@@ -8,9 +8,9 @@ bench_gemv.py cannot see).
     PYTHONPATH=. python3 scripts/bench_gemv_chain.py [--bf16] [--sweep] [--budget-s 240]
 
 Prints the chain's replay time and its effective TB/s for the shipped rules and each
-variant (gemv.X_IN_W_LAYOUT on every shape; with --sweep, every CUDA-core config x split of
-one shape at a time, the others at their defaults, then the best of each together), then a
-table. Benchmarks, not tests.
+variant (gemv.QUAD_ACC on every shape; with --sweep, every CUDA-core config x split of one
+shape at a time, the others at their defaults, then the best of each together; --quad runs
+the sweep with QUAD_ACC on), then a table. Benchmarks, not tests.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ LAYERS = 32
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 ROWS: list[str] = []
+# wider tiles than GEMV_CONFIGS has: with QUAD_ACC a program holds a quarter of the
+# accumulator, so more weight bytes per K step fit the same registers
+EXTRA = [gemv._cfg(32, 256, False), gemv._cfg(32, 512, False, warps=8),
+         gemv._cfg(16, 512, False, warps=8), gemv._cfg(64, 256, False, warps=8)]
 
 
 def make_weights(fp8: bool) -> tuple[list[dict], torch.Tensor]:
@@ -86,6 +90,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 weights instead of FP8")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--quad", action="store_true", help="sweep with gemv.QUAD_ACC on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fp8 = not args.bf16
@@ -111,16 +116,17 @@ def main() -> None:
         print(ROWS[-1], flush=True)
         return ms
 
+    gemv.QUAD_ACC = gemv.QUAD_ACC or args.quad
     defaults = {name: gemv.default_config(1, n, k, fp8) for name, (n, k) in SHAPES.items()}
     base = record("shipped rules", {})
-    for xb in (True, False):
-        record(f"X_IN_W_LAYOUT={xb}", {}, X_IN_W_LAYOUT=xb)
+    for quad in (True, False):
+        record(f"QUAD_ACC={quad}", {}, QUAD_ACC=quad)
     if args.sweep:
         best = {}
         for name, (n, k) in SHAPES.items():  # an equal share of the budget per shape
             t0 = time.perf_counter()
             best[name] = (base, defaults[name])
-            cands = [dict(cfg, SPLIT_K=sp) for cfg in gemv.GEMV_CONFIGS
+            cands = [dict(cfg, SPLIT_K=sp) for cfg in gemv.GEMV_CONFIGS + EXTRA
                      if not cfg["USE_DOT"] for sp in gemv.split_candidates(n, k, cfg)]
             for c in cands:
                 if time.perf_counter() - t0 > args.budget_s / len(SHAPES):
@@ -137,10 +143,9 @@ def main() -> None:
                     best[name] = (ms, c)
         combo = {name: b[1] for name, b in best.items()}
         res["best"] = {name: {"ms": b[0], "config": b[1]} for name, b in best.items()}
-        for xb in (False, True):
-            record(f"best configs together, xb {int(xb)}", combo, X_IN_W_LAYOUT=xb)
+        record("best configs together", combo)
     print(f"\n{res['card']}, {'FP8' if fp8 else 'bf16'} weights, {nbytes / 1e9:.2f} GB, "
-          f"PDL mode {res['pdl']}")
+          f"PDL mode {res['pdl']}, sweep with QUAD_ACC {gemv.QUAD_ACC}")
     print("| variant | chain ms | TB/s |\n|---|---|---|")
     for r in ROWS:
         print(r)

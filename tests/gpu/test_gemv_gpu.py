@@ -190,19 +190,21 @@ def _pdl_chain(x, h, norm_w, wq, sq, w_up, w_down, s_down):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gemv_x_in_w_layout_bit_identical(shape, fp8, monkeypatch):
-    """gemv.X_IN_W_LAYOUT changes where x is read from, not the arithmetic: same bits as the
-    shared x at every real shape (default config, one row)."""
+def test_gemv_quad_accumulator_real_shapes(shape, fp8, monkeypatch):
+    """gemv.QUAD_ACC at every real shape (default config, one row; and the SiLU prologue on
+    the down projections) against the float32 reference."""
     from kiln.runtime.kernels import gemv as gm
 
     k, n = SHAPES[shape]
     w, q, s = _weights(k, n)
     x = torch.randn(1, k, device=DEV).to(BF16)
-    args = (x, q, s) if fp8 else (x, w)
-    monkeypatch.setattr(gm, "X_IN_W_LAYOUT", False)
-    ref = gm.gemv(*args)
-    monkeypatch.setattr(gm, "X_IN_W_LAYOUT", True)
-    assert torch.equal(gm.gemv(*args), ref)
+    args = (q, s) if fp8 else (w, None)
+    monkeypatch.setattr(gm, "QUAD_ACC", True)
+    assert _rel(gm.gemv(x, *args), gm.gemv_ref(x, *args)) < TOL
+    if "down" in shape:
+        gu = torch.randn(1, 2 * k, device=DEV).to(BF16)
+        assert _rel(gm.gemv(gu, *args, silu_and_mul=True),
+                    gm.gemv_ref(gu, *args, silu_and_mul=True)) < 2 * TOL
 
 
 @pytest.mark.parametrize("hints", ["lines", "sectors"])
