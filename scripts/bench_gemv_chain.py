@@ -8,9 +8,8 @@ bench_gemv.py cannot see).
     PYTHONPATH=. python3 scripts/bench_gemv_chain.py [--bf16] [--sweep] [--budget-s 240]
 
 Prints the chain's replay time and its effective TB/s for the shipped rules and each
-variant (gemv.QUAD_ACC on every shape; with --sweep, every CUDA-core config x split of one
-shape at a time, the others at their defaults, then the best of each together; --quad runs
-the sweep with QUAD_ACC on), then a table. Benchmarks, not tests.
+variant (with --sweep, every CUDA-core config x split of one shape at a time, the others at
+their defaults, then the best of each together), then a table. Benchmarks, not tests.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ LAYERS = 32
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 ROWS: list[str] = []
-# wider tiles than GEMV_CONFIGS has: with QUAD_ACC a program holds a quarter of the
-# accumulator, so more weight bytes per K step fit the same registers
+# wider tiles than GEMV_CONFIGS has (more weight bytes per K step)
 EXTRA = [gemv._cfg(32, 256, False), gemv._cfg(32, 512, False, warps=8),
          gemv._cfg(16, 512, False, warps=8), gemv._cfg(64, 256, False, warps=8)]
 
@@ -90,7 +88,6 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 weights instead of FP8")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--quad", action="store_true", help="sweep with gemv.QUAD_ACC on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fp8 = not args.bf16
@@ -116,11 +113,8 @@ def main() -> None:
         print(ROWS[-1], flush=True)
         return ms
 
-    gemv.QUAD_ACC = gemv.QUAD_ACC or args.quad
     defaults = {name: gemv.default_config(1, n, k, fp8) for name, (n, k) in SHAPES.items()}
     base = record("shipped rules", {})
-    for quad in (True, False):
-        record(f"QUAD_ACC={quad}", {}, QUAD_ACC=quad)
     if args.sweep:
         best = {}
         for name, (n, k) in SHAPES.items():  # an equal share of the budget per shape
@@ -145,7 +139,7 @@ def main() -> None:
         res["best"] = {name: {"ms": b[0], "config": b[1]} for name, b in best.items()}
         record("best configs together", combo)
     print(f"\n{res['card']}, {'FP8' if fp8 else 'bf16'} weights, {nbytes / 1e9:.2f} GB, "
-          f"PDL mode {res['pdl']}, sweep with QUAD_ACC {gemv.QUAD_ACC}")
+          f"PDL mode {res['pdl']}")
     print("| variant | chain ms | TB/s |\n|---|---|---|")
     for r in ROWS:
         print(r)

@@ -139,8 +139,7 @@ def _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-             QUAD: tl.constexpr):
+def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
     p = x_ptrs + row * stride_xm
     if EVEN_K:
@@ -151,10 +150,7 @@ def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT:
         xv = tl.load(p, mask=k_ok, other=0.0)
         if ACT:
             xv = _silu_mul(xv, tl.load(p + K, mask=k_ok, other=0.0), xv.dtype)
-    prod = w * xv.to(tl.float32)[None, :]
-    if QUAD:  # a BLOCK_K / 4 wide accumulator: each thread sums its quads every step
-        prod = tl.sum(tl.reshape(prod, [prod.shape[0], prod.shape[1] // 4, 4]), axis=2)
-    return acc + prod
+    return acc + w * xv.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -185,7 +181,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, HINT: tl.constexpr, QUAD: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -251,10 +247,7 @@ def _gemv_kernel(
             inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
             r_ptrs = res_ptr + offs_k
             g_ptrs = g_ptr + offs_k
-        if QUAD:
-            acc0 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
-        else:
-            acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 1:
             acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 2:
@@ -281,21 +274,21 @@ def _gemv_kernel(
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
             else:
-                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT, QUAD)
+                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 1:
-                acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 2:
-                acc2 = _fma_row(acc2, w, x_ptrs, 2, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc2 = _fma_row(acc2, w, x_ptrs, 2, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 3:
-                acc3 = _fma_row(acc3, w, x_ptrs, 3, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc3 = _fma_row(acc3, w, x_ptrs, 3, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 4:
-                acc4 = _fma_row(acc4, w, x_ptrs, 4, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc4 = _fma_row(acc4, w, x_ptrs, 4, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 5:
-                acc5 = _fma_row(acc5, w, x_ptrs, 5, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc5 = _fma_row(acc5, w, x_ptrs, 5, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 6:
-                acc6 = _fma_row(acc6, w, x_ptrs, 6, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc6 = _fma_row(acc6, w, x_ptrs, 6, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 7:
-                acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, K, EVEN_K, ACT, False)
+                acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, K, EVEN_K, ACT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         _store_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
@@ -634,8 +627,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        HINT=PREFETCH_HINT_BYTES, QUAD=QUAD_ACC and not dot and m == 1 and norm is None,
-        **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
+        HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -663,12 +655,6 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 # unchanged. Hinting the whole slice of small weights (qkv, o_proj) lost (FP8 2.840 ms, or
 # 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
 PREFETCH_HINT_BYTES = 128
-
-# One-row CUDA-core tiles: accumulate BLOCK_K / 4 partial sums per row instead of BLOCK_K
-# (each thread adds its four neighbouring products first). The float32 accumulator is what
-# holds registers: sm_90 ptxas gives FP8 16 x 256 tiles 47 registers instead of 75, so ten
-# programs fit an SM instead of six, with more weight bytes in flight.
-QUAD_ACC = False
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
