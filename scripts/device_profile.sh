@@ -6,6 +6,7 @@
 #                                       spec-step trace)
 # Or w (FP8 W8A8 gemv tests and A/B; carry [".carry/a"]) then t (carry [".carry/b", ".whl"]:
 # the lookahead trace, the smollm2 bench, profile_step). p / p1 / p2: the PDL session's calls.
+# e1 / e2: the end-of-session targets and GPU tests (carry .carry/a + .whl, then .carry/b).
 # c: the GEMV chain of an 8B FP8 step alone (bench_gemv_chain.py) with a config sweep.
 # h: L2 hints of weights (gemv whole-slice / line hints, attention hinting o_proj) A/B.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
@@ -93,6 +94,35 @@ elif [ "$phase" = c ]; then  # the GEMV chain alone (8B FP8) with a per-shape co
     --out "$OUT/chain.json" > "$OUT/chain.log" 2>&1
   grep -A200 "^NVIDIA" "$OUT/chain.log" | grep -v "split" | head -20
   grep "split" "$OUT/chain.log" | sort -t'|' -k3 -n | head -12
+elif [ "$phase" = e1 ]; then  # end of session, call 1 (carry .carry/a, .whl): 8B targets
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  for q in none fp8; do
+    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
+      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --force > /dev/null
+    timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
+      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
+  done
+  timeout 150 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
+    --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
+  timeout 90 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
+    > "$OUT/serve.log" 2>&1
+  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py > "$OUT/gemv_tests.log" 2>&1
+  tail -n 14 "$OUT"/lat-*.log; tail -12 "$OUT/tput.log"; tail -3 "$OUT/serve.log"
+  tail -2 "$OUT/gemv_tests.log"
+elif [ "$phase" = e2 ]; then  # right after e1 (carry .carry/b): smollm2, correctness, kernels
+  mkdir -p /tmp/kcache/smollm2-135m
+  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
+    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+    > "$OUT/correctness.log" 2>&1
+  timeout 170 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
+    --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
+  timeout 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
+  tail -3 "$OUT/correctness.log"; tail -12 "$OUT/smol.log"; tail -2 "$OUT/kernels.log"
 elif [ "$phase" = p1 ]; then  # the first half of the GGUF, and the kernel tests
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
