@@ -8,9 +8,8 @@ bench_gemv.py cannot see).
     PYTHONPATH=. python3 scripts/bench_gemv_chain.py [--bf16] [--sweep] [--budget-s 240]
 
 Prints the chain's replay time and its effective TB/s for the shipped rules and each
-variant (--folds: gemv.ACC_FOLD values; with --sweep, every CUDA-core config x split of one
-shape at a time, the others at their defaults, then the best of each together, under
---sweep-fold), then a table. Benchmarks, not tests.
+variant (with --sweep, every CUDA-core config x split of one shape at a time, the others at
+their defaults, then the best of each together), then a table. Benchmarks, not tests.
 """
 
 from __future__ import annotations
@@ -89,10 +88,6 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 weights instead of FP8")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--folds", type=lambda v: [int(f) for f in v.split(",")], default=[],
-                    help="gemv.ACC_FOLD values to time with the default configs, e.g. 1,2,4")
-    ap.add_argument("--sweep-fold", type=int, default=gemv.ACC_FOLD,
-                    help="gemv.ACC_FOLD during the sweep")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fp8 = not args.bf16
@@ -120,9 +115,6 @@ def main() -> None:
 
     defaults = {name: gemv.default_config(1, n, k, fp8) for name, (n, k) in SHAPES.items()}
     base = record("shipped rules", {})
-    for fold in args.folds:
-        record(f"ACC_FOLD={fold}", {}, ACC_FOLD=fold)
-    gemv.ACC_FOLD = args.sweep_fold
     if args.sweep:
         best = {}
         for name, (n, k) in SHAPES.items():  # an equal share of the budget per shape
@@ -147,7 +139,7 @@ def main() -> None:
         res["best"] = {name: {"ms": b[0], "config": b[1]} for name, b in best.items()}
         record("best configs together", combo)
     print(f"\n{res['card']}, {'FP8' if fp8 else 'bf16'} weights, {nbytes / 1e9:.2f} GB, "
-          f"PDL mode {res['pdl']}, sweep with ACC_FOLD {gemv.ACC_FOLD}")
+          f"PDL mode {res['pdl']}")
     print("| variant | chain ms | TB/s |\n|---|---|---|")
     for r in ROWS:
         print(r)

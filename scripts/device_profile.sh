@@ -90,12 +90,8 @@ elif [ "$phase" = c ]; then  # the GEMV chain alone (8B FP8) with a per-shape co
   # (this session's calls 3 and 4 also A/B'd two kernel variants, since removed: x in W's
   # layout and a quarter-width accumulator; see notes/NOTES.md)
   export PYTHONPATH=/tmp/site:.:scripts
-  timeout 60 python3 -m pytest -q tests/gpu/test_gemv_gpu.py -k "fold" > "$OUT/fold.log" 2>&1
-  timeout 200 python3 scripts/bench_gemv_chain.py --folds 1,2,4 --sweep --sweep-fold 4 \
-    --budget-s 120 --out "$OUT/chain.json" > "$OUT/chain.log" 2>&1
-  timeout 150 python3 scripts/bench_pdl.py --modes 2 --knob gemv.ACC_FOLD=1,4 --only 8b \
-    --out "$OUT/fold.json" > "$OUT/fold_e2e.log" 2>&1
-  tail -1 "$OUT/fold.log"; grep "^|" "$OUT/fold_e2e.log"
+  timeout 280 python3 scripts/bench_gemv_chain.py --sweep --budget-s 200 \
+    --out "$OUT/chain.json" > "$OUT/chain.log" 2>&1
   grep -A200 "^NVIDIA" "$OUT/chain.log" | grep -v "split" | head -20
   grep "split" "$OUT/chain.log" | sort -t'|' -k3 -n | head -12
 elif [ "$phase" = e1 ]; then  # end of session, call 1 (carry .carry/a, .whl): 8B targets

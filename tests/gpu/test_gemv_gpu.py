@@ -188,25 +188,6 @@ def _pdl_chain(x, h, norm_w, wq, sq, w_up, w_down, s_down):
     return torch.cat([a, y, z, h2], dim=1)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("fold", [2, 4])
-def test_gemv_folded_accumulator_real_shapes(shape, fold, monkeypatch):
-    """gemv.ACC_FOLD at every real shape (default config, one row, bf16 and FP8; the SiLU
-    prologue on the down projections) against the float32 reference."""
-    from kiln.runtime.kernels import gemv as gm
-
-    k, n = SHAPES[shape]
-    w, q, s = _weights(k, n)
-    x = torch.randn(1, k, device=DEV).to(BF16)
-    gu = torch.randn(1, 2 * k, device=DEV).to(BF16)
-    monkeypatch.setattr(gm, "ACC_FOLD", fold)
-    for args in ((q, s), (w, None)):
-        assert _rel(gm.gemv(x, *args), gm.gemv_ref(x, *args)) < TOL
-        if "down" in shape:
-            assert _rel(gm.gemv(gu, *args, silu_and_mul=True),
-                        gm.gemv_ref(gu, *args, silu_and_mul=True)) < 2 * TOL
-
-
 @pytest.mark.parametrize("hints", ["lines", "sectors"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_pdl_modes_are_bit_identical_in_a_captured_chain(m, hints, monkeypatch):

@@ -47,26 +47,6 @@ def test_gemv_matches_reference(dtype, wdtype, cfg):
         assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("fold", [2, 4])
-@pytest.mark.parametrize("wdtype", [torch.bfloat16, FP8])
-def test_gemv_folded_accumulator(fold, wdtype, monkeypatch):
-    """ACC_FOLD (one row, CUDA-core tiles): neighbouring K columns share an accumulator
-    element; the product equals the reference with split K, a ragged K, SiLU and bias."""
-    from kiln.runtime.kernels.activation import silu_and_mul
-
-    monkeypatch.setattr(gemv, "ACC_FOLD", fold)
-    for k in (128, 100):
-        w, s = _w(40, k, wdtype)
-        x = torch.randn(1, k).to(torch.bfloat16)
-        b = torch.randn(40).to(torch.bfloat16)
-        for cfg in (CUDA_CORE, dict(CUDA_CORE, SPLIT_K=2)):
-            assert rel_err(gemv.gemv(x, w, s, b, config=cfg),
-                           gemv.gemv_ref(x, w, s, b)) < TOL[torch.bfloat16]
-        gu = torch.randn(1, 2 * k).to(torch.bfloat16)
-        assert rel_err(gemv.gemv(gu, w, s, config=CUDA_CORE, silu_and_mul=True),
-                       gemv.gemv_ref(silu_and_mul(gu), w, s)) < 2 * TOL[torch.bfloat16]
-
-
 @pytest.mark.parametrize("wdtype", ["same", "fp8"])
 @pytest.mark.parametrize("cfg", [None, TENSOR_CORE, dict(TENSOR_CORE, SPLIT_K=2)],
                          ids=["default", "tc", "tc-sk"])

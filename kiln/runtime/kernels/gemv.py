@@ -139,8 +139,7 @@ def _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-             FOLD: tl.constexpr = 1):
+def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
     p = x_ptrs + row * stride_xm
     if EVEN_K:
@@ -151,24 +150,7 @@ def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT:
         xv = tl.load(p, mask=k_ok, other=0.0)
         if ACT:
             xv = _silu_mul(xv, tl.load(p + K, mask=k_ok, other=0.0), xv.dtype)
-    xf = xv.to(tl.float32)[None, :]
-    if FOLD == 1:
-        acc = acc + w * xf
-    else:
-        # FOLD 2 / 4: neighbouring columns share one accumulator element (a chain of FMAs),
-        # so the accumulator holds BLOCK_K / FOLD columns: fewer registers, same bytes
-        xb = tl.broadcast_to(xf, w.shape)
-        w0, w1 = tl.split(tl.reshape(w, [w.shape[0], w.shape[1] // 2, 2]))
-        x0, x1 = tl.split(tl.reshape(xb, [w.shape[0], w.shape[1] // 2, 2]))
-        if FOLD == 2:
-            acc = acc + w0 * x0 + w1 * x1
-        else:
-            w00, w01 = tl.split(tl.reshape(w0, [w.shape[0], w.shape[1] // 4, 2]))
-            w10, w11 = tl.split(tl.reshape(w1, [w.shape[0], w.shape[1] // 4, 2]))
-            x00, x01 = tl.split(tl.reshape(x0, [w.shape[0], w.shape[1] // 4, 2]))
-            x10, x11 = tl.split(tl.reshape(x1, [w.shape[0], w.shape[1] // 4, 2]))
-            acc = acc + w00 * x00 + w10 * x10 + w01 * x01 + w11 * x11
-    return acc
+    return acc + w * xv.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -199,7 +181,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, HINT: tl.constexpr, FOLD: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -265,7 +247,7 @@ def _gemv_kernel(
             inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
             r_ptrs = res_ptr + offs_k
             g_ptrs = g_ptr + offs_k
-        acc0 = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 1:
             acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 2:
@@ -292,7 +274,7 @@ def _gemv_kernel(
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
             else:
-                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT, FOLD)
+                acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 1:
                 acc1 = _fma_row(acc1, w, x_ptrs, 1, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 2:
@@ -645,8 +627,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        HINT=PREFETCH_HINT_BYTES, FOLD=ACC_FOLD if not dot and m == 1 and norm is None else 1,
-        **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
+        HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -674,11 +655,6 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 # unchanged. Hinting the whole slice of small weights (qkv, o_proj) lost (FP8 2.840 ms, or
 # 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
 PREFETCH_HINT_BYTES = 128
-
-# One-row CUDA-core tiles: 1, 2 or 4 neighbouring K columns per float32 accumulator element
-# (a chain of FMAs; same instruction count). The accumulator is what holds registers, so a
-# fold lets more programs share an SM, with more weight bytes in flight.
-ACC_FOLD = 1
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
