@@ -88,7 +88,7 @@ elif [ "$phase" = h ]; then  # L2 hints of read-only weights: GPU bit-identity t
   tail -2 "$OUT/hint_tests.log"; grep "^|" "$OUT/hints.log"
 elif [ "$phase" = c ]; then  # the GEMV chain alone (8B FP8) with a per-shape config sweep
   # (this session's calls 3 and 4 also A/B'd two kernel variants, since removed: x in W's
-  # layout and a quarter-width accumulator; see notes/NOTES.md)
+  # layout, a quarter-width accumulator, a folded accumulator; see notes/NOTES.md)
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 280 python3 scripts/bench_gemv_chain.py --sweep --budget-s 200 \
     --out "$OUT/chain.json" > "$OUT/chain.log" 2>&1
