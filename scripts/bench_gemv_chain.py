@@ -19,6 +19,7 @@ import json
 import time
 
 import torch
+from bench_gemv import time_us  # scripts/ is on sys.path as a script
 
 from kiln.runtime.kernels import _pdl, gemv
 
@@ -59,28 +60,9 @@ def chain(layers, lm_head, x, gu, configs: dict) -> torch.Tensor:
     return gemv.gemv(x, lm_head)
 
 
-def time_chain(layers, lm_head, x, gu, configs: dict, reps: int = 10) -> float:
-    """Median replay ms of the chain captured in one CUDA graph (PDL as shipped)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(layers, lm_head, x, gu, configs)  # compile + warm outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain(layers, lm_head, x, gu, configs)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return sorted(times)[len(times) // 2]
+def time_chain(layers, lm_head, x, gu, configs: dict) -> float:
+    """Median ms per chain, 16 chains back to back in one CUDA graph (bench_gemv.time_us)."""
+    return time_us(lambda _: chain(layers, lm_head, x, gu, configs), copies=1, reps=10)["us"] / 1e3
 
 
 def main() -> None:

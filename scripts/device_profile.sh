@@ -15,6 +15,23 @@ phase=${1:?usage: device_profile.sh a|b}
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 KILN_CACHE=/tmp/kcache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+install_wheels() {  # the pure-Python wheels the device lacks (.whl, carried)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+}
+latency_8b() {  # kiln bench latency, 8B bf16 and FP8 engines (max batch 256), 128 in / 128 out
+  for q in none fp8; do
+    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
+      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --force > /dev/null
+    timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
+      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
+  done
+}
+join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carried .carry/b
+  mkdir -p /tmp/kcache/smollm2-135m
+  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
+    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+}
 if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
   timeout 200 python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
     --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
@@ -31,11 +48,8 @@ elif [ "$phase" = w ]; then  # FP8 small-batch W8A8: GPU tests, A/B timing (carr
   timeout 120 python3 scripts/bench_w8a8.py > "$OUT/w8a8.log" 2>&1
   tail -4 "$OUT/gemv_tests.log"; grep -E "^\||^M=|H200" "$OUT/w8a8.log"
 elif [ "$phase" = t ]; then  # right after w (GGUF half a in /tmp/parts): lookahead trace
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  mkdir -p /tmp/kcache/smollm2-135m
-  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
-    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  install_wheels || exit 1
+  join_gguf || exit 1
   timeout 120 python3 scripts/trace_spec_step.py --steps 20 --out "$OUT" > "$OUT/trace.log" 2>&1
   timeout 150 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
@@ -50,19 +64,11 @@ elif [ "$phase" = p ]; then  # PDL session, call 1 (carry .carry/a): mid-M A/B, 
     > "$OUT/gemv_tests.log" 2>&1
   timeout 100 python3 scripts/bench_pdl.py --only smol --modes 2 --mid-m 1,0 \
     --out "$OUT/pdl_mid.json" > "$OUT/pdl_mid.log" 2>&1
-  for q in none fp8; do
-    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
-      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --force > /dev/null
-    timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
-      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
-  done
+  latency_8b
   tail -2 "$OUT/gemv_tests.log"; grep "^|" "$OUT/pdl_mid.log"; tail -n 15 "$OUT"/lat-*.log
 elif [ "$phase" = p2 ]; then  # PDL session, call 2 (carry .carry/b, .whl; right after p1)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  mkdir -p /tmp/kcache/smollm2-135m
-  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
-    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  install_wheels || exit 1
+  join_gguf || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
     > "$OUT/correctness.log" 2>&1
@@ -96,15 +102,9 @@ elif [ "$phase" = c ]; then  # the GEMV chain alone (8B FP8) with a per-shape co
   grep "split" "$OUT/chain.log" | sort -t'|' -k3 -n | head -12
 elif [ "$phase" = e1 ]; then  # end of session, call 1 (carry .carry/a, .whl): 8B targets
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+  install_wheels || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
-  for q in none fp8; do
-    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
-      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --force > /dev/null
-    timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
-      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
-  done
+  latency_8b
   timeout 150 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
     --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
   timeout 90 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
@@ -113,9 +113,7 @@ elif [ "$phase" = e1 ]; then  # end of session, call 1 (carry .carry/a, .whl): 8
   tail -n 14 "$OUT"/lat-*.log; tail -12 "$OUT/tput.log"; tail -3 "$OUT/serve.log"
   tail -2 "$OUT/gemv_tests.log"
 elif [ "$phase" = e2 ]; then  # right after e1 (carry .carry/b): smollm2, correctness, kernels
-  mkdir -p /tmp/kcache/smollm2-135m
-  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
-    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  join_gguf || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
     > "$OUT/correctness.log" 2>&1
@@ -133,11 +131,8 @@ elif [ "$phase" = a ]; then
     --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
   tail -80 "$OUT/profile_8b.log"
 else
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  mkdir -p /tmp/kcache/smollm2-135m
-  cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
-    > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  install_wheels || exit 1
+  join_gguf || exit 1
   timeout 200 python3 -m pytest -q -x tests/gpu > "$OUT/gpu_tests.log" 2>&1
   timeout 150 python3 scripts/bench_fast_path.py --only smol --out "$OUT/smol.json" \
     > "$OUT/smol.log" 2>&1

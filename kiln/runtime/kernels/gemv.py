@@ -164,10 +164,10 @@ def _prefetch_l2(addr, ok):
 
 
 @triton.jit
-def _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo, k_hi, SECTOR: tl.constexpr):
-    """L2-prefetch W[rows_n, k_lo:k_hi], one hint per SECTOR elements (PREFETCH_HINT_BYTES)."""
-    cols = tl.arange(0, 32) * SECTOR
-    for k in range(k_lo, k_hi, 32 * SECTOR):
+def _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo, k_hi, STEP: tl.constexpr):
+    """L2-prefetch W[rows_n, k_lo:k_hi], one hint per STEP elements (PREFETCH_HINT_BYTES)."""
+    cols = tl.arange(0, 32) * STEP
+    for k in range(k_lo, k_hi, 32 * STEP):
         _prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + (k + cols)[None, :],
                      tl.broadcast_to((k + cols < k_hi)[None, :], (rows_n.shape[0], 32)))
 
