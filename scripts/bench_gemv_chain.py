@@ -50,26 +50,6 @@ def make_weights(fp8: bool) -> tuple[list[dict], torch.Tensor]:
     return layers, lm_head
 
 
-def chain_tma(layers, lm_head, x, xd, cfg: tuple | None) -> torch.Tensor:
-    """The chain with plain inputs (no SiLU prologue on down): through gemv (cfg None) or the
-    TMA experiment (cfg = block_n, block_k, stages, warps) for the 4 layer GEMVs."""
-    from kiln.runtime.kernels.gemv_tma import gemv_tma
-
-    for layer in layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            w, s = layer[name]
-            inp = xd if name == "down" else x
-            if cfg is None:
-                gemv.gemv(inp, w, s)
-            else:
-                gemv_tma(inp, w, s, *cfg)
-    return gemv.gemv(x, lm_head)
-
-
-TMA_CONFIGS = [(16, 256, 4, 4), (8, 256, 4, 4), (16, 256, 6, 4), (8, 256, 8, 4),
-               (16, 128, 8, 4), (32, 256, 3, 8), (8, 128, 8, 4), (16, 256, 3, 4)]
-
-
 def chain(layers, lm_head, x, gu, configs: dict) -> torch.Tensor:
     for layer in layers:
         for name in ("qkv", "o_proj", "gate_up"):
@@ -90,7 +70,6 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 weights instead of FP8")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--tma", action="store_true", help="A/B the TMA GEMV experiment")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fp8 = not args.bf16
@@ -118,27 +97,6 @@ def main() -> None:
 
     defaults = {name: gemv.default_config(1, n, k, fp8) for name, (n, k) in SHAPES.items()}
     base = record("shipped rules", {})
-    if args.tma:
-        from kiln.runtime.kernels.gemv_tma import gemv_tma
-
-        xd = gu[:, :14336].contiguous()
-        for name, (n, k) in SHAPES.items():  # correctness first, per shape
-            w, sc = layers[0][name]
-            inp = xd if name == "down" else x
-            ref = gemv.gemv_ref(inp, w, sc).float()
-            for cfg in TMA_CONFIGS:
-                err = ((gemv_tma(inp, w, sc, *cfg).float() - ref).norm() / ref.norm()).item()
-                print(f"tma {name} {cfg}: rel err {err:.2e}", flush=True)
-        for cfg in [None, *TMA_CONFIGS]:
-            label = "gemv, plain down" if cfg is None else f"TMA {cfg}"
-            try:
-                ms = time_us(lambda _, c=cfg: chain_tma(layers, lm_head, x, xd, c), copies=1,
-                             reps=10)["us"] / 1e3
-            except Exception as e:  # noqa: BLE001 - a config that does not fit
-                print(f"{label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            ROWS.append(f"| {label} | {ms:.3f} | {nbytes / ms / 1e9:.2f} |")
-            print(ROWS[-1], flush=True)
     if args.sweep:
         best = {}
         for name, (n, k) in SHAPES.items():  # an equal share of the budget per shape
