@@ -6,6 +6,7 @@
 #                                       spec-step trace)
 # Or w (FP8 W8A8 gemv tests and A/B; carry [".carry/a"]) then t (carry [".carry/b", ".whl"]:
 # the lookahead trace, the smollm2 bench, profile_step). p / p1 / p2: the PDL session's calls.
+# k: engine start-up on an empty Triton cache, with and without --precompile-kernels.
 # e1 / e2: the end-of-session targets and GPU tests (carry .carry/a + .whl, then .carry/b).
 # c: the GEMV chain of an 8B FP8 step alone (bench_gemv_chain.py) with a config sweep.
 # h: L2 hints of weights (gemv whole-slice / line hints, attention hinting o_proj) A/B.
@@ -121,6 +122,20 @@ elif [ "$phase" = e2 ]; then  # right after e1 (carry .carry/b): smollm2, correc
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
   timeout 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
   tail -3 "$OUT/correctness.log"; tail -12 "$OUT/smol.log"; tail -2 "$OUT/kernels.log"
+elif [ "$phase" = k ]; then  # start-up on an empty Triton cache, with and without shipped kernels
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 120 python3 -m pytest -q tests/gpu/test_kernel_cache_gpu.py > "$OUT/kcache_test.log" 2>&1
+  for p in no-precompile-kernels precompile-kernels; do
+    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$p --dtype bfloat16 --max-seq-len 2048 \
+      --max-num-tokens 8192 --max-batch-size 256 --no-tune --$p --force > "$OUT/build-$p.log" 2>&1
+    for run in 1 2; do  # each start on its own empty Triton cache (a fresh machine's)
+      TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 -m kiln bench latency /tmp/l3-$p \
+        --batch-size 1 --input-len 16 --output-len 16 --num-iters 1 --warmup 0 \
+        > "$OUT/cold-$p-$run.log" 2>&1
+    done
+  done
+  tail -1 "$OUT/kcache_test.log"; grep -h "precompiled\|warning" "$OUT"/build-*.log
+  for f in "$OUT"/cold-*.log; do echo "$f"; grep -A1 "engine start-up" "$f"; done
 elif [ "$phase" = p1 ]; then  # the first half of the GGUF, and the kernel tests
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1

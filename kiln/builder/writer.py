@@ -59,6 +59,7 @@ def build_engine(
     progress: bool = True,
     force: bool = False,
     tune: bool | None = False,
+    precompile: bool = False,
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -68,6 +69,9 @@ def build_engine(
     half-written. An existing non-empty ``out_dir`` is replaced only with ``force``.
     ``tune``: time kernel launch configs on this machine's GPU and record the fastest in
     engine.json ``kernel_configs`` (None: when CUDA is available; `kiln build`'s default).
+    ``precompile``: start the built engine once on this machine's GPU and ship the Triton
+    kernels it compiled in ``kernels/`` (``kiln.runtime.kernel_cache``), so serving on a
+    machine with an empty Triton cache does not compile them again.
     """
     out_dir = Path(out_dir).expanduser()
     if dtype not in DTYPES:
@@ -125,6 +129,8 @@ def build_engine(
         _write_tokenizer(model, tmp / TOKENIZER_DIR)
         spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
         (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+        if precompile:
+            _precompile_kernels(tmp, console)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,6 +180,41 @@ def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict
         f"tuned {tuning.num_configs(section)} kernel configs on {section['gpu']} in "
         f"{section['tune_s']:.1f} s ({skipped} candidates skipped, {rejected} rejected)")
     return section
+
+
+def _precompile_kernels(engine_dir: Path, console: Console) -> None:
+    """Ship the Triton kernels the engine compiles at start-up (see kernel_cache): its first
+    start runs in a subprocess with an empty Triton cache, which then goes into kernels/.
+    A failure leaves the engine without them (it still works) and says why."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from kiln.runtime import kernel_cache
+
+    if not torch.cuda.is_available():
+        console.print("kernel precompilation skipped: no CUDA device at build time (build on "
+                      "the serving GPU type to ship compiled kernels)")
+        return
+    cache = Path(tempfile.mkdtemp(prefix="kiln-triton-cache-"))
+    try:
+        with console.status("Precompiling kernels (the engine's first start, on this GPU)"):
+            proc = subprocess.run(
+                [sys.executable, "-m", "kiln.runtime.kernel_cache", "warm", str(engine_dir)],
+                env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True,
+                text=True, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            Console(stderr=True).print(
+                "[yellow]warning:[/] kernel precompilation failed (the engine compiles its "
+                f"kernels when it first starts): {' | '.join(tail)}")
+            return
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+        n = kernel_cache.export_kernels(cache, engine_dir, info["tag"])
+        console.print(f"precompiled {n} kernels for {info['tag']} in {info['seconds']:.1f} s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def _resolve_quantization(

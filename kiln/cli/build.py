@@ -75,6 +75,12 @@ def build(
         help="Time kernel launch configs on this machine's GPU and record the fastest in "
         "engine.json (default: tune when CUDA is available; `kiln serve` never re-tunes).",
     ),
+    precompile: bool = typer.Option(
+        False, "--precompile-kernels/--no-precompile-kernels",
+        help="Start the engine once on this GPU and ship the Triton kernels it compiles in "
+        "ENGINE/kernels, so `kiln serve` on a machine with an empty Triton cache does not "
+        "compile them again (needs CUDA; adds that first start to the build).",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
     ),
@@ -103,6 +109,7 @@ def build(
         progress=not as_json,
         force=force,
         tune=tune,
+        precompile=precompile,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))

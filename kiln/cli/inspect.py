@@ -66,6 +66,19 @@ def inspect(
         weights[name] = f"{info['size']:,} bytes, sha256 {info['sha256']}"
     console.print(_table("Weights", weights))
     console.print(_table("Kernel configs", _kernel_rows(spec.kernel_configs)))
+    console.print(_table("Compiled kernels", _compiled_rows(artifact.path)))
+
+
+def _compiled_rows(path: Path) -> dict[str, Any]:
+    """The Triton kernels the engine ships (``kiln build --precompile-kernels``), per tag."""
+    from kiln.runtime.kernel_cache import KERNELS_DIR, shipped_tags
+
+    tags = shipped_tags(path)
+    if not tags:
+        return {"shipped": "none (compiled at the first start on each machine; "
+                           "`kiln build --precompile-kernels` ships them)"}
+    return {tag: f"{sum(1 for p in (Path(path) / KERNELS_DIR / tag).iterdir() if p.is_dir())}"
+                 " kernels" for tag in tags}
 
 
 def _kernel_rows(section: dict[str, Any]) -> dict[str, Any]:

@@ -207,6 +207,8 @@ class LLMEngine:
         self.num_steps = 0
         self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
         self.spec_break_even = self._spec_break_even() if self.spec_worker else None
+        # compiled kernels the engine directory shipped for this machine (from_engine_dir)
+        self.kernels_installed: dict[str, int] = {}
         self.async_scheduling = config.async_scheduling  # may be switched between steps
         self._inflight: LaunchedStep | None = None
         self._host_tokens = [torch.empty(self.scheduler.max_num_seqs, dtype=torch.long,
@@ -226,6 +228,19 @@ class LLMEngine:
         from kiln.runtime.kernels import tuning  # build-time tuned kernel configs (no re-tuning)
 
         tuning.install(spec.kernel_configs, device)
+        kernels = {}
+        if torch.device(device).type == "cuda":  # before anything compiles (kernel_cache)
+            from kiln.runtime import kernel_cache
+
+            t_k = time.perf_counter()
+            tag = kernel_cache.cache_tag(device)
+            kernels = kernel_cache.install_kernels(Path(path), tag)
+            kernels_s = time.perf_counter() - t_k
+            other = kernel_cache.shipped_tags(Path(path))
+            if not kernels and other:
+                print(f"kiln: the engine ships compiled kernels for {', '.join(other)}, not "
+                      f"for this machine ({tag}); they are compiled at start-up instead "
+                      "(rebuild with --precompile-kernels here to ship them)", file=sys.stderr)
         dtype = DTYPES[spec.dtype]
         lim = spec.limits
         limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
@@ -237,6 +252,10 @@ class LLMEngine:
         engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec)
         engine.startup_times = {"load_weights_s": load_s, **engine.startup_times,
                                 "total_s": load_s + engine.startup_times["total_s"]}
+        if kernels:  # the engine shipped compiled kernels for this machine
+            engine.startup_times = {"install_kernels_s": kernels_s, **engine.startup_times,
+                                    "total_s": kernels_s + engine.startup_times["total_s"]}
+            engine.kernels_installed = kernels
         return engine
 
     def _auto_num_blocks(self) -> int:

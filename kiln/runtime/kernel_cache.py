@@ -1,0 +1,117 @@
+"""Compiled Triton kernels shipped inside an engine directory (``kernels/<tag>/``).
+
+On a machine whose Triton cache is empty (a fresh container, a new host), the engine's
+start-up JIT-compiles every kernel variant its CUDA graphs capture: on the H200 that made the
+8B engine's graph capture 10.6-14.9 s instead of 2.2 s with a warm cache, and ``kiln serve``
+~21-26 s to ready instead of 15 (notes/NOTES.md, 2026-11-30 fifth session).
+
+``kiln build --precompile-kernels`` (on the serving GPU type) starts the built engine once in a
+subprocess whose Triton cache is a fresh folder, then copies that folder's entries into the
+engine under a tag naming the Triton version and the GPU's compute capability. Loading an
+engine on CUDA copies the entries for this machine's tag into the active Triton cache where
+they are missing (``install_kernels``), before anything compiles. Triton keys each entry by
+kernel source, specialisation, compiler and target, so an entry this machine cannot use is
+never looked up; a whole cache of another tag is skipped.
+
+    python -m kiln.runtime.kernel_cache warm ENGINE_DIR   (what the build runs)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KERNELS_DIR = "kernels"
+_SKIP = shutil.ignore_patterns("lock", "*.tmp*")
+
+
+def cache_tag(device=None) -> str:
+    """``triton-<version>-sm<major><minor>``: what a shipped cache must match here."""
+    import torch
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"triton-{triton.__version__}-sm{major}{minor}"
+
+
+def triton_cache_dir() -> Path:
+    """The folder Triton reads and writes compiled kernels in (TRITON_CACHE_DIR or default)."""
+    from triton import knobs
+
+    return Path(knobs.cache.dir)
+
+
+def export_kernels(src: Path, engine_dir: Path, tag: str) -> int:
+    """Copy every Triton cache entry (one folder per key) of ``src`` into
+    ``engine_dir/kernels/<tag>/``; returns how many."""
+    dest = Path(engine_dir) / KERNELS_DIR / tag
+    dest.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for entry in sorted(Path(src).iterdir()):
+        if entry.is_dir():
+            shutil.copytree(entry, dest / entry.name, ignore=_SKIP, dirs_exist_ok=True)
+            n += 1
+    return n
+
+
+def install_kernels(engine_dir: Path, tag: str, dest: Path | None = None) -> dict[str, int]:
+    """Copy the engine's cache entries for ``tag`` into Triton's cache (``dest``, default the
+    active one) where missing. Returns {"shipped": n, "installed": k}, empty when the engine
+    ships none for this tag. An entry lands whole or not at all (copied beside, renamed)."""
+    src = Path(engine_dir) / KERNELS_DIR / tag
+    if not src.is_dir():
+        return {}
+    dest = Path(dest) if dest is not None else triton_cache_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    shipped = installed = 0
+    for entry in sorted(src.iterdir()):
+        if not entry.is_dir():
+            continue
+        shipped += 1
+        target = dest / entry.name
+        if target.exists():
+            continue
+        part = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=dest))
+        try:
+            shutil.copytree(entry, part, dirs_exist_ok=True)
+            os.replace(part, target)
+            installed += 1
+        except OSError:  # another process installed it first: theirs is as good
+            shutil.rmtree(part, ignore_errors=True)
+    return {"shipped": shipped, "installed": installed}
+
+
+def shipped_tags(engine_dir: Path) -> list[str]:
+    """The tags an engine ships compiled kernels for (``kiln inspect``, error messages)."""
+    root = Path(engine_dir) / KERNELS_DIR
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def warm(engine_dir: Path) -> dict:
+    """Start the engine on CUDA (capturing its graphs) and generate a few tokens, so every
+    kernel variant serving needs is compiled into the current Triton cache."""
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.runtime.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cuda"))
+    eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]],
+                 SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    return {"tag": cache_tag(), "seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "warm":
+        print("usage: python -m kiln.runtime.kernel_cache warm ENGINE_DIR", file=sys.stderr)
+        return 2
+    print(json.dumps(warm(Path(argv[1]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,51 @@
+"""An engine built with --precompile-kernels starts on a machine with an empty Triton cache
+without compiling anything: the shipped entries are installed and nothing else appears."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="compiled kernels, not the interpreter"),
+]
+
+START = """
+import json, sys
+from pathlib import Path
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.sampling_params import SamplingParams
+eng = LLMEngine.from_engine_dir(sys.argv[1], RuntimeConfig(device="cuda"))
+eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+print(json.dumps({"installed": eng.kernels_installed, "times": eng.startup_times}))
+"""
+
+
+def test_precompiled_engine_starts_on_a_fresh_cache_without_compiling(tmp_path):
+    from kiln.builder import build_engine
+    from kiln.runtime import kernel_cache
+
+    out = tmp_path / "e"
+    build_engine("random:tiny-llama", out, progress=False, precompile=True)
+    tag = kernel_cache.cache_tag()
+    assert kernel_cache.shipped_tags(out) == [tag]
+    shipped = sum(1 for p in (out / "kernels" / tag).iterdir() if p.is_dir())
+    assert shipped > 0
+    fresh = tmp_path / "fresh-triton-cache"
+    res = subprocess.run([sys.executable, "-c", START, str(out)], capture_output=True,
+                         text=True, check=False,
+                         env={**os.environ, "TRITON_CACHE_DIR": str(fresh)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["installed"] == {"shipped": shipped, "installed": shipped}
+    assert "install_kernels_s" in info["times"]
+    # nothing compiled at start-up: the fresh cache holds exactly the shipped entries
+    assert sorted(p.name for p in fresh.iterdir() if p.is_dir()) == sorted(
+        p.name for p in (out / "kernels" / tag).iterdir() if p.is_dir())

@@ -1,0 +1,72 @@
+"""Compiled Triton kernels shipped in an engine (kiln/runtime/kernel_cache.py): the copy in
+and out of Triton's cache, the build flag off CUDA, and what `kiln inspect` shows. The GPU
+side (the build's first start, a fresh cache served from the engine) is
+tests/gpu/test_kernel_cache_gpu.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from kiln.builder import build_engine
+from kiln.runtime import kernel_cache
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+
+
+def _fake_triton_cache(root, keys):
+    for key in keys:
+        d = root / key
+        d.mkdir(parents=True)
+        (d / "k.cubin").write_bytes(key.encode() * 10)
+        (d / "k.json").write_text("{}")
+        (d / "lock").write_text("")  # Triton's own bookkeeping: not shipped
+    return root
+
+
+def test_export_then_install_copies_missing_entries_only(tmp_path):
+    src = _fake_triton_cache(tmp_path / "built", ["aaa", "bbb", "ccc"])
+    engine = tmp_path / "engine"
+    assert kernel_cache.export_kernels(src, engine, "triton-9.9-sm90") == 3
+    assert kernel_cache.shipped_tags(engine) == ["triton-9.9-sm90"]
+    assert not (engine / "kernels" / "triton-9.9-sm90" / "aaa" / "lock").exists()
+    dest = _fake_triton_cache(tmp_path / "serving", ["bbb"])
+    (dest / "bbb" / "k.cubin").write_bytes(b"theirs")
+    assert kernel_cache.install_kernels(engine, "triton-9.9-sm90", dest) == {
+        "shipped": 3, "installed": 2}
+    assert (dest / "aaa" / "k.cubin").read_bytes() == b"aaa" * 10
+    assert (dest / "bbb" / "k.cubin").read_bytes() == b"theirs"  # an existing entry stays
+    assert sorted(p.name for p in dest.iterdir()) == ["aaa", "bbb", "ccc"]  # no leftovers
+    assert kernel_cache.install_kernels(engine, "triton-9.9-sm90", dest)["installed"] == 0
+    # another machine's tag: nothing to install
+    assert kernel_cache.install_kernels(engine, "triton-9.9-sm100", tmp_path / "x") == {}
+
+
+def test_build_precompile_without_cuda_says_so_and_ships_nothing(tmp_path, capsys):
+    out = tmp_path / "e"
+    build_engine("random:tiny-llama", out, progress=True, precompile=True)
+    assert "kernel precompilation skipped: no CUDA" in capsys.readouterr().err
+    assert kernel_cache.shipped_tags(out) == []
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    assert eng.kernels_installed == {} and "install_kernels_s" not in eng.startup_times
+
+
+def test_inspect_lists_shipped_kernels(tmp_path):
+    from kiln.cli.app import app
+
+    out = tmp_path / "e"
+    build_engine("random:tiny-llama", out, progress=False)
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "--precompile-kernels" in res.output
+    kernel_cache.export_kernels(_fake_triton_cache(tmp_path / "c", ["k1", "k2"]), out,
+                                "triton-9.9-sm90")
+    res = runner.invoke(app, ["inspect", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "triton-9.9-sm90" in res.output and "2 kernels" in res.output
+
+
+def test_warm_entry_point_usage():
+    res = subprocess.run([sys.executable, "-m", "kiln.runtime.kernel_cache"],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 2 and "usage" in res.stderr
