@@ -197,6 +197,7 @@ def _precompile_kernels(engine_dir: Path, console: Console) -> None:
         console.print("kernel precompilation skipped: no CUDA device at build time (build on "
                       "the serving GPU type to ship compiled kernels)")
         return
+    torch.cuda.empty_cache()  # the first start gets the memory tuning held
     cache = Path(tempfile.mkdtemp(prefix="kiln-triton-cache-"))
     try:
         with console.status("Precompiling kernels (the engine's first start, on this GPU)"):

@@ -228,19 +228,11 @@ class LLMEngine:
         from kiln.runtime.kernels import tuning  # build-time tuned kernel configs (no re-tuning)
 
         tuning.install(spec.kernel_configs, device)
-        kernels = {}
-        if torch.device(device).type == "cuda":  # before anything compiles (kernel_cache)
-            from kiln.runtime import kernel_cache
+        kernels, kernels_s = {}, 0.0
+        if torch.device(device).type == "cuda":  # before anything compiles
+            from kiln.runtime.kernel_cache import install_for_engine
 
-            t_k = time.perf_counter()
-            tag = kernel_cache.cache_tag(device)
-            kernels = kernel_cache.install_kernels(Path(path), tag)
-            kernels_s = time.perf_counter() - t_k
-            other = kernel_cache.shipped_tags(Path(path))
-            if not kernels and other:
-                print(f"kiln: the engine ships compiled kernels for {', '.join(other)}, not "
-                      f"for this machine ({tag}); they are compiled at start-up instead "
-                      "(rebuild with --precompile-kernels here to ship them)", file=sys.stderr)
+            kernels, kernels_s = install_for_engine(Path(path), device)
         dtype = DTYPES[spec.dtype]
         lim = spec.limits
         limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,

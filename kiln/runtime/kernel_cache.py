@@ -86,6 +86,26 @@ def install_kernels(engine_dir: Path, tag: str, dest: Path | None = None) -> dic
     return {"shipped": shipped, "installed": installed}
 
 
+def install_for_engine(engine_dir: Path, device) -> tuple[dict[str, int], float]:
+    """What loading an engine on CUDA does: install its kernels for this machine's tag
+    (``install_kernels``), saying on stderr why none were used when it ships some. Returns
+    (the counts, empty when none apply; seconds). Never fails the start-up."""
+    t0 = time.perf_counter()
+    tag = cache_tag(device)
+    try:
+        kernels = install_kernels(engine_dir, tag)
+    except OSError as e:  # e.g. a read-only Triton cache: compile as without them
+        print(f"kiln: could not install the engine's compiled kernels ({e}); they are "
+              "compiled at start-up instead", file=sys.stderr)
+        kernels = {}
+    other = shipped_tags(engine_dir)
+    if not kernels and other and tag not in other:
+        print(f"kiln: the engine ships compiled kernels for {', '.join(other)}, not for this "
+              f"machine ({tag}); they are compiled at start-up instead (rebuild here with "
+              "--precompile-kernels to ship them)", file=sys.stderr)
+    return kernels, time.perf_counter() - t0
+
+
 def shipped_tags(engine_dir: Path) -> list[str]:
     """The tags an engine ships compiled kernels for (``kiln inspect``, error messages)."""
     root = Path(engine_dir) / KERNELS_DIR

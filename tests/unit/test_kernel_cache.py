@@ -70,3 +70,26 @@ def test_warm_entry_point_usage():
     res = subprocess.run([sys.executable, "-m", "kiln.runtime.kernel_cache"],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 2 and "usage" in res.stderr
+
+
+def test_install_for_engine_never_fails_the_start(tmp_path, monkeypatch, capsys):
+    engine = tmp_path / "engine"
+    kernel_cache.export_kernels(_fake_triton_cache(tmp_path / "built", ["aaa"]), engine,
+                                "triton-9.9-sm90")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_cache, "cache_tag", lambda device=None: "triton-9.9-sm90")
+    kernels, seconds = kernel_cache.install_for_engine(engine, "cuda")
+    assert kernels == {"shipped": 1, "installed": 1} and seconds >= 0
+    assert (tmp_path / "cache" / "aaa" / "k.cubin").exists()
+    # another GPU or Triton: said once, nothing installed
+    monkeypatch.setattr(kernel_cache, "cache_tag", lambda device=None: "triton-9.9-sm100")
+    assert kernel_cache.install_for_engine(engine, "cuda")[0] == {}
+    assert "ships compiled kernels for triton-9.9-sm90, not for this machine" in \
+        capsys.readouterr().err
+    # a Triton cache that cannot be written: a message, and the start goes on
+    monkeypatch.setattr(kernel_cache, "cache_tag", lambda device=None: "triton-9.9-sm90")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))
+    assert kernel_cache.install_for_engine(engine, "cuda")[0] == {}
+    assert "could not install the engine's compiled kernels" in capsys.readouterr().err
