@@ -6,7 +6,8 @@
 #                                       spec-step trace)
 # Or w (FP8 W8A8 gemv tests and A/B; carry [".carry/a"]) then t (carry [".carry/b", ".whl"]:
 # the lookahead trace, the smollm2 bench, profile_step). p / p1 / p2: the PDL session's calls.
-# k: engine start-up on an empty Triton cache, with and without --precompile-kernels.
+# k: engine start-up on an empty Triton cache, with and without --precompile-kernels
+#    (carry .carry/a too, then m right after with .carry/b + .whl: the MID_M trace, e2e).
 # e1 / e2: the end-of-session targets and GPU tests (carry .carry/a + .whl, then .carry/b).
 # c: the GEMV chain of an 8B FP8 step alone (bench_gemv_chain.py) with a config sweep.
 # h: L2 hints of weights (gemv whole-slice / line hints, attention hinting o_proj) A/B.
@@ -123,6 +124,7 @@ elif [ "$phase" = e2 ]; then  # right after e1 (carry .carry/b): smollm2, correc
   timeout 150 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1
   tail -3 "$OUT/correctness.log"; tail -12 "$OUT/smol.log"; tail -2 "$OUT/kernels.log"
 elif [ "$phase" = k ]; then  # start-up on an empty Triton cache, with and without shipped kernels
+  [ -d .carry/a ] && mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/  # for m next
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 120 python3 -m pytest -q tests/gpu/test_kernel_cache_gpu.py > "$OUT/kcache_test.log" 2>&1
   for p in no-precompile-kernels precompile-kernels; do
@@ -136,6 +138,15 @@ elif [ "$phase" = k ]; then  # start-up on an empty Triton cache, with and witho
   done
   tail -1 "$OUT/kcache_test.log"; grep -h "precompiled\|warning" "$OUT"/build-*.log
   for f in "$OUT"/cold-*.log; do echo "$f"; grep -A1 "engine start-up" "$f"; done
+elif [ "$phase" = m ]; then  # right after k with .carry/a (carry .carry/b, .whl): MID_M puzzle
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 200 python3 scripts/trace_spec_step.py --steps 20 --mid-m 0,1 --out "$OUT" \
+    > "$OUT/trace_mid.log" 2>&1
+  timeout 300 python3 scripts/bench_pdl.py --only smol --modes 2 --mid-m 0,1 \
+    --out "$OUT/mid.json" > "$OUT/mid.log" 2>&1
+  grep -v "USDT\|Converting" "$OUT/trace_mid.log" | tail -60; grep "^|" "$OUT/mid.log"
 elif [ "$phase" = p1 ]; then  # the first half of the GGUF, and the kernel tests
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py > "$OUT/kernels.log" 2>&1

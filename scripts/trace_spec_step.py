@@ -1,7 +1,7 @@
 """Where a speculative (lookahead) step's wall time goes: GPU busy vs host, per step.
 
     KILN_CACHE=... PYTHONPATH=. python3 scripts/trace_spec_step.py [--window 7,7,7]
-        [--steps 20] [--out DIR]
+        [--steps 20] [--out DIR] [--mid-m 0,1]
 
 Builds smollm2-135m bf16 (the GGUF in $KILN_CACHE, else random weights) with a lookahead
 engine, decodes one code prompt plainly and with lookahead, and profiles ``--steps`` engine
@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--window", default="7,7,7")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mid-m", default=None,
+                    help="gemv.MID_M values to trace in turn (one engine each), e.g. 0,1: "
+                    "why its faster replays made slower lookahead steps (NOTES.md)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     gguf = cached_path(BUILTINS["smollm2-135m"])
@@ -60,13 +63,29 @@ def main() -> None:
     build_engine(source, eng_dir, dtype="bfloat16" if cuda else "float32", max_seq_len=1024,
                  max_num_tokens=4096, max_batch_size=8, progress=False,
                  speculative=SpeculativeConfig.from_cli("lookahead", args.window, None, None))
-    eng = LLMEngine.from_engine_dir(eng_dir, RuntimeConfig(device="cuda" if cuda else "cpu"))
-    prompt = eng.apply_chat_template([{"role": "user", "content": CODE_PROMPTS[0]}])
+    from kiln.runtime.kernels import gemv
+
     window = tuple(int(x) for x in args.window.split(","))
     out_dir = Path(args.out) if args.out else None
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, {source}, window {window}")
+    mids = [v == "1" for v in args.mid_m.split(",")] if args.mid_m else [gemv.MID_M]
+    shipped = gemv.MID_M
+    for mid in mids:
+        gemv.MID_M = mid  # before the engine captures its graphs
+        try:
+            eng = LLMEngine.from_engine_dir(eng_dir,
+                                            RuntimeConfig(device="cuda" if cuda else "cpu"))
+            trace(eng, window, args.steps, cuda, out_dir, f"MID_M={int(mid)} ")
+            del eng
+        finally:
+            gemv.MID_M = shipped
+
+
+def trace(eng, window, steps: int, cuda: bool, out_dir: Path | None, label: str) -> None:
+    """Profile ``steps`` steady engine steps, plain then lookahead, on one code prompt."""
+    prompt = eng.apply_chat_template([{"role": "user", "content": CODE_PROMPTS[0]}])
     for name, lookahead in (("plain", (1, 1, 0)), ("lookahead", window)):
-        p = SamplingParams(max_tokens=args.steps * 8 + 64, temperature=0, ignore_eos=True,
+        p = SamplingParams(max_tokens=steps * 8 + 64, temperature=0, ignore_eos=True,
                            lookahead=lookahead)
         eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
                                               lookahead=lookahead))
@@ -79,27 +98,33 @@ def main() -> None:
         produced = 0
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 for o in eng.step():
                     produced += len(o.new_token_ids)
             if cuda:
                 torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / args.steps * 1e3
+            wall = (time.perf_counter() - t0) / steps * 1e3
         eng.abort(rid)
         while eng.has_unfinished_requests():
             eng.step()
-        busy = busy_us(prof) / args.steps / 1e3
-        print(f"  {name:9} wall {wall:.3f} ms/step, device busy {busy:.3f} ms/step, "
-              f"host-only {wall - busy:.3f} ms/step, {produced / args.steps:.2f} tokens/step "
-              f"-> {produced / args.steps / wall * 1e3:.0f} tok/s")
+        busy = busy_us(prof) / steps / 1e3
+        print(f"  {label}{name:9} wall {wall:.3f} ms/step, device busy {busy:.3f} ms/step, "
+              f"host-only {wall - busy:.3f} ms/step, {produced / steps:.2f} tokens/step "
+              f"-> {produced / steps / wall * 1e3:.0f} tok/s")
         cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
                      key=lambda e: -e.self_cpu_time_total)[:10]
         for e in cpu:
-            print(f"      {e.self_cpu_time_total / args.steps:9.1f} us/step  "
-                  f"{e.count / args.steps:6.1f}x  {e.key[:70]}")
+            print(f"      {e.self_cpu_time_total / steps:9.1f} us/step  "
+                  f"{e.count / steps:6.1f}x  {e.key[:70]}")
+        if cuda:  # the kernels (and copies) that ran, by device time
+            dev = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                         key=lambda e: -e.self_device_time_total)[:8]
+            for e in dev:
+                print(f"      {e.self_device_time_total / steps:9.1f} us/step  "
+                      f"{e.count / steps:6.1f}x  [device] {e.key[:60]}")
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(out_dir / f"trace_{name}.json"))
+            prof.export_chrome_trace(str(out_dir / f"trace_{label.strip()}_{name}.json"))
 
 
 if __name__ == "__main__":
