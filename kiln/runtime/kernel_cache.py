@@ -112,17 +112,26 @@ def shipped_tags(engine_dir: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def warm(engine_dir: Path) -> dict:
-    """Start the engine on CUDA (capturing its graphs) and generate a few tokens, so every
-    kernel variant serving needs is compiled into the current Triton cache."""
+# Prompt lengths the build's first start prefills: the small-batch GEMV picks its tiles per
+# row count (1..GEMV_MAX_M), and longer prompts take the tensor-core and attention paths.
+WARM_PROMPT_LENS = (*range(1, 10), 16, 17, 64, 200)
+
+
+def warm(engine_dir: Path, device: str = "cuda") -> dict:
+    """Start the engine on CUDA (capturing its graphs) and prefill and decode a few prompts
+    of the lengths in WARM_PROMPT_LENS, so the kernel variants serving needs are compiled
+    into the current Triton cache."""
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
     from kiln.runtime.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cuda"))
-    eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]],
-                 SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    return {"tag": cache_tag(), "seconds": time.perf_counter() - t0}
+    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device=device))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [n for n in WARM_PROMPT_LENS if n <= eng.limits.max_input_len]
+    for n in prompts:
+        eng.generate([[(7 * i + 11) % 100 + 1 for i in range(n)]], params)
+    tag = cache_tag() if device == "cuda" else None
+    return {"tag": tag, "seconds": time.perf_counter() - t0, "prompts": prompts}
 
 
 def main(argv: list[str]) -> int:

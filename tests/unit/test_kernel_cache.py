@@ -66,6 +66,15 @@ def test_inspect_lists_shipped_kernels(tmp_path):
     assert res.exit_code == 0 and "triton-9.9-sm90" in res.output and "2 kernels" in res.output
 
 
+def test_warm_prefills_every_length_the_engine_takes(tmp_path):
+    """The build's first start (run here on CPU: the same engine calls, no Triton cache)."""
+    out = tmp_path / "e"
+    build_engine("random:tiny-llama", out, progress=False, max_seq_len=64, max_input_len=20)
+    info = kernel_cache.warm(out, device="cpu")
+    assert info["prompts"] == [n for n in kernel_cache.WARM_PROMPT_LENS if n <= 20]
+    assert info["tag"] is None and info["seconds"] > 0
+
+
 def test_warm_entry_point_usage():
     res = subprocess.run([sys.executable, "-m", "kiln.runtime.kernel_cache"],
                          capture_output=True, text=True, check=False)
