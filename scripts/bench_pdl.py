@@ -42,17 +42,23 @@ ROWS: list[tuple[str, str]] = []
 MODULES = {"gemv": gemv, "paged_attention": paged_attention}  # --knob targets
 
 
+def _rule(name: str) -> tuple[object, str]:
+    """``"gemv.MID_M"`` -> (the gemv module, "MID_M")."""
+    mod, _, attr = name.partition(".")
+    return MODULES[mod], attr
+
+
 @contextlib.contextmanager
 def kernel_knobs(knobs: dict):
     """Set kernel-module rules ({"gemv.MID_M": 1, ...}) inside the block, then restore."""
-    old = {k: getattr(MODULES[k.split(".")[0]], k.split(".")[1]) for k in knobs}
+    old = {k: getattr(*_rule(k)) for k in knobs}
     for k, v in knobs.items():
-        setattr(MODULES[k.split(".")[0]], k.split(".")[1], v)
+        setattr(*_rule(k), v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(MODULES[k.split(".")[0]], k.split(".")[1], v)
+            setattr(*_rule(k), v)
 
 
 def one_mode(path: Path, mode: int, prompt: list[int], knobs: dict,
@@ -106,8 +112,7 @@ def compare(res: dict, name: str, path: Path, modes: list[int], knob_values: dic
         knobs = dict(zip(names, combo))
         for m in modes:
             key = str(m) + "".join(
-                f"-{n.split('.')[1]}={v}" for n, v in knobs.items()
-                if v != getattr(MODULES[n.split(".")[0]], n.split(".")[1]))
+                f"-{n.split('.')[1]}={v}" for n, v in knobs.items() if v != getattr(*_rule(n)))
             r[key] = one_mode(path, m, prompt, knobs, lookahead)
             keys.append(key)
     first = keys[0]

@@ -71,14 +71,13 @@ def inspect(
 
 def _compiled_rows(path: Path) -> dict[str, Any]:
     """The Triton kernels the engine ships (``kiln build --precompile-kernels``), per tag."""
-    from kiln.runtime.kernel_cache import KERNELS_DIR, shipped_tags
+    from kiln.runtime.kernel_cache import shipped_kernels
 
-    tags = shipped_tags(path)
-    if not tags:
+    shipped = shipped_kernels(path)
+    if not shipped:
         return {"shipped": "none (compiled at the first start on each machine; "
                            "`kiln build --precompile-kernels` ships them)"}
-    return {tag: f"{sum(1 for p in (Path(path) / KERNELS_DIR / tag).iterdir() if p.is_dir())}"
-                 " kernels" for tag in tags}
+    return {tag: f"{n} kernels" for tag, n in shipped.items()}
 
 
 def _kernel_rows(section: dict[str, Any]) -> dict[str, Any]:

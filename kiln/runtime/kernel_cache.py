@@ -106,8 +106,17 @@ def install_for_engine(engine_dir: Path, device) -> tuple[dict[str, int], float]
     return kernels, time.perf_counter() - t0
 
 
+def shipped_kernels(engine_dir: Path) -> dict[str, int]:
+    """How many compiled kernels an engine ships, per tag (``kiln inspect``)."""
+    root = Path(engine_dir) / KERNELS_DIR
+    if not root.is_dir():
+        return {}
+    return {t.name: sum(1 for e in t.iterdir() if e.is_dir())
+            for t in sorted(root.iterdir()) if t.is_dir()}
+
+
 def shipped_tags(engine_dir: Path) -> list[str]:
-    """The tags an engine ships compiled kernels for (``kiln inspect``, error messages)."""
+    """The tags an engine ships compiled kernels for (messages at load)."""
     root = Path(engine_dir) / KERNELS_DIR
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
