@@ -138,6 +138,45 @@ elif [ "$phase" = k ]; then  # start-up on an empty Triton cache, with and witho
   done
   tail -1 "$OUT/kcache_test.log"; grep -h "precompiled\|warning" "$OUT"/build-*.log
   for f in "$OUT"/cold-*.log; do echo "$f"; grep -A1 "engine start-up" "$f"; done
+elif [ "$phase" = s ]; then  # where a cold start goes: per-bucket capture + cProfile, cold then warm
+  [ -d .carry/a ] && mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/  # for m next
+  export PYTHONPATH=/tmp/site:.:scripts
+  python3 -m kiln build random:llama-3-8b -o /tmp/l3s --dtype bfloat16 --max-seq-len 2048 \
+    --max-num-tokens 8192 --max-batch-size 256 --no-tune --force > "$OUT/build.log" 2>&1
+  tc=$(mktemp -d)
+  for run in cold warm; do
+    TRITON_CACHE_DIR=$tc timeout 150 python3 scripts/profile_startup.py /tmp/l3s \
+      --out "$OUT/prof-$run.txt" > "$OUT/start-$run.log" 2>&1
+  done
+  TRITON_CACHE_DIR=$tc timeout 100 python3 scripts/profile_startup.py /tmp/l3s --no-profile \
+    > "$OUT/start-warm-noprof.log" 2>&1
+  for run in cold warm; do head -25 "$OUT/start-$run.log"; grep -A30 "Ordered by: cumulative" "$OUT/start-$run.log" | head -40; done
+  head -3 "$OUT/start-warm-noprof.log"
+elif [ "$phase" = s2 ]; then  # why the shipped kernels missed: JIT specialisations, build vs start
+  export PYTHONPATH=/tmp/site:scripts/jitlog:.:scripts
+  KILN_JIT_LOG=$OUT/jit-build.txt python3 -m kiln build random:llama-3-8b -o /tmp/l3p \
+    --dtype bfloat16 --max-seq-len 2048 --max-num-tokens 8192 --max-batch-size 256 --no-tune \
+    --precompile-kernels --force > "$OUT/build.log" 2>&1
+  tc=$(mktemp -d)
+  KILN_JIT_LOG=$OUT/jit-start.txt TRITON_CACHE_DIR=$tc timeout 150 python3 \
+    scripts/profile_startup.py /tmp/l3p --no-profile > "$OUT/start.log" 2>&1
+  tail -2 "$OUT/build.log"; head -1 "$OUT/start.log"; wc -l "$OUT"/jit-*.txt
+  python3 scripts/jitlog/diff.py "$OUT/jit-build.txt" "$OUT/jit-start.txt" > "$OUT/diff.txt" 2>&1
+  cut -c1-600 "$OUT/diff.txt" | head -40
+  ls /tmp/l3p/kernels/*/ | sort > "$OUT/shipped.txt"; ls "$tc" | sort > "$OUT/after.txt"
+  echo "after-start entries not shipped: $(comm -13 "$OUT/shipped.txt" "$OUT/after.txt" | wc -l)"
+elif [ "$phase" = s3 ]; then  # the start on installed kernels under cProfile, then again
+  export PYTHONPATH=/tmp/site:.:scripts
+  [ -d /tmp/l3p/kernels ] || python3 -m kiln build random:llama-3-8b -o /tmp/l3p --dtype bfloat16 \
+    --max-seq-len 2048 --max-num-tokens 8192 --max-batch-size 256 --no-tune \
+    --precompile-kernels --force > "$OUT/build.log" 2>&1
+  tc=$(mktemp -d)
+  for run in 1 2; do
+    TRITON_CACHE_DIR=$tc timeout 150 python3 scripts/profile_startup.py /tmp/l3p \
+      --out "$OUT/prof-$run.txt" > "$OUT/start-$run.log" 2>&1
+    head -1 "$OUT/start-$run.log"; grep -A28 "Ordered by: internal" "$OUT/start-$run.log" | cut -c1-200
+  done
+  ls -la ~/.nv/ComputeCache 2>&1 | head -3; du -sh ~/.nv ~/.triton 2>&1
 elif [ "$phase" = m ]; then  # right after k with .carry/a (carry .carry/b, .whl): MID_M puzzle
   install_wheels || exit 1
   join_gguf || exit 1

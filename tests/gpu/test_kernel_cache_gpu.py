@@ -18,13 +18,19 @@ pytestmark = [
 ]
 
 START = """
-import json, sys
+import json, sys, time
 from pathlib import Path
+from triton import knobs
+t0 = time.time()
+misses = []  # Triton compiles that were not cache hits (the listener exists in triton >= 3.4)
+if hasattr(knobs.compilation, "listener"):
+    knobs.compilation.listener = lambda **kw: None if kw.get("cache_hit") else misses.append(1)
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 eng = LLMEngine.from_engine_dir(sys.argv[1], RuntimeConfig(device="cuda"))
 eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-print(json.dumps({"installed": eng.kernels_installed, "times": eng.startup_times}))
+print(json.dumps({"installed": eng.kernels_installed, "times": eng.startup_times, "t0": t0,
+                  "misses": len(misses)}))
 """
 
 
@@ -46,6 +52,13 @@ def test_precompiled_engine_starts_on_a_fresh_cache_without_compiling(tmp_path):
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["installed"] == {"shipped": shipped, "installed": shipped}
     assert "install_kernels_s" in info["times"]
-    # nothing compiled at start-up: the fresh cache holds exactly the shipped entries
+    # nothing compiled at start-up: no new entries, no Triton cache misses, and no kernel
+    # file written after the start began (installed files keep the build's times; a
+    # recompile into the same folder, which a copied group file without relocation caused,
+    # rewrites them)
     assert sorted(p.name for p in fresh.iterdir() if p.is_dir()) == sorted(
         p.name for p in (out / "kernels" / tag).iterdir() if p.is_dir())
+    assert info["misses"] == 0
+    rewritten = [f.name for f in fresh.rglob("*") if f.is_file()
+                 and not f.name.startswith("__grp__") and f.stat().st_mtime >= info["t0"]]
+    assert rewritten == []

@@ -43,6 +43,35 @@ def test_export_then_install_copies_missing_entries_only(tmp_path):
     assert kernel_cache.install_kernels(engine, "triton-9.9-sm100", tmp_path / "x") == {}
 
 
+def test_installed_entries_are_cache_hits_for_triton(tmp_path, monkeypatch):
+    """Triton's group files name a kernel's files by absolute path, and a group whose paths
+    are gone is a miss (recompile). The build's cache is deleted after export, so installed
+    groups must point into the serving cache: Triton's own cache manager must find them."""
+    import shutil
+
+    from triton.runtime.cache import FileCacheManager
+
+    built = tmp_path / "built"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(built))
+    mgr = FileCacheManager("KEY1")
+    files = {name: mgr.put(data, name) for name, data in
+             [("k.cubin", b"\x7fELF"), ("k.json", '{"name": "k"}')]}
+    mgr.put_group("k.json", files)
+    assert FileCacheManager("KEY1").get_group("k.json") is not None  # a hit where built
+    engine = tmp_path / "engine"
+    assert kernel_cache.export_kernels(built, engine, "triton-9.9-sm90") == 1
+    shutil.rmtree(built)  # the build's temporary cache is gone
+    shipped = next((engine / "kernels" / "triton-9.9-sm90" / "KEY1").glob("__grp__*"))
+    assert str(tmp_path) not in shipped.read_text()  # no build paths in the artifact
+    serving = tmp_path / "serving"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(serving))
+    assert FileCacheManager("KEY1").get_group("k.json") is None  # a miss before install
+    assert kernel_cache.install_kernels(engine, "triton-9.9-sm90", serving)["installed"] == 1
+    group = FileCacheManager("KEY1").get_group("k.json")
+    assert group is not None and set(group) == {"k.cubin", "k.json"}
+    assert all(p.startswith(str(serving.resolve())) for p in group.values())
+
+
 def test_build_precompile_without_cuda_says_so_and_ships_nothing(tmp_path, capsys):
     out = tmp_path / "e"
     build_engine("random:tiny-llama", out, progress=True, precompile=True)
