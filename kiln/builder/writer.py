@@ -59,7 +59,7 @@ def build_engine(
     progress: bool = True,
     force: bool = False,
     tune: bool | None = False,
-    precompile: bool = False,
+    precompile: bool | None = False,
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -71,7 +71,8 @@ def build_engine(
     engine.json ``kernel_configs`` (None: when CUDA is available; `kiln build`'s default).
     ``precompile``: start the built engine once on this machine's GPU and ship the Triton
     kernels it compiled in ``kernels/`` (``kiln.runtime.kernel_cache``), so serving on a
-    machine with an empty Triton cache does not compile them again.
+    machine with an empty Triton cache does not compile them again (None: when CUDA is
+    available; `kiln build`'s default).
     """
     out_dir = Path(out_dir).expanduser()
     if dtype not in DTYPES:
@@ -129,7 +130,7 @@ def build_engine(
         _write_tokenizer(model, tmp / TOKENIZER_DIR)
         spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
         (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
-        if precompile:
+        if precompile is not False:
             _precompile_kernels(tmp, console)
         _replace_dir(tmp, out_dir)
     except BaseException:

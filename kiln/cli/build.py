@@ -75,11 +75,13 @@ def build(
         help="Time kernel launch configs on this machine's GPU and record the fastest in "
         "engine.json (default: tune when CUDA is available; `kiln serve` never re-tunes).",
     ),
-    precompile: bool = typer.Option(
-        False, "--precompile-kernels/--no-precompile-kernels",
+    precompile: bool | None = typer.Option(
+        None, "--precompile-kernels/--no-precompile-kernels",
         help="Start the engine once on this GPU and ship the Triton kernels it compiles in "
-        "ENGINE/kernels, so `kiln serve` on a machine with an empty Triton cache does not "
-        "compile them again (needs CUDA; adds that first start to the build).",
+        "ENGINE/kernels, so `kiln serve` on a machine with an empty Triton cache (a fresh "
+        "container) does not compile them again: an 8B engine starts in ~10 s instead of "
+        "~17 s. Adds that first start (~20 s for 8B) to the build. Default: on when CUDA is "
+        "available.",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."

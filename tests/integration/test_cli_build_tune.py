@@ -38,6 +38,9 @@ def test_build_on_cpu_records_untuned(tmp_path):
     r = kiln("build", "random:tiny-llama", "-o", str(out), "--max-seq-len", "128")
     assert r.returncode == 0, r.stderr
     assert "kernel tuning skipped: no CUDA device at build time" in r.stderr
+    # kernel precompilation is on by default too, and says why it shipped nothing
+    assert "kernel precompilation skipped: no CUDA" in r.stderr
+    assert not (out / "kernels").exists()
     spec = json.loads((out / "engine.json").read_text())
     assert spec["kernel_configs"] == {"tuned": False, "reason": "no CUDA device at build time"}
 
