@@ -177,6 +177,15 @@ elif [ "$phase" = s3 ]; then  # the start on installed kernels under cProfile, t
     head -1 "$OUT/start-$run.log"; grep -A28 "Ordered by: internal" "$OUT/start-$run.log" | cut -c1-200
   done
   ls -la ~/.nv/ComputeCache 2>&1 | head -3; du -sh ~/.nv ~/.triton 2>&1
+elif [ "$phase" = v ]; then  # serve start on an empty Triton cache (kernels shipped); MID_M check
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 200 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
+    > "$OUT/serve.log" 2>&1
+  python3 -m kiln build random:tiny-llama -o /tmp/tiny --force > "$OUT/build_default.log" 2>&1
+  KILN_ADAPTIVE_SPECULATION=0 timeout 240 python3 scripts/mid_m_check.py > "$OUT/mid.log" 2>&1
+  tail -3 "$OUT/serve.log"; grep -o '"ready_line": "[^"]*"' "$OUT/serve.json" | head -c 600
+  echo; tail -2 "$OUT/build_default.log"; grep -v "^ " "$OUT/mid.log" | tail -6
 elif [ "$phase" = m ]; then  # right after k with .carry/a (carry .carry/b, .whl): MID_M puzzle
   install_wheels || exit 1
   join_gguf || exit 1
