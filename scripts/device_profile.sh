@@ -24,7 +24,8 @@ install_wheels() {  # the pure-Python wheels the device lacks (.whl, carried)
 latency_8b() {  # kiln bench latency, 8B bf16 and FP8 engines (max batch 256), 128 in / 128 out
   for q in none fp8; do
     python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
-      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --force > /dev/null
+      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --no-precompile-kernels \
+      --force > /dev/null
     timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
       --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
   done
@@ -186,6 +187,19 @@ elif [ "$phase" = v ]; then  # serve start on an empty Triton cache (kernels shi
   KILN_ADAPTIVE_SPECULATION=0 timeout 240 python3 scripts/mid_m_check.py > "$OUT/mid.log" 2>&1
   tail -3 "$OUT/serve.log"; grep -o '"ready_line": "[^"]*"' "$OUT/serve.json" | head -c 600
   echo; tail -2 "$OUT/build_default.log"; grep -v "^ " "$OUT/mid.log" | tail -6
+elif [ "$phase" = w1 ]; then  # the GGUF's first half to /tmp/parts (carry .carry/a); w2 right after
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/ && ls -la /tmp/parts
+elif [ "$phase" = w2 ]; then  # (carry .carry/b, .whl) wider lookahead windows; MID_M on real weights
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  KILN_ADAPTIVE_SPECULATION=0 timeout 230 python3 scripts/bench_windows.py \
+    --out "$OUT/windows-always.json" > "$OUT/windows-always.log" 2>&1
+  KILN_ADAPTIVE_SPECULATION=0 timeout 100 python3 scripts/mid_m_check.py > "$OUT/mid.log" 2>&1
+  timeout 200 python3 scripts/bench_windows.py --windows "7,7,7;15,5,15;7,7,15;15,7,15" \
+    --out "$OUT/windows-adaptive.json" > "$OUT/windows-adaptive.log" 2>&1
+  grep -v "^ *[0-9.]* us" "$OUT/windows-always.log" | tail -8; grep MID_M "$OUT/mid.log"
+  tail -5 "$OUT/windows-adaptive.log"
 elif [ "$phase" = m ]; then  # right after k with .carry/a (carry .carry/b, .whl): MID_M puzzle
   install_wheels || exit 1
   join_gguf || exit 1
