@@ -46,10 +46,9 @@ GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
 # not being a PDL kernel, a full barrier in the chain (``gemv_wins``).
 GEMM_MAX_M = 128
 # Whether gemv_wins routes 9..GEMM_MAX_M rows here (an A/B switch; off). H200, smollm2
-# lookahead (7,7,7) (notes/NOTES.md, 2026-11-30 fourth session): the graph replays are faster
-# than cuBLAS (S=1 T=84 1.161 -> 1.108 ms, S=8 T=672 1.948 -> 1.838), but end to end on the
-# code prompts lookahead fell from 1513 to 1053 tok/s (2.30 -> 1.90 tokens per step, and
-# slower steps) in the same call. Unexplained yet; off until it is.
+# lookahead (7,7,7) (notes/NOTES.md, 2026-11-30 sixth session): the masked S=1 T=84 replay is
+# 1.10 ms with these tiles against 1.04-1.06 ms on cuBLAS, end to end equal within noise
+# (code x0.76-0.79 vs x0.73-0.74), acceptance not lowered (2.01 vs 1.93 tokens per step).
 MID_M = False
 MID_M_MAX_WEIGHT = 4 << 20  # elements: smollm2's projections (the 8B ones stay on cuBLAS)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
