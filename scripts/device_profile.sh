@@ -11,6 +11,7 @@
 # e1 / e2: the end-of-session targets and GPU tests (carry .carry/a + .whl, then .carry/b).
 # c: the GEMV chain of an 8B FP8 step alone (bench_gemv_chain.py) with a config sweep.
 # h: L2 hints of weights (gemv whole-slice / line hints, attention hinting o_proj) A/B.
+# w1 then pace: adaptive speculation's break-even, graph replays vs whole engine steps.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -200,6 +201,13 @@ elif [ "$phase" = w2 ]; then  # (carry .carry/b, .whl) wider lookahead windows; 
     --out "$OUT/windows-adaptive.json" > "$OUT/windows-adaptive.log" 2>&1
   grep -v "^ *[0-9.]* us" "$OUT/windows-always.log" | tail -8; grep MID_M "$OUT/mid.log"
   tail -5 "$OUT/windows-adaptive.log"
+elif [ "$phase" = pace ]; then  # right after w1 (carry .carry/b, .whl): pacing break-even A/B
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 400 python3 scripts/bench_pacing.py --repeats 2 --out "$OUT/pacing.json" \
+    > "$OUT/pacing.log" 2>&1
+  grep -v "Converting" "$OUT/pacing.log" | tail -8
 elif [ "$phase" = m ]; then  # right after k with .carry/a (carry .carry/b, .whl): MID_M puzzle
   install_wheels || exit 1
   join_gguf || exit 1

@@ -635,6 +635,48 @@ class LLMEngine:
             return None
         return graphs.replay_ms(spec) / graphs.replay_ms(plain)
 
+    def measure_step_ms(self, steps: int = 16, warmup: int = 4) -> dict[str, float] | None:
+        """Wall milliseconds per engine step of one sequence on a dummy request, decoding
+        plainly and speculating with the engine's window (host work included, which the
+        graph replays of ``_spec_break_even`` leave out). ``spec / plain`` is the break-even
+        that counts a speculative step's host time (scripts/bench_pacing.py A/Bs the two).
+        None for engines that are not lookahead engines or that have requests in flight."""
+        if self.speculative.mode != "lookahead" or self.has_unfinished_requests():
+            return None
+        vocab = self.model_config.vocab_size
+        prompt = [(7 * i + 11) % vocab for i in range(8)]
+        room = self.limits.max_seq_len - len(prompt)
+        saved = (self.spec_break_even, dict(self.spec_stats), self.num_steps)
+        self.spec_break_even = None  # the dummy requests are not paced
+        out: dict[str, float] = {}
+        try:
+            for name, window in (("plain", (1, 1, 0)), ("spec", self.speculative.lookahead)):
+                rid = self.add_request(prompt, SamplingParams(
+                    max_tokens=room, temperature=0, ignore_eos=True, lookahead=window),
+                    request_id=f"kiln-measure-{name}")
+                try:
+                    for _ in range(warmup):
+                        self.step()
+                    self._sync()
+                    t0, n = time.perf_counter(), 0
+                    while n < steps and self.has_unfinished_requests():
+                        self.step()
+                        n += 1
+                    self._sync()
+                    if n:
+                        out[name] = (time.perf_counter() - t0) * 1e3 / n
+                finally:
+                    self.abort(rid)
+                    while self.has_unfinished_requests():
+                        self.step()
+        finally:
+            self.spec_break_even, self.spec_stats, self.num_steps = saved
+        return out if len(out) == 2 else None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def tokens_per_spec_step(self) -> float | None:
         """Mean tokens committed per speculative step over the engine's life."""

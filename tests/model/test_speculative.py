@@ -363,3 +363,33 @@ def test_paced_speculation_pauses_where_it_cannot_pay_and_keeps_plain_output(tin
     with pytest.raises(ValueError, match="spec_break_even=0"):
         LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", spec_break_even=0,
                                                      adaptive_speculation=True))
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_measure_step_ms_leaves_the_engine_as_it_was(tiny_reference, async_on):
+    """The break-even measurement (wall ms per plain and per speculative step on dummy
+    requests) returns both times and leaves no request, block, statistic or pacing change
+    behind; the engine then generates exactly as before. Refused while requests are in
+    flight and on engines without lookahead."""
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
+        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cpu", spec_break_even=1.5, async_scheduling=async_on,
+        adaptive_speculation=True))
+    prompts = _repetitive_prompts()[:2]
+    before = [o.token_ids for o in eng.generate(prompts, _greedy(32))]
+    stats, steps = dict(eng.spec_stats), eng.num_steps
+    ms = eng.measure_step_ms(steps=6, warmup=2)
+    assert set(ms) == {"plain", "spec"} and ms["plain"] > 0 and ms["spec"] > 0
+    assert eng.spec_break_even == 1.5 and eng.spec_stats == stats and eng.num_steps == steps
+    assert not eng.has_unfinished_requests()
+    eng.blocks.check_all_free()
+    assert [o.token_ids for o in eng.generate(prompts, _greedy(32))] == before
+    eng.add_request(prompts[0], _greedy(4))
+    assert eng.measure_step_ms() is None  # busy: never measured under load
+    while eng.has_unfinished_requests():
+        eng.step()
+    _, plain_out = tiny_reference("llama", max_seq_len=256, max_num_tokens=1024)
+    plain = LLMEngine.from_engine_dir(plain_out, RuntimeConfig(device="cpu"))
+    assert plain.measure_step_ms() is None

@@ -1,0 +1,86 @@
+"""Adaptive speculation's break-even, A/B on smollm2-135m bf16 lookahead (7,7,7) (the GGUF).
+
+The engine's default break-even is the graph-replay ratio of a speculative step to a decode
+step (~2.05 on the H200). A speculative step also pays its host work (~0.3-0.5 ms) that plain
+decode steps hide under async scheduling, so requests committing ~1.9 tokens per step keep
+speculating and lose (x0.77 code, x0.63 chat, notes/NOTES.md 2026-11-30 sixth session).
+``LLMEngine.measure_step_ms`` times whole engine steps instead; this runs the same engine
+with no pacing ("always"), the replay break-even and the wall-clock one, alternating, on
+the code and chat prompt sets (kiln.bench.speculative).
+
+    KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pacing.py [--repeats 2] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.bench.speculative import run_speculative_latency
+from kiln.builder import build_engine
+from kiln.builder.speculative import SpeculativeConfig
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.sources.builtin import BUILTINS, cached_path
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--window", default="7,7,7")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--source", default=None, help="default: the smollm2 GGUF when cached, "
+                    "else random:smollm2-135m (a CPU smoke run: random:tiny-llama)")
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    gguf = cached_path(BUILTINS["smollm2-135m"])
+    source = args.source or ("smollm2-135m" if gguf.is_file() else "random:smollm2-135m")
+    out = Path(tempfile.mkdtemp()) / "smol"
+    build_engine(source, out, dtype="bfloat16" if cuda else "float32",
+                 max_seq_len=args.max_seq_len, max_num_tokens=4096, max_batch_size=8,
+                 progress=False,
+                 speculative=SpeculativeConfig.from_cli("lookahead", args.window, None, None))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda" if cuda else "cpu",
+                                                       adaptive_speculation=True))
+    replay_be = eng.spec_break_even
+    walls = [eng.measure_step_ms(steps=32, warmup=8) for _ in range(3)]
+    plain_ms = statistics.median(w["plain"] for w in walls)
+    spec_ms = statistics.median(w["spec"] for w in walls)
+    wall_be = spec_ms / plain_ms
+    res: dict = {"card": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
+                 "source": source, "window": args.window, "replay_break_even": replay_be,
+                 "walls_ms": walls, "wall_break_even": wall_be, "runs": []}
+    print(f"{res['card']} {res['date']} {source}, lookahead "
+          f"({args.window}): replay break-even {_num(replay_be)}; steps {plain_ms:.3f} ms plain, "
+          f"{spec_ms:.3f} ms speculative -> wall break-even {wall_be:.2f}", flush=True)
+    policies = [("always", None), ("replay", replay_be), ("wall", wall_be)]
+    for rep in range(args.repeats):
+        for name, be in policies:
+            eng.spec_break_even = be  # read by add_request: each new request's pacing
+            r = run_speculative_latency(eng, output_len=args.output_len, prompts_per_set=3,
+                                        warmup=1 if rep == 0 else 0)
+            row = {"policy": name, "break_even": be, "repeat": rep,
+                   "sets": {k: {kk: s[kk] for kk in ("plain_tokens_per_s", "spec_tokens_per_s",
+                                                     "speedup", "tokens_per_step")}
+                            for k, s in r["sets"].items()}}
+            res["runs"].append(row)
+            print(f"  {name:7} (break-even {_num(be)}) run {rep}: " + "; ".join(
+                f"{k} x{s['speedup']:.2f} ({_num(s['tokens_per_step'])} tok/step)"
+                for k, s in row["sets"].items()), flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
