@@ -70,6 +70,13 @@ def test_installed_entries_are_cache_hits_for_triton(tmp_path, monkeypatch):
     group = FileCacheManager("KEY1").get_group("k.json")
     assert group is not None and set(group) == {"k.cubin", "k.json"}
     assert all(p.startswith(str(serving.resolve())) for p in group.values())
+    # a cache that never missed on it: the entry is copied whole, groups relocated
+    fresh = tmp_path / "fresh"
+    assert kernel_cache.install_kernels(engine, "triton-9.9-sm90", fresh)["installed"] == 1
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh))
+    group = FileCacheManager("KEY1").get_group("k.json")
+    assert group is not None and all(p.startswith(str(fresh.resolve())) for p in group.values())
+    assert kernel_cache.install_kernels(engine, "triton-9.9-sm90", fresh)["installed"] == 0
 
 
 def test_build_precompile_without_cuda_says_so_and_ships_nothing(tmp_path, capsys):
