@@ -32,6 +32,10 @@ from kiln.sources import SourceModel, open_source
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
+# The kernel precompilation's first start (a subprocess) is stopped after this long and the
+# build goes on without shipped kernels: an 8B engine took 17-20 s on the H200.
+PRECOMPILE_TIMEOUT_S = 900.0
+_WARM_ARGV = ["-m", "kiln.runtime.kernel_cache", "warm"]  # + the engine dir
 
 
 def _check_out_dir(out_dir: Path, force: bool) -> None:
@@ -78,6 +82,8 @@ def build_engine(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {list(DTYPES)}")
     _check_out_dir(out_dir, force)
+    if precompile is not False:
+        _precompile_timeout()  # a bad KILN_PRECOMPILE_TIMEOUT_S fails before any weight
     speculative = speculative or SpeculativeConfig()
     requested = quantization or QuantConfig()
     console = Console(stderr=True, quiet=not progress)
@@ -183,6 +189,21 @@ def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict
     return section
 
 
+def _precompile_timeout() -> float:
+    """KILN_PRECOMPILE_TIMEOUT_S (seconds, > 0), else PRECOMPILE_TIMEOUT_S."""
+    raw = os.environ.get("KILN_PRECOMPILE_TIMEOUT_S")
+    if raw is None:
+        return PRECOMPILE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise KilnError(f"KILN_PRECOMPILE_TIMEOUT_S={raw!r} is not a number of seconds > 0; "
+                        f"set it to e.g. {PRECOMPILE_TIMEOUT_S:g}, or unset it")
+    return value
+
+
 def _precompile_kernels(engine_dir: Path, console: Console) -> None:
     """Ship the Triton kernels the engine compiles at start-up (see kernel_cache): its first
     start runs in a subprocess with an empty Triton cache, which then goes into kernels/.
@@ -200,20 +221,35 @@ def _precompile_kernels(engine_dir: Path, console: Console) -> None:
         return
     torch.cuda.empty_cache()  # the first start gets the memory tuning held
     cache = Path(tempfile.mkdtemp(prefix="kiln-triton-cache-"))
+    timeout = _precompile_timeout()
     try:
         with console.status("Precompiling kernels (the engine's first start, on this GPU)"):
-            proc = subprocess.run(
-                [sys.executable, "-m", "kiln.runtime.kernel_cache", "warm", str(engine_dir)],
-                env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True,
-                text=True, check=False)
+            try:
+                proc = subprocess.run(
+                    [sys.executable, *_WARM_ARGV, str(engine_dir)],
+                    env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True,
+                    text=True, check=False, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                Console(stderr=True).print(
+                    f"[yellow]warning:[/] kernel precompilation did not finish in {timeout:g} s "
+                    "and was stopped; the engine is built without shipped kernels and compiles "
+                    "them when it first starts (KILN_PRECOMPILE_TIMEOUT_S sets the limit)")
+                return
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             Console(stderr=True).print(
                 "[yellow]warning:[/] kernel precompilation failed (the engine compiles its "
                 f"kernels when it first starts): {' | '.join(tail)}")
             return
-        info = json.loads(proc.stdout.strip().splitlines()[-1])
-        n = kernel_cache.export_kernels(cache, engine_dir, info["tag"])
+        try:
+            info = json.loads(proc.stdout.strip().splitlines()[-1])
+            tag = info["tag"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            Console(stderr=True).print(
+                "[yellow]warning:[/] kernel precompilation printed no result line (the engine "
+                f"compiles its kernels when it first starts): {proc.stdout.strip()[-300:]!r}")
+            return
+        n = kernel_cache.export_kernels(cache, engine_dir, tag)
         console.print(f"precompiled {n} kernels for {info['tag']} in {info['seconds']:.1f} s")
     finally:
         shutil.rmtree(cache, ignore_errors=True)

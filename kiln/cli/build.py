@@ -80,8 +80,9 @@ def build(
         help="Start the engine once on this GPU and ship the Triton kernels it compiles in "
         "ENGINE/kernels, so `kiln serve` on a machine with an empty Triton cache (a fresh "
         "container) does not compile them again: an 8B engine starts in ~10 s instead of "
-        "~17 s. Adds that first start (~20 s for 8B) to the build. Default: on when CUDA is "
-        "available.",
+        "~17 s. Adds that first start (~20 s for 8B; stopped after KILN_PRECOMPILE_TIMEOUT_S, "
+        "default 900) to the build; if it fails the engine still builds, without them. "
+        "Default: on when CUDA is available.",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."

@@ -138,3 +138,51 @@ def test_install_for_engine_never_fails_the_start(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))
     assert kernel_cache.install_for_engine(engine, "cuda")[0] == {}
     assert "could not install the engine's compiled kernels" in capsys.readouterr().err
+
+
+def _fake_cuda_build(tmp_path, monkeypatch, argv):
+    """Run the build's precompile step with CUDA 'available' and the warm subprocess
+    replaced by ``argv`` (python arguments); returns what it printed on stderr."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from kiln.builder import writer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(writer, "_WARM_ARGV", argv)
+    err = io.StringIO()
+    monkeypatch.setattr(writer, "Console", lambda **kw: Console(file=err, width=400))
+    engine = tmp_path / "engine"
+    engine.mkdir(parents=True)
+    writer._precompile_kernels(engine, Console(file=io.StringIO()))
+    assert not (engine / "kernels").exists()  # nothing shipped, and the build goes on
+    return err.getvalue()
+
+
+def test_precompile_that_hangs_is_stopped_and_the_build_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_PRECOMPILE_TIMEOUT_S", "0.5")
+    err = _fake_cuda_build(tmp_path, monkeypatch, ["-c", "import time; time.sleep(60)"])
+    assert "did not finish in 0.5 s" in err and "KILN_PRECOMPILE_TIMEOUT_S" in err
+
+
+def test_precompile_that_fails_or_prints_no_result_warns(tmp_path, monkeypatch):
+    err = _fake_cuda_build(tmp_path, monkeypatch,
+                           ["-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"])
+    assert "kernel precompilation failed" in err and "boom" in err
+    err = _fake_cuda_build(tmp_path / "b", monkeypatch, ["-c", "print('not json')"])
+    assert "printed no result line" in err and "not json" in err
+
+
+def test_bad_precompile_timeout_fails_before_the_build_starts(tmp_path, monkeypatch):
+    import pytest
+
+    from kiln.errors import KilnError
+
+    monkeypatch.setenv("KILN_PRECOMPILE_TIMEOUT_S", "soon")
+    with pytest.raises(KilnError, match="KILN_PRECOMPILE_TIMEOUT_S='soon'"):
+        build_engine("random:tiny-llama", tmp_path / "e", progress=False, precompile=None)
+    assert not (tmp_path / "e").exists()
+    # not asked to precompile: the variable is not read
+    build_engine("random:tiny-llama", tmp_path / "e", progress=False, precompile=False)
