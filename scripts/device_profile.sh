@@ -11,7 +11,10 @@
 # e1 / e2: the end-of-session targets and GPU tests (carry .carry/a + .whl, then .carry/b).
 # c: the GEMV chain of an 8B FP8 step alone (bench_gemv_chain.py) with a config sweep.
 # h: L2 hints of weights (gemv whole-slice / line hints, attention hinting o_proj) A/B.
-# w1 then pace: adaptive speculation's break-even, graph replays vs whole engine steps.
+# w1 then pace: adaptive speculation's break-even, graph replays vs whole engine steps
+#    (prepared 2026-11-30 sixth session, not run yet). w1 then w2: wider lookahead windows and
+#    the MID_M check (run). s / s2 / s3: where a cold start goes (profile_startup.py, jitlog);
+#    v: `kiln serve` on an empty Triton cache with shipped kernels (run).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
