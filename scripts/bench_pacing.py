@@ -5,8 +5,9 @@ step (~2.05 on the H200). A speculative step also pays its host work (~0.3-0.5 m
 decode steps hide under async scheduling, so requests committing ~1.9 tokens per step keep
 speculating and lose (x0.77 code, x0.63 chat, notes/NOTES.md 2026-11-30 sixth session).
 ``LLMEngine.measure_step_ms`` times whole engine steps instead; this runs the same engine
-with no pacing ("always"), the replay break-even and the wall-clock one, alternating, on
-the code and chat prompt sets (kiln.bench.speculative).
+with no pacing ("always"), the replay break-even and the wall-clock one (with pace.MIN_STEPS
+at 12 and 6: a probe of 12 speculative steps at ~1.2 tokens each is what chat prompts pay),
+alternating, on the code and chat prompt sets (kiln.bench.speculative).
 
     KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pacing.py [--repeats 2] [--out r.json]
 """
@@ -26,6 +27,7 @@ from kiln.bench.speculative import run_speculative_latency
 from kiln.builder import build_engine
 from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.speculative import pace
 from kiln.sources.builtin import BUILTINS, cached_path
 
 
@@ -42,6 +44,9 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="default: the smollm2 GGUF when cached, "
                     "else random:smollm2-135m (a CPU smoke run: random:tiny-llama)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--min-steps", default="12,6",
+                    help="pace.MIN_STEPS values to try with the wall break-even (the first is "
+                    "also used by the other policies)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     gguf = cached_path(BUILTINS["smollm2-135m"])
@@ -64,13 +69,16 @@ def main() -> None:
     print(f"{res['card']} {res['date']} {source}, lookahead "
           f"({args.window}): replay break-even {_num(replay_be)}; steps {plain_ms:.3f} ms plain, "
           f"{spec_ms:.3f} ms speculative -> wall break-even {wall_be:.2f}", flush=True)
-    policies = [("always", None), ("replay", replay_be), ("wall", wall_be)]
+    mins = [int(v) for v in args.min_steps.split(",")]
+    policies = [("always", None, mins[0]), ("replay", replay_be, mins[0])] + [
+        ("wall" if m == mins[0] else f"wall/{m}", wall_be, m) for m in mins]
     for rep in range(args.repeats):
-        for name, be in policies:
+        for name, be, min_steps in policies:
+            pace.MIN_STEPS = min_steps  # read at each speculative step
             eng.spec_break_even = be  # read by add_request: each new request's pacing
             r = run_speculative_latency(eng, output_len=args.output_len, prompts_per_set=3,
                                         warmup=1 if rep == 0 else 0)
-            row = {"policy": name, "break_even": be, "repeat": rep,
+            row = {"policy": name, "break_even": be, "min_steps": min_steps, "repeat": rep,
                    "sets": {k: {kk: s[kk] for kk in ("plain_tokens_per_s", "spec_tokens_per_s",
                                                      "speedup", "tokens_per_step")}
                             for k, s in r["sets"].items()}}
