@@ -62,17 +62,20 @@ def decode_tps(engine: LLMEngine, prompt: list[int], batch: int, new_tokens: int
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def build_smol(tmp: Path, max_batch_size: int) -> tuple[str, Path]:
-    """A smollm2-135m bf16 lookahead (7,7,7) engine in ``tmp``: (source, engine dir). Without
-    the GGUF in $KILN_CACHE, random weights of the same shapes (no lookahead numbers)."""
+def build_smol(tmp: Path, max_batch_size: int, window: str = "7,7,7", dtype: str = "bfloat16",
+               max_seq_len: int = 1024, source: str | None = None) -> tuple[str, Path]:
+    """A smollm2-135m lookahead engine (bf16, (7,7,7) unless told) in ``tmp``: (source, engine
+    dir). Without the GGUF in $KILN_CACHE, random weights of the same shapes (no lookahead
+    numbers); ``source`` overrides both (the other smollm2 scripts use this too)."""
     from kiln.sources.builtin import BUILTINS, cached_path
 
-    gguf = cached_path(BUILTINS["smollm2-135m"])
-    source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
+    if source is None:
+        gguf = cached_path(BUILTINS["smollm2-135m"])
+        source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
     out = tmp / "smol"
-    build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
+    build_engine(source, out, dtype=dtype, max_seq_len=max_seq_len, max_num_tokens=4096,
                  max_batch_size=max_batch_size, progress=False,
-                 speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+                 speculative=SpeculativeConfig.from_cli("lookahead", window, None, None))
     return source, out
 
 

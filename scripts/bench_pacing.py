@@ -22,13 +22,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_fast_path import build_smol  # scripts/ is on sys.path
 
 from kiln.bench.speculative import run_speculative_latency
-from kiln.builder import build_engine
-from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.speculative import pace
-from kiln.sources.builtin import BUILTINS, cached_path
 
 
 def _num(v: float | None) -> str:
@@ -49,13 +47,9 @@ def main() -> None:
                     "also used by the other policies)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    gguf = cached_path(BUILTINS["smollm2-135m"])
-    source = args.source or ("smollm2-135m" if gguf.is_file() else "random:smollm2-135m")
-    out = Path(tempfile.mkdtemp()) / "smol"
-    build_engine(source, out, dtype="bfloat16" if cuda else "float32",
-                 max_seq_len=args.max_seq_len, max_num_tokens=4096, max_batch_size=8,
-                 progress=False,
-                 speculative=SpeculativeConfig.from_cli("lookahead", args.window, None, None))
+    source, out = build_smol(Path(tempfile.mkdtemp()), max_batch_size=8, window=args.window,
+                             dtype="bfloat16" if cuda else "float32",
+                             max_seq_len=args.max_seq_len, source=args.source)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda" if cuda else "cpu",
                                                        adaptive_speculation=True))
     replay_be = eng.spec_break_even

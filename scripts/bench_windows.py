@@ -16,12 +16,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_fast_path import build_smol  # scripts/ is on sys.path
 
 from kiln.bench.speculative import run_speculative_latency
-from kiln.builder import build_engine
-from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
-from kiln.sources.builtin import BUILTINS, cached_path
 
 
 def main() -> None:
@@ -30,16 +28,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    gguf = cached_path(BUILTINS["smollm2-135m"])
-    source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
     res: dict = {"card": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                 "source": source, "windows": {}}
-    print(f"{res['card']} {res['date']} smollm2-135m bf16 ({source})", flush=True)
+                 "windows": {}}
     for w in args.windows.split(";"):
-        out = Path(tempfile.mkdtemp()) / "smol"
-        build_engine(source, out, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
-                     max_batch_size=8, progress=False,
-                     speculative=SpeculativeConfig.from_cli("lookahead", w, None, None))
+        source, out = build_smol(Path(tempfile.mkdtemp()), max_batch_size=8, window=w)
+        if "source" not in res:
+            res["source"] = source
+            print(f"{res['card']} {res['date']} smollm2-135m bf16 ({source})", flush=True)
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda"))
         g = eng.runner.graphs
         dec = next(b for b in g.graphs if b.num_seqs == 1 and not b.masked)

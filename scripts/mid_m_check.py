@@ -16,26 +16,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+from bench_fast_path import build_smol  # scripts/ is on sys.path
 
 from kiln.bench.prompts import CODE_PROMPTS
-from kiln.builder import build_engine
-from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.kernels import gemv
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.sources.builtin import BUILTINS, cached_path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
-    gguf = cached_path(BUILTINS["smollm2-135m"])
-    source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
-    eng_dir = Path(tempfile.mkdtemp()) / "smol"
-    build_engine(source, eng_dir, dtype="bfloat16", max_seq_len=1024, max_num_tokens=4096,
-                 max_batch_size=8, progress=False,
-                 speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+    source, eng_dir = build_smol(Path(tempfile.mkdtemp()), max_batch_size=8)
     print(f"{torch.cuda.get_device_name()}, {source}, lookahead (7,7,7), bf16")
     shipped = gemv.MID_M
     base = None

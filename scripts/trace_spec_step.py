@@ -20,14 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_fast_path import build_smol  # scripts/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 from kiln.bench.prompts import CODE_PROMPTS
-from kiln.builder import build_engine
-from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.sources.builtin import BUILTINS, cached_path
 
 
 def busy_us(prof) -> float:
@@ -57,12 +55,8 @@ def main() -> None:
                     "why its faster replays made slower lookahead steps (NOTES.md)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    gguf = cached_path(BUILTINS["smollm2-135m"])
-    source = "smollm2-135m" if gguf.is_file() else "random:smollm2-135m"
-    eng_dir = Path(tempfile.mkdtemp()) / "smol"
-    build_engine(source, eng_dir, dtype="bfloat16" if cuda else "float32", max_seq_len=1024,
-                 max_num_tokens=4096, max_batch_size=8, progress=False,
-                 speculative=SpeculativeConfig.from_cli("lookahead", args.window, None, None))
+    source, eng_dir = build_smol(Path(tempfile.mkdtemp()), max_batch_size=8, window=args.window,
+                                 dtype="bfloat16" if cuda else "float32")
     from kiln.runtime.kernels import gemv
 
     window = tuple(int(x) for x in args.window.split(","))

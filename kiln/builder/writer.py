@@ -243,14 +243,14 @@ def _precompile_kernels(engine_dir: Path, console: Console) -> None:
             return
         try:
             info = json.loads(proc.stdout.strip().splitlines()[-1])
-            tag = info["tag"]
+            tag, seconds = info["tag"], float(info["seconds"])
         except (IndexError, ValueError, KeyError, TypeError):
             Console(stderr=True).print(
                 "[yellow]warning:[/] kernel precompilation printed no result line (the engine "
                 f"compiles its kernels when it first starts): {proc.stdout.strip()[-300:]!r}")
             return
         n = kernel_cache.export_kernels(cache, engine_dir, tag)
-        console.print(f"precompiled {n} kernels for {info['tag']} in {info['seconds']:.1f} s")
+        console.print(f"precompiled {n} kernels for {tag} in {seconds:.1f} s")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 

@@ -176,8 +176,7 @@ def shipped_kernels(engine_dir: Path) -> dict[str, int]:
 
 def shipped_tags(engine_dir: Path) -> list[str]:
     """The tags an engine ships compiled kernels for (messages at load)."""
-    root = Path(engine_dir) / KERNELS_DIR
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return list(shipped_kernels(engine_dir))
 
 
 # Prompt lengths the build's first start prefills: the small-batch GEMV picks its tiles per
