@@ -1,13 +1,13 @@
 """Adaptive speculation's break-even, A/B on smollm2-135m bf16 lookahead (7,7,7) (the GGUF).
 
-The engine's default break-even is the graph-replay ratio of a speculative step to a decode
-step (~2.05 on the H200). A speculative step also pays its host work (~0.3-0.5 ms) that plain
-decode steps hide under async scheduling, so requests committing ~1.9 tokens per step keep
-speculating and lose (x0.77 code, x0.63 chat, notes/NOTES.md 2026-11-30 sixth session).
-``LLMEngine.measure_step_ms`` times whole engine steps instead; this runs the same engine
-with no pacing ("always"), the replay break-even and the wall-clock one (with pace.MIN_STEPS
-at 12 and 6: a probe of 12 speculative steps at ~1.2 tokens each is what chat prompts pay),
-alternating, on the code and chat prompt sets (kiln.bench.speculative).
+The graph-replay ratio of a speculative step to a decode step (~2.05 on the H200) leaves out
+a speculative step's host work (~0.3-0.5 ms, which plain decode steps hide under async
+scheduling); ``LLMEngine.measure_step_ms`` times whole engine steps (~2.8), and since the
+seventh session of 2026-11-30 that is the engine's default. This runs the same engine with
+no pacing ("always"), the replay break-even and the wall-clock one with several of pace.py's
+knobs (MIN_STEPS, PROBE_STEPS, PAUSE_GROWTH: probes of 12 speculative steps at ~1.2 tokens
+each are what chat prompts pay), alternating, on the code and chat prompt sets
+(kiln.bench.speculative).
 
     KILN_CACHE=... PYTHONPATH=. python3 scripts/bench_pacing.py [--repeats 2] [--out r.json]
 """
@@ -42,9 +42,10 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="default: the smollm2 GGUF when cached, "
                     "else random:smollm2-135m (a CPU smoke run: random:tiny-llama)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--min-steps", default="12,6",
-                    help="pace.MIN_STEPS values to try with the wall break-even (the first is "
-                    "also used by the other policies)")
+    ap.add_argument("--policies", default="always,replay,wall:12:12:2,wall:12:4:2,wall:12:4:4",
+                    help="comma-separated: always | replay | wall[:MIN_STEPS:PROBE_STEPS:"
+                    "PAUSE_GROWTH] (pace.py's module constants; replay and always use the "
+                    "defaults)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     source, out = build_smol(Path(tempfile.mkdtemp()), max_batch_size=8, window=args.window,
@@ -52,32 +53,39 @@ def main() -> None:
                              max_seq_len=args.max_seq_len, source=args.source)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda" if cuda else "cpu",
                                                        adaptive_speculation=True))
-    replay_be = eng.spec_break_even
+    replay_be = eng.replay_break_even()
+    startup_be = eng.spec_break_even  # what the engine measured at start-up (its default)
     walls = [eng.measure_step_ms(steps=32, warmup=8) for _ in range(3)]
     plain_ms = statistics.median(w["plain"] for w in walls)
     spec_ms = statistics.median(w["spec"] for w in walls)
     wall_be = spec_ms / plain_ms
     res: dict = {"card": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
                  "source": source, "window": args.window, "replay_break_even": replay_be,
+                 "startup_break_even": startup_be,
                  "walls_ms": walls, "wall_break_even": wall_be, "runs": []}
     print(f"{res['card']} {res['date']} {source}, lookahead "
-          f"({args.window}): replay break-even {_num(replay_be)}; steps {plain_ms:.3f} ms plain, "
+          f"({args.window}): replay break-even {_num(replay_be)}, start-up's "
+          f"{_num(startup_be)}; steps {plain_ms:.3f} ms plain, "
           f"{spec_ms:.3f} ms speculative -> wall break-even {wall_be:.2f}", flush=True)
-    mins = [int(v) for v in args.min_steps.split(",")]
-    policies = [("always", None, mins[0]), ("replay", replay_be, mins[0])] + [
-        ("wall" if m == mins[0] else f"wall/{m}", wall_be, m) for m in mins]
+    defaults = (pace.MIN_STEPS, pace.PROBE_STEPS, pace.PAUSE_GROWTH)
+    policies = []
+    for spec in args.policies.split(","):
+        name, *knobs = spec.split(":")
+        be = {"always": None, "replay": replay_be, "wall": wall_be}[name]
+        policies.append((spec, be, tuple(int(k) for k in knobs) if knobs else defaults))
     for rep in range(args.repeats):
-        for name, be, min_steps in policies:
-            pace.MIN_STEPS = min_steps  # read at each speculative step
+        for name, be, knobs in policies:
+            # read at each speculative step
+            pace.MIN_STEPS, pace.PROBE_STEPS, pace.PAUSE_GROWTH = knobs
             eng.spec_break_even = be  # read by add_request: each new request's pacing
             r = run_speculative_latency(eng, output_len=args.output_len, prompts_per_set=3,
                                         warmup=1 if rep == 0 else 0)
-            row = {"policy": name, "break_even": be, "min_steps": min_steps, "repeat": rep,
+            row = {"policy": name, "break_even": be, "knobs": knobs, "repeat": rep,
                    "sets": {k: {kk: s[kk] for kk in ("plain_tokens_per_s", "spec_tokens_per_s",
                                                      "speedup", "tokens_per_step")}
                             for k, s in r["sets"].items()}}
             res["runs"].append(row)
-            print(f"  {name:7} (break-even {_num(be)}) run {rep}: " + "; ".join(
+            print(f"  {name:14} (break-even {_num(be)}) run {rep}: " + "; ".join(
                 f"{k} x{s['speedup']:.2f} ({_num(s['tokens_per_step'])} tok/step)"
                 for k, s in row["sets"].items()), flush=True)
             if args.out:

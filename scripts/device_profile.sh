@@ -15,6 +15,8 @@
 #    (prepared 2026-11-30 sixth session, not run yet). w1 then w2: wider lookahead windows and
 #    the MID_M check (run). s / s2 / s3: where a cold start goes (profile_startup.py, jitlog);
 #    v: `kiln serve` on an empty Triton cache with shipped kernels (run).
+# g1 then pace2 (seventh session): the batch-1 step's time outside its CUDA graph
+#    (step_gap.py, carry .carry/a), then the pacing knobs and the start-up break-even test.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -204,6 +206,21 @@ elif [ "$phase" = w2 ]; then  # (carry .carry/b, .whl) wider lookahead windows; 
     --out "$OUT/windows-adaptive.json" > "$OUT/windows-adaptive.log" 2>&1
   grep -v "^ *[0-9.]* us" "$OUT/windows-always.log" | tail -8; grep MID_M "$OUT/mid.log"
   tail -5 "$OUT/windows-adaptive.log"
+elif [ "$phase" = g1 ]; then  # seventh session (carry .carry/a): GGUF half a; the step gap
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 400 python3 scripts/step_gap.py --out "$OUT/step_gap.json" > "$OUT/step_gap.log" 2>&1
+  tail -32 "$OUT/step_gap.log"
+elif [ "$phase" = pace2 ]; then  # right after g1 (carry .carry/b, .whl): pacing knobs, GPU test
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 100 python3 -m pytest -q -s tests/gpu/test_cuda_correctness.py -k "break_even" \
+    > "$OUT/break_even_test.log" 2>&1
+  timeout 400 python3 scripts/bench_pacing.py --repeats 2 --out "$OUT/pacing.json" \
+    --policies "replay,wall:12:12:2,wall:12:4:2,wall:12:4:4,wall:8:4:4" > "$OUT/pacing.log" 2>&1
+  grep -E "passed|failed|break-even [0-9]" "$OUT/break_even_test.log"
+  grep -v "Converting" "$OUT/pacing.log" | tail -11
 elif [ "$phase" = pace ]; then  # right after w1 (carry .carry/b, .whl): pacing break-even A/B
   install_wheels || exit 1
   join_gguf || exit 1

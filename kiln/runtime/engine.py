@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -75,9 +76,9 @@ class RuntimeConfig:
     adaptive_speculation: bool = field(
         default_factory=lambda: os.environ.get("KILN_ADAPTIVE_SPECULATION", "1")
         not in ("0", ""))
-    # The break-even in committed tokens per speculative step; None: measured from the CUDA
-    # graphs at start-up (speculative step replay / decode step replay), and no pacing
-    # where there is nothing to measure (no CUDA graphs).
+    # The break-even in committed tokens per speculative step; None: measured at start-up on
+    # CUDA (LLMEngine._spec_break_even: whole engine steps for lookahead, else graph
+    # replays), and no pacing where there is nothing to measure (no CUDA graphs).
     spec_break_even: float | None = None
 
 
@@ -206,7 +207,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
-        self.spec_break_even = self._spec_break_even() if self.spec_worker else None
+        self.spec_break_even = None  # set below, once the engine can run steps
         # compiled kernels the engine directory shipped for this machine (from_engine_dir)
         self.kernels_installed: dict[str, int] = {}
         self.async_scheduling = config.async_scheduling  # may be switched between steps
@@ -215,6 +216,11 @@ class LLMEngine:
                                          pin_memory=self.device.type == "cuda")
                              for _ in range(2)]  # two: one per step in flight
         self._host_turn = 0
+        if self.spec_worker:
+            t_pace = time.perf_counter()
+            self.spec_break_even = self._spec_break_even()
+            self.startup_times["spec_break_even_s"] = time.perf_counter() - t_pace
+            self.startup_times["total_s"] += self.startup_times["spec_break_even_s"]
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, config: RuntimeConfig | None = None) -> LLMEngine:
@@ -614,9 +620,15 @@ class LLMEngine:
             self.abort(rid)
 
     def _spec_break_even(self) -> float | None:
-        """RuntimeConfig.spec_break_even, else measured: a one-sequence speculative step's
-        graph replay over a decode step's (GPU time; the host work of a speculative step
-        comes on top, so this pauses only requests that certainly lose). None: no pacing."""
+        """RuntimeConfig.spec_break_even, else measured on CUDA: the wall time of a
+        one-sequence speculative engine step over a plain one (lookahead engines: host work
+        included, median of 3 short runs of ``measure_step_ms``), or, where that cannot be
+        measured, the speculative step's graph replay over a decode step's (GPU time only).
+        None: no pacing (adaptive speculation off, or nothing to measure: no CUDA graphs).
+
+        The wall ratio won the A/B on the H200 (notes/NOTES.md, 2026-11-30 seventh session):
+        smollm2 lookahead (7,7,7) code prompts x1.05 against x0.84 with the replay ratio
+        (2.79 vs 2.05 tokens per step), chat x0.65 with both."""
         cfg = self.config
         if not cfg.adaptive_speculation:
             return None
@@ -627,6 +639,18 @@ class LLMEngine:
             return float(cfg.spec_break_even)
         graphs = self.runner.graphs
         if graphs is None or self.device.type != "cuda":
+            return None
+        walls = [self.measure_step_ms(steps=16, warmup=8) for _ in range(3)]
+        if all(walls):
+            return (statistics.median(w["spec"] for w in walls)
+                    / statistics.median(w["plain"] for w in walls))
+        return self.replay_break_even()
+
+    def replay_break_even(self) -> float | None:
+        """A one-sequence speculative step's graph replay over a decode step's (GPU time
+        only); None without both graphs."""
+        graphs = self.runner.graphs
+        if graphs is None:
             return None
         spec = graphs.find_bucket(1, self.speculative.tokens_per_step,
                                   self.speculative.mode == "lookahead")

@@ -141,3 +141,27 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
               f"reference top-2 gap {gap:.3f} nats")
         assert gap < 0.25, (j, gap)
     assert fast.runner.graphs is not None and fast.runner.graphs.num_replays > 0
+
+
+def test_lookahead_engine_measures_its_break_even_on_cuda(tiny_reference):
+    """With adaptive speculation on and no break-even given, a lookahead engine on CUDA times
+    whole plain and speculative steps at start-up (LLMEngine._spec_break_even), leaves nothing
+    behind, and still generates plain greedy's tokens."""
+    from kiln.builder.speculative import SpeculativeConfig
+
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
+        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+    eng = LLMEngine.from_engine_dir(out, runtime("triton", adaptive_speculation=True))
+    assert eng.spec_break_even is not None and eng.spec_break_even > 0
+    assert eng.startup_times["spec_break_even_s"] > 0
+    assert eng.spec_stats == {"steps": 0, "accepted_tokens": 0} and eng.num_steps == 0
+    assert not eng.has_unfinished_requests()
+    eng.blocks.check_all_free()
+    prompts = mixed_prompts()
+    spec = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    plain = [o.token_ids for o in eng.generate(prompts, SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True, lookahead=(1, 1, 0)))]
+    assert spec == plain
+    print(f"\nbreak-even {eng.spec_break_even:.2f} measured in "
+          f"{eng.startup_times['spec_break_even_s']:.2f} s")

@@ -50,3 +50,27 @@ def test_the_mean_tolerates_bad_steps_and_the_pause_is_capped():
     assert p.pause_left == MAX_PAUSE and p.next_pause == MAX_PAUSE
     p.on_plain_step()
     assert p.pause_left == MAX_PAUSE - 1
+
+
+def test_a_probe_is_judged_after_probe_steps_and_grows_the_pause(monkeypatch):
+    from kiln.runtime.speculative import pace
+
+    monkeypatch.setattr(pace, "MIN_STEPS", 6)
+    monkeypatch.setattr(pace, "PROBE_STEPS", 2)
+    monkeypatch.setattr(pace, "PAUSE_GROWTH", 4)
+    p = SpecPace(break_even=1.5)
+    for _ in range(6):
+        assert p.speculating
+        p.on_spec_step(1)
+    assert p.pause_left == FIRST_PAUSE  # the first decision: after MIN_STEPS
+    for _ in range(FIRST_PAUSE):
+        p.on_plain_step()
+    p.on_spec_step(1)
+    assert p.speculating  # one probe step: too few to judge
+    p.on_spec_step(1)
+    assert p.pause_left == 4 * FIRST_PAUSE  # judged after PROBE_STEPS, the pause x4
+    for _ in range(4 * FIRST_PAUSE):
+        p.on_plain_step()
+    p.on_spec_step(3)
+    p.on_spec_step(2)
+    assert p.speculating and p.next_pause == FIRST_PAUSE  # a probe that pays resets it

@@ -8,8 +8,9 @@ speculating made them ~40 % slower than plain decoding.
 ``SpecPace`` tracks one request's committed tokens per speculative step (the mean over the
 steps since it last (re)started speculating). After ``MIN_STEPS`` such steps with a mean
 below ``break_even`` it pauses: the next ``pause_left`` steps decode plainly (and
-may run ahead under async scheduling), then it probes again. Each failed probe doubles the
-pause (up to ``MAX_PAUSE``); a probe that pays resets it.
+may run ahead under async scheduling), then it probes again, judged after ``PROBE_STEPS``.
+Each failed probe multiplies the pause by ``PAUSE_GROWTH`` (up to ``MAX_PAUSE``); a probe
+that pays resets it.
 
 Output is unchanged by pacing: greedy verification commits plain greedy's tokens and
 sampled verification is exact in distribution. Seeded requests are not paced (the engine
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 MIN_STEPS = 12  # speculative steps measured before a pause is decided (4 paused code
 # prompts early, while their n-gram pools were still filling: notes/NOTES.md)
+PROBE_STEPS = 12  # the same for a probe (speculation restarted after a pause)
 FIRST_PAUSE = 16  # plain steps of the first pause
+PAUSE_GROWTH = 2  # each failed probe multiplies the pause by this
 MAX_PAUSE = 256
 
 
@@ -46,11 +49,11 @@ class SpecPace:
         """After a verified speculative step that committed ``committed`` tokens."""
         self.tokens += committed
         self.steps += 1
-        if self.steps < MIN_STEPS:
+        if self.steps < (PROBE_STEPS if self.paused_steps else MIN_STEPS):
             return
         if self.tokens < self.break_even * self.steps:
             self.pause_left = self.next_pause
-            self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
+            self.next_pause = min(PAUSE_GROWTH * self.next_pause, MAX_PAUSE)
             self.tokens = self.steps = 0
         else:
             self.next_pause = FIRST_PAUSE
