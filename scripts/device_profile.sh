@@ -211,6 +211,14 @@ elif [ "$phase" = g1 ]; then  # seventh session (carry .carry/a): GGUF half a; t
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 400 python3 scripts/step_gap.py --out "$OUT/step_gap.json" > "$OUT/step_gap.log" 2>&1
   tail -32 "$OUT/step_gap.log"
+elif [ "$phase" = g2 ]; then  # (no carry) sampling kernels: GPU tests, then the step gap A/B
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k sampling \
+    > "$OUT/sampling_tests.log" 2>&1
+  timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "tiny or break_even" \
+    > "$OUT/correctness.log" 2>&1
+  timeout 400 python3 scripts/step_gap.py --out "$OUT/step_gap.json" > "$OUT/step_gap.log" 2>&1
+  tail -2 "$OUT/sampling_tests.log"; tail -2 "$OUT/correctness.log"; tail -40 "$OUT/step_gap.log"
 elif [ "$phase" = pace2 ]; then  # right after g1 (carry .carry/b, .whl): pacing knobs, GPU test
   install_wheels || exit 1
   join_gguf || exit 1

@@ -1,6 +1,7 @@
 """Where a batch-1 decode step's time goes besides its CUDA graph (llama-3-8b shape, random
 weights, bf16 and FP8): the graph replay alone (CUDA events) against whole engine steps under
-async scheduling, greedy and sampled (temperature 1, as `kiln bench latency`), and the GPU
+async scheduling, greedy and sampled (temperature 1, as `kiln bench latency`), each with the
+sampling kernels (kiln/runtime/kernels/sampling.py) and with torch's ops, and the GPU
 kernels that run outside the graph (torch.profiler over a few steps: busy time, idle time,
 the kernels that are not the model's Triton kernels).
 
@@ -25,6 +26,7 @@ from profile_8b import build  # scripts/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.layers import sampler
 from kiln.runtime.sampling_params import SamplingParams
 
 PROMPT = list(range(1000, 1128))
@@ -68,7 +70,8 @@ def outside_kernels(eng: LLMEngine, params: SamplingParams, n: int = 24) -> dict
     span = ev[-1].time_range.end - ev[0].time_range.start
     other: dict[str, list[float]] = defaultdict(list)
     for e in ev:
-        if not e.name.startswith("_"):  # kiln's Triton kernels are all _named
+        if not e.name.startswith("_") or e.name.startswith("_sample"):  # the model's
+            # Triton kernels are all _named; the sampling kernels run after the graph
             other[e.name[:60]].append(e.time_range.end - e.time_range.start)
     return {"busy_us": busy / n, "idle_us": (span - busy) / n, "span_us": span / n,
             "kernels_per_step": len(ev) / n,
@@ -91,7 +94,10 @@ def main() -> None:
         replay = statistics.median(g.replay_ms(b, iters=30) for _ in range(3))
         eng.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         r = res[quant] = {"replay_ms": replay}
-        for name, t in (("greedy", 0.0), ("t1", 1.0)):
+        for name, t, kernels in (("greedy", 0.0, False), ("t1", 1.0, False),
+                                 ("greedy", 0.0, True), ("t1", 1.0, True)):
+            sampler.KERNELS = kernels
+            name = f"{name} {'kernels' if kernels else 'torch'}"
             p = SamplingParams(max_tokens=128, temperature=t, ignore_eos=True)
             r[name] = [steps_ms(eng, p) for _ in range(3)]
             r[f"{name}_profile"] = outside_kernels(eng, p)

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 I32_PTRS = {"bt_ptr", "qsl_ptr", "ctx_ptr", "slot_ptr", "pos_ptr", "mask_off_ptr"}
 F32_PTRS = {"scale_ptr", "k_scale_ptr", "v_scale_ptr", "part_ptr", "part_acc_ptr",
             "part_ml_ptr", "xs_ptr", "amax_ptr", "scale_out_ptr", "cache_ptr"}
-F32_SCALARS = {"eps", "qk_scale"}
+F32_SCALARS = {"eps", "qk_scale", "inv_temp"}
 
 
 def signature(fn, constexprs: dict, ptr_types: dict | None = None):
@@ -52,6 +52,7 @@ def cases():
         paged_attention,
         rms_norm,
         rotary,
+        sampling,
     )
 
     g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
@@ -91,6 +92,11 @@ def cases():
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True}, None, 4
+    samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32"}
+    yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, {
+        "PER_ROW": True, "BLOCK": 2048, "PDL": True}, samp, 4
+    yield "sampling final", sampling._sample_final_kernel, {"BLOCK_P": 64, "PDL": True}, dict(
+        samp, out_ptr="*i64"), 1
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
     yield "fp8 quant", fp8_quant._quant_kernel, {
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4

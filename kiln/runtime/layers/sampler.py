@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kiln.runtime.outputs import TokenLogprob
@@ -79,6 +81,36 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.float(), 1))
 
 
+def kernel_inv_temps(params: list[SamplingParams], generators: list[torch.Generator | None],
+                     vocab: int) -> list[float] | None:
+    """1 / temperature per row for the sampling kernels (0: greedy rows, and seeded rows,
+    which ``Sampler.__call__`` redraws on the host), or None when some row needs top-k,
+    top-p or min-p (those warp the distribution: the torch path)."""
+    inv = []
+    for p, g in zip(params, generators):
+        if p.greedy or g is not None:
+            inv.append(0.0)
+        elif 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0:
+            return None
+        else:
+            inv.append(1.0 / p.temperature)
+    return inv or None
+
+
+KERNELS = True  # False: the torch path on CUDA too (scripts/step_gap.py A/Bs the two)
+
+
+def _kernels_available() -> bool:
+    return KERNELS and _triton_available()
+
+
+@functools.cache
+def _triton_available() -> bool:
+    from kiln.runtime import kernels
+
+    return kernels.available()
+
+
 class Sampler:
     """Picks one token per row. Greedy rows share one argmax; unseeded sampled rows are
     warped and drawn together on the device (one exponential race, no per-row host sync);
@@ -96,7 +128,20 @@ class Sampler:
     def choose(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
         """Greedy rows' argmax and unseeded sampled rows' draws: token ids [rows] on the
-        device, no host sync. Seeded rows get their argmax here (``__call__`` redraws them)."""
+        device, no host sync. Seeded rows get their argmax here (``__call__`` redraws them).
+
+        On CUDA, when no row needs top-k, top-p or min-p, two Triton kernels do it all
+        (kiln/runtime/kernels/sampling.py: the same distribution, without torch's one-block
+        argmax and softmax over the vocabulary)."""
+        inv = (kernel_inv_temps(params, generators, logits.shape[-1])
+               if logits.is_cuda and logits.stride(-1) == 1 and _kernels_available() else None)
+        if inv is not None:
+            from kiln.runtime.kernels import sampling
+
+            one = inv[0] if len(set(inv)) == 1 else None
+            return sampling.sample_tokens(
+                logits, one if one is not None else torch.tensor(inv, device=logits.device),
+                int(torch.randint(0, 2**31 - 1, ())))
         batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
         if len(batch) == len(params) and batch:  # every row samples: no argmax, no gather
             return race(warp_batch(logits, params))

@@ -1,0 +1,112 @@
+"""Greedy and temperature sampling over the vocabulary in two small kernels.
+
+``sample_tokens(logits [R, V] float32, inv_temp, seed)`` -> token ids [R] (int64). Row r's
+token is ``argmax_v logits[r, v]`` where ``inv_temp[r] == 0`` (greedy: the first maximum, as
+``torch.argmax``), else ``argmax_v logits[r, v] * inv_temp[r] + G_rv`` with ``G_rv`` i.i.d.
+Gumbel(0, 1) from Philox(seed): the Gumbel-max form of ``Sampler``'s exponential race, so
+token v wins with probability ``softmax(logits[r] * inv_temp[r])_v`` and no softmax is
+computed. ``-inf`` logits (masked tokens) never win a sampled row.
+
+Why: torch's argmax over one row of 128256 logits runs as one block (27 us on the H200) and
+its softmax as another (34 us); a batch-1 decode step of llama-3-8b is 2.8 ms (notes/NOTES.md,
+2026-11-30 seventh session). Here the vocabulary is split over ``cdiv(V, BLOCK)`` programs
+per row, each writing its best (value, index), and a second kernel picks each row's best.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.runtime.kernels import _pdl
+from kiln.runtime.kernels._checks import check_tensor
+from kiln.runtime.kernels._pdl import pdl_begin
+
+BLOCK = 2048  # vocabulary entries per program: 63 programs per row for a 128256 vocabulary
+MAX_PARTS = 1024  # BLOCK x MAX_PARTS = the largest vocabulary (2 M)
+
+
+@triton.jit
+def _sample_partial_kernel(
+    logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, V, parts, stride_r, inv_temp, seed,
+    PER_ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    x = tl.load(logits_ptr + row * stride_r + offs, mask=ok, other=float("-inf"))
+    x = x.to(tl.float32)
+    if PER_ROW:
+        inv_temp = tl.load(inv_temp_ptr + row)
+    if inv_temp > 0:
+        u = tl.rand(seed, row * V + offs)  # [0, 1); u == 0 gives G = -inf: never wins
+        x = x * inv_temp - tl.log(-tl.log(u))
+    best = tl.max(x, axis=0)
+    arg = tl.argmax(x, axis=0, tie_break_left=True)
+    tl.store(val_ptr + row * parts + part, best)
+    tl.store(idx_ptr + row * parts + part, part * BLOCK + arg)
+
+
+@triton.jit
+def _sample_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_begin(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_P)
+    v = tl.load(val_ptr + row * parts + offs, mask=offs < parts, other=float("-inf"))
+    best = tl.argmax(v, axis=0, tie_break_left=True)
+    tok = tl.load(idx_ptr + row * parts + best)
+    tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
+                  seed: int) -> torch.Tensor:
+    """logits [R, V] (float32/bf16/fp16, rows contiguous); ``inv_temp``: one value for every
+    row or float32 [R] on logits' device (0: greedy, else 1 / temperature); ``seed``: the
+    Philox seed of the sampled rows' noise (a non-negative int32). Returns int64 [R]."""
+    check_tensor("logits", logits, ndim=2,
+                 dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits must have contiguous rows (stride(1) == 1), got strides "
+                         f"{tuple(logits.stride())}; pass logits.contiguous()")
+    per_row = isinstance(inv_temp, torch.Tensor)
+    if per_row:
+        check_tensor("inv_temp", inv_temp, ndim=1, dtypes=(torch.float32,),
+                     device=logits.device)
+        if inv_temp.shape[0] != rows:
+            raise ValueError(f"inv_temp has {inv_temp.shape[0]} values for {rows} rows")
+    elif not inv_temp >= 0:  # also refuses NaN
+        raise ValueError(f"inv_temp={inv_temp!r} must be >= 0 (0: greedy)")
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"seed={seed} must be in [0, 2**31)")
+    parts = triton.cdiv(vocab, BLOCK)
+    if parts > MAX_PARTS:
+        raise ValueError(f"vocabulary {vocab} is over the kernel's limit {BLOCK * MAX_PARTS}")
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0 or vocab == 0:
+        return out.zero_()
+    vals = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
+    _sample_partial_kernel[(rows, parts)](
+        logits, inv_temp if per_row else vals, vals, idx, vocab, parts, logits.stride(0),
+        0.0 if per_row else float(inv_temp), seed, PER_ROW=per_row, BLOCK=BLOCK, num_warps=4,
+        **_pdl.launch_kwargs())
+    _sample_final_kernel[(rows,)](vals, idx, out, parts,
+                                  BLOCK_P=max(16, triton.next_power_of_2(parts)), num_warps=1,
+                                  **_pdl.launch_kwargs())
+    return out
+
+
+def sample_tokens_ref(logits: torch.Tensor, inv_temp: float | torch.Tensor,
+                      gumbel: torch.Tensor) -> torch.Tensor:
+    """The same rule in torch with the noise given (``gumbel`` [R, V] float32): greedy rows'
+    first argmax, sampled rows' argmax of logits * inv_temp + gumbel."""
+    x = logits.float()
+    inv = (inv_temp if isinstance(inv_temp, torch.Tensor)
+           else torch.full((x.shape[0],), float(inv_temp), device=x.device))[:, None]
+    noisy = torch.where(x == float("-inf"), x, x * inv + gumbel.to(x.device))
+    return torch.where(inv[:, 0] > 0, noisy.argmax(-1), x.argmax(-1))
