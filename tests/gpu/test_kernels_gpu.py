@@ -231,20 +231,32 @@ def test_sampling_greedy_equals_argmax_at_real_vocabularies(vocab, rows):
 
 
 def test_sampling_frequencies_match_softmax_on_cuda():
-    """200000 draws (one row each) of a 6-token distribution padded to a real vocabulary
-    with -inf: frequencies within 4.5 standard errors of softmax, masked tokens never drawn;
-    the Sampler's exponential race (torch) on the same rows agrees."""
+    """200000 draws (one row each) of a 6-token distribution padded with -inf to 4096
+    tokens (two programs per row): frequencies within 4.5 standard errors of softmax, masked
+    tokens never drawn; the Sampler's exponential race (torch) on the same rows agrees."""
     from kiln.runtime.kernels import sampling
     from kiln.runtime.layers.sampler import race
 
     rows, inv_t = 200_000, 0.7
-    logits = torch.full((49152,), float("-inf"), device=DEV)
-    logits[[3, 700, 4000, 20000, 49151, 9]] = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0, 1.5],
-                                                            device=DEV)
+    logits = torch.full((4096,), float("-inf"), device=DEV)
+    logits[[3, 700, 2047, 2048, 4095, 9]] = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0, 1.5],
+                                                          device=DEV)
     x = logits.expand(rows, -1).contiguous()
     p = torch.softmax(logits.double() * inv_t, -1)
     se = (p * (1 - p) / rows).sqrt()
     for out in (sampling.sample_tokens(x, inv_t, seed=11),
                 race(torch.softmax(x * inv_t, -1))):
-        freq = torch.bincount(out, minlength=49152).double() / rows
+        freq = torch.bincount(out, minlength=4096).double() / rows
         assert ((freq - p).abs() <= 4.5 * se + 1e-12).all()
+
+
+def test_sampling_rows_past_int32_offsets():
+    """17000 rows of a 128256 vocabulary: 2.2e9 logits, past int32 element offsets."""
+    from kiln.runtime.kernels import sampling
+
+    x = torch.randn(17000, 128256, device=DEV)
+    assert torch.equal(sampling.sample_tokens(x, 0.0, seed=3), x.argmax(-1))
+    tok = sampling.sample_tokens(x, 1.0, seed=3)
+    assert ((0 <= tok) & (tok < 128256)).all()
+    del x
+    torch.cuda.empty_cache()

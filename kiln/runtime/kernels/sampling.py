@@ -33,7 +33,7 @@ def _sample_partial_kernel(
     PER_ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x V may pass 2**31
     part = tl.program_id(1)
     offs = part * BLOCK + tl.arange(0, BLOCK)
     ok = offs < V
@@ -42,7 +42,8 @@ def _sample_partial_kernel(
     if PER_ROW:
         inv_temp = tl.load(inv_temp_ptr + row)
     if inv_temp > 0:
-        u = tl.rand(seed, row * V + offs)  # [0, 1); u == 0 gives G = -inf: never wins
+        # [0, 1), one Philox stream per (seed, row); u == 0 gives G = -inf: never wins
+        u = tl.rand(seed + (row << 32), offs)
         x = x * inv_temp - tl.log(-tl.log(u))
     best = tl.max(x, axis=0)
     arg = tl.argmax(x, axis=0, tie_break_left=True)
@@ -54,7 +55,7 @@ def _sample_partial_kernel(
 def _sample_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr,
                          PDL: tl.constexpr):
     pdl_begin(PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_P)
     v = tl.load(val_ptr + row * parts + offs, mask=offs < parts, other=float("-inf"))
     best = tl.argmax(v, axis=0, tie_break_left=True)
