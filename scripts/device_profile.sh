@@ -118,9 +118,10 @@ elif [ "$phase" = e1 ]; then  # end of session, call 1 (carry .carry/a, .whl): 8
     --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
   timeout 90 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
     > "$OUT/serve.log" 2>&1
-  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py > "$OUT/gemv_tests.log" 2>&1
+  timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k sampling \
+    > "$OUT/sampling_tests.log" 2>&1
   tail -n 14 "$OUT"/lat-*.log; tail -12 "$OUT/tput.log"; tail -3 "$OUT/serve.log"
-  tail -2 "$OUT/gemv_tests.log"
+  tail -2 "$OUT/sampling_tests.log"
 elif [ "$phase" = e2 ]; then  # right after e1 (carry .carry/b): smollm2, correctness, kernels
   join_gguf || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
