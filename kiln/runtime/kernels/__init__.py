@@ -14,6 +14,7 @@ triton is installed (``kiln.runtime.kernels.available()`` says whether it is).
 | activation | ``silu_and_mul`` | ``silu_and_mul_ref`` |
 | gemv | ``gemv`` (M <= 8 rows, tensor-core tiles up to 128; bf16/fp16 or FP8 W8A16 weights), ``gemv_add_rms_norm`` (one row, the add + RMSNorm as its prologue) | ``gemv_ref`` |
 | fp8_quant | ``quantize_fp8_padded`` (static or dynamic scale) | ``quantize_fp8_padded_ref`` |
+| sampling | ``sample_tokens`` (greedy argmax / Gumbel-max temperature sampling) | ``sample_tokens_ref`` |
 
 Every kernel follows the programmatic-dependent-launch protocol of ``_pdl.py`` (checked by
 tests/unit/test_pdl_protocol.py) and compiles for sm_90 on CPU-only machines

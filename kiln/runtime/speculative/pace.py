@@ -1,9 +1,10 @@
 """Adaptive speculation: a request stops speculating while speculation does not pay.
 
 A speculative step costs more than a plain decode step: a lookahead (7,7,7) step on
-smollm2-135m replays in 1.107 ms against 0.715 ms for a decode step (H200, notes/NOTES.md),
-so it pays only while it commits more than ~1.55 tokens. Chat prompts commit ~1.27: always
-speculating made them ~40 % slower than plain decoding.
+smollm2-135m takes 1.47-1.57 ms of wall time (graph replay 1.04 ms plus host work a
+speculative step cannot hide) against 0.56 ms for a decode step (H200, notes/NOTES.md,
+2026-11-30 seventh session), so it pays only while it commits more than ~2.6-2.9 tokens.
+Chat prompts commit ~1.2: always speculating made them ~50 % slower than plain decoding.
 
 ``SpecPace`` tracks one request's committed tokens per speculative step (the mean over the
 steps since it last (re)started speculating). After ``MIN_STEPS`` such steps with a mean
