@@ -79,7 +79,7 @@ elif [ "$phase" = p2 ]; then  # PDL session, call 2 (carry .carry/b, .whl; right
   install_wheels || exit 1
   join_gguf || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
-  timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+  timeout 300 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
     > "$OUT/correctness.log" 2>&1
   timeout 130 python3 scripts/bench_pdl.py --only smol --modes 2 --mid-m 1,0 \
     --out "$OUT/pdl_smol.json" > "$OUT/pdl_smol.log" 2>&1
@@ -125,7 +125,7 @@ elif [ "$phase" = e1 ]; then  # end of session, call 1 (carry .carry/a, .whl): 8
 elif [ "$phase" = e2 ]; then  # right after e1 (carry .carry/b): smollm2, correctness, kernels
   join_gguf || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
-  timeout 150 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+  timeout 300 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
     > "$OUT/correctness.log" 2>&1
   timeout 170 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1

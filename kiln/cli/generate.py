@@ -37,7 +37,7 @@ NO_ASYNC_HELP = ("Read each decode step's tokens before scheduling the next (no 
 
 ADAPTIVE_SPEC_HELP = ("Speculative engines: --adaptive-speculation (the default) pauses a "
                       "request's speculation while it commits fewer tokens per speculative "
-                      "step than the step costs (measured from the CUDA graphs at start-up) "
+                      "step than the step costs (timed on whole engine steps at start-up) "
                       "and probes again later; --always-speculate never pauses. The output "
                       "is the same either way. Also KILN_ADAPTIVE_SPECULATION=0/1.")
 
