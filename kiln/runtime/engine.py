@@ -670,6 +670,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(8)]
         room = self.limits.max_seq_len - len(prompt)
+        if room < 2:
+            return None  # no room for a step after the prompt's
         saved = (self.spec_break_even, dict(self.spec_stats), self.num_steps)
         self.spec_break_even = None  # the dummy requests are not paced
         out: dict[str, float] = {}
