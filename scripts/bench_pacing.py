@@ -38,14 +38,15 @@ def main() -> None:
     ap.add_argument("--window", default="7,7,7")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-per-set", type=int, default=3, help="of the 6 code / 6 chat")
     ap.add_argument("--out", default=None)
     ap.add_argument("--source", default=None, help="default: the smollm2 GGUF when cached, "
                     "else random:smollm2-135m (a CPU smoke run: random:tiny-llama)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--policies", default="always,replay,wall:12:12:2,wall:12:4:2,wall:12:4:4",
                     help="comma-separated: always | replay | wall[:MIN_STEPS:PROBE_STEPS:"
-                    "PAUSE_GROWTH] (pace.py's module constants; replay and always use the "
-                    "defaults)")
+                    "PAUSE_GROWTH:EARLY_STEPS:EARLY_FRACTION] (pace.py's module constants, "
+                    "the ones not given at their defaults)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     source, out = build_smol(Path(tempfile.mkdtemp()), max_batch_size=8, window=args.window,
@@ -67,18 +68,22 @@ def main() -> None:
           f"({args.window}): replay break-even {_num(replay_be)}, start-up's "
           f"{_num(startup_be)}; steps {plain_ms:.3f} ms plain, "
           f"{spec_ms:.3f} ms speculative -> wall break-even {wall_be:.2f}", flush=True)
-    defaults = (pace.MIN_STEPS, pace.PROBE_STEPS, pace.PAUSE_GROWTH)
+    defaults = (pace.MIN_STEPS, pace.PROBE_STEPS, pace.PAUSE_GROWTH, pace.EARLY_STEPS,
+                pace.EARLY_FRACTION)
     policies = []
     for spec in args.policies.split(","):
         name, *knobs = spec.split(":")
         be = {"always": None, "replay": replay_be, "wall": wall_be}[name]
-        policies.append((spec, be, tuple(int(k) for k in knobs) if knobs else defaults))
+        given = tuple(float(k) if "." in k else int(k) for k in knobs)
+        policies.append((spec, be, given + defaults[len(given):]))
     for rep in range(args.repeats):
         for name, be, knobs in policies:
             # read at each speculative step
-            pace.MIN_STEPS, pace.PROBE_STEPS, pace.PAUSE_GROWTH = knobs
+            (pace.MIN_STEPS, pace.PROBE_STEPS, pace.PAUSE_GROWTH, pace.EARLY_STEPS,
+             pace.EARLY_FRACTION) = knobs
             eng.spec_break_even = be  # read by add_request: each new request's pacing
-            r = run_speculative_latency(eng, output_len=args.output_len, prompts_per_set=3,
+            r = run_speculative_latency(eng, output_len=args.output_len,
+                                        prompts_per_set=args.prompts_per_set,
                                         warmup=1 if rep == 0 else 0)
             row = {"policy": name, "break_even": be, "knobs": knobs, "repeat": rep,
                    "sets": {k: {kk: s[kk] for kk in ("plain_tokens_per_s", "spec_tokens_per_s",

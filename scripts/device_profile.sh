@@ -230,6 +230,14 @@ elif [ "$phase" = pace2 ]; then  # right after g1 (carry .carry/b, .whl): pacing
     --policies "replay,wall:12:12:2,wall:12:4:2,wall:12:4:4,wall:8:4:4" > "$OUT/pacing.log" 2>&1
   grep -E "passed|failed|break-even [0-9]" "$OUT/break_even_test.log"
   grep -v "Converting" "$OUT/pacing.log" | tail -11
+elif [ "$phase" = pace3 ]; then  # right after w1 (carry .carry/b, .whl): the early pause A/B
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 400 python3 scripts/bench_pacing.py --repeats 2 --prompts-per-set 6 \
+    --out "$OUT/pacing.json" --policies "wall,wall:12:12:2:4:0.5,wall:12:12:2:6:0.5" \
+    > "$OUT/pacing.log" 2>&1
+  grep -v "Converting" "$OUT/pacing.log" | tail -7
 elif [ "$phase" = pace ]; then  # right after w1 (carry .carry/b, .whl): pacing break-even A/B
   install_wheels || exit 1
   join_gguf || exit 1

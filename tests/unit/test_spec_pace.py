@@ -74,3 +74,25 @@ def test_a_probe_is_judged_after_probe_steps_and_grows_the_pause(monkeypatch):
     p.on_spec_step(3)
     p.on_spec_step(2)
     assert p.speculating and p.next_pause == FIRST_PAUSE  # a probe that pays resets it
+
+
+def test_an_early_decision_pauses_only_clear_losers(monkeypatch):
+    from kiln.runtime.speculative import pace
+
+    monkeypatch.setattr(pace, "EARLY_STEPS", 4)
+    monkeypatch.setattr(pace, "EARLY_FRACTION", 0.5)
+    loser = SpecPace(break_even=3.0)  # 4 steps at 1.25 < 0.5 x 3.0: paused at once
+    for _ in range(3):
+        loser.on_spec_step(1)
+        assert loser.speculating
+    loser.on_spec_step(2)
+    assert loser.pause_left == FIRST_PAUSE
+    unsure = SpecPace(break_even=3.0)  # 2.0 per step: below break-even, not a clear loser
+    for _ in range(4):
+        unsure.on_spec_step(2)
+    assert unsure.speculating
+    for _ in range(MIN_STEPS - 5):
+        unsure.on_spec_step(2)
+    assert unsure.speculating
+    unsure.on_spec_step(2)  # MIN_STEPS reached, mean 2.0 < 3.0
+    assert unsure.pause_left == FIRST_PAUSE

@@ -28,6 +28,8 @@ PROBE_STEPS = 12  # the same for a probe (speculation restarted after a pause)
 FIRST_PAUSE = 16  # plain steps of the first pause
 PAUSE_GROWTH = 2  # each failed probe multiplies the pause by this
 MAX_PAUSE = 256
+EARLY_STEPS = 0  # > 0: after this many speculative steps, pause at once when the mean is
+EARLY_FRACTION = 0.5  # below this fraction of the break-even (0: no early decision)
 
 
 @dataclass
@@ -50,9 +52,11 @@ class SpecPace:
         """After a verified speculative step that committed ``committed`` tokens."""
         self.tokens += committed
         self.steps += 1
-        if self.steps < (PROBE_STEPS if self.paused_steps else MIN_STEPS):
+        early = (self.steps == EARLY_STEPS
+                 and self.tokens < EARLY_FRACTION * self.break_even * self.steps)
+        if self.steps < (PROBE_STEPS if self.paused_steps else MIN_STEPS) and not early:
             return
-        if self.tokens < self.break_even * self.steps:
+        if early or self.tokens < self.break_even * self.steps:
             self.pause_left = self.next_pause
             self.next_pause = min(PAUSE_GROWTH * self.next_pause, MAX_PAUSE)
             self.tokens = self.steps = 0
