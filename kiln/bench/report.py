@@ -47,6 +47,8 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "async_scheduling": getattr(engine, "async_scheduling", None),
         # programmatic dependent launch of the Triton kernels (KILN_PDL 0/1/2; None off CUDA)
         "pdl": _pdl_mode(device),
+        # tokens chosen by kiln's sampling kernels (CUDA; rows without top-k/top-p/min-p)
+        "sampling_kernels": _sampling_kernels(device),
         # speculative engines: tokens per speculative step below which a request pauses
         # speculation (None: always speculates)
         "spec_break_even": getattr(engine, "spec_break_even", None),
@@ -62,6 +64,15 @@ def _pdl_mode(device: str) -> int | None:
     except ImportError:  # no triton: the torch path, no kiln kernels
         return None
     return _pdl.mode()
+
+
+def _sampling_kernels(device: str) -> bool:
+    """Whether ``Sampler.choose`` picks tokens with kiln's Triton kernels on ``device``."""
+    if not device.startswith("cuda"):
+        return False
+    from kiln.runtime.layers import sampler
+
+    return sampler._kernels_available()
 
 
 def _cpu_name() -> str:
