@@ -260,3 +260,30 @@ def test_sampling_rows_past_int32_offsets():
     assert ((0 <= tok) & (tok < 128256)).all()
     del x
     torch.cuda.empty_cache()
+
+
+def test_sampler_choose_on_cuda_uses_the_kernels_only_where_they_apply(monkeypatch):
+    """Sampler.choose on CUDA: greedy and temperature rows go through the sampling kernels
+    (greedy rows == argmax, temperature rows follow softmax(logits / T)); a batch with a
+    top-k row takes the torch path, and its top-k row stays inside its top k."""
+    from kiln.runtime.kernels import sampling
+    from kiln.runtime.layers.sampler import Sampler
+    from kiln.runtime.sampling_params import SamplingParams
+
+    calls = []
+    real = sampling.sample_tokens
+    monkeypatch.setattr(sampling, "sample_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows, t = 60_000, 0.5
+    base = torch.full((49152,), float("-inf"), device=DEV)
+    base[[5, 6, 7, 40000]] = torch.tensor([1.0, 0.5, 0.0, 0.8], device=DEV)
+    x = base.expand(rows, -1).contiguous()
+    params = [SamplingParams(temperature=0)] + [SamplingParams(temperature=t)] * (rows - 1)
+    tok = Sampler().choose(x, params, [None] * rows)
+    assert calls and int(tok[0]) == 5
+    freq = torch.bincount(tok[1:], minlength=49152).double() / (rows - 1)
+    p = torch.softmax(base.double() / t, -1)
+    assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / (rows - 1)).sqrt() + 1e-12).all()
+    calls.clear()
+    tok = Sampler().choose(x[:2], [SamplingParams(temperature=0),
+                                   SamplingParams(temperature=1.0, top_k=2)], [None, None])
+    assert not calls and int(tok[0]) == 5 and int(tok[1]) in (5, 40000)
