@@ -72,7 +72,7 @@ def _sampling_kernels(device: str) -> bool:
         return False
     from kiln.runtime.layers import sampler
 
-    return sampler._kernels_available()
+    return sampler.kernels_enabled()
 
 
 def _cpu_name() -> str:

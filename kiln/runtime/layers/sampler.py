@@ -100,7 +100,9 @@ def kernel_inv_temps(params: list[SamplingParams], generators: list[torch.Genera
 KERNELS = True  # False: the torch path on CUDA too (scripts/step_gap.py A/Bs the two)
 
 
-def _kernels_available() -> bool:
+def kernels_enabled() -> bool:
+    """Whether ``Sampler.choose`` uses the Triton sampling kernels for CUDA logits (bench
+    reports record it)."""
     return KERNELS and _triton_available()
 
 
@@ -134,14 +136,16 @@ class Sampler:
         (kiln/runtime/kernels/sampling.py: the same distribution, without torch's one-block
         argmax and softmax over the vocabulary)."""
         inv = (kernel_inv_temps(params, generators, logits.shape[-1])
-               if logits.is_cuda and logits.stride(-1) == 1 and _kernels_available() else None)
+               if logits.is_cuda and logits.stride(-1) == 1 and kernels_enabled() else None)
         if inv is not None:
             from kiln.runtime.kernels import sampling
 
             one = inv[0] if len(set(inv)) == 1 else None
+            # greedy-only steps need no noise: no seed drawn (and torch's CPU RNG untouched)
+            seed = int(torch.randint(0, 2**31 - 1, ())) if max(inv) > 0 else 0
             return sampling.sample_tokens(
                 logits, one if one is not None else torch.tensor(inv, device=logits.device),
-                int(torch.randint(0, 2**31 - 1, ())))
+                seed)
         batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
         if len(batch) == len(params) and batch:  # every row samples: no argmax, no gather
             return race(warp_batch(logits, params))
