@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--knob", action="append", default=[], metavar="MODULE.ATTR=V1,V2",
                     help="any integer rule of kiln.runtime.kernels.{gemv,paged_attention} "
                     "to A/B, e.g. gemv.PREFETCH_HINT_BYTES=32,128 (repeatable)")
+    ap.add_argument("--quants", default="fp8,bf16", help="llama-3-8b weights to run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
@@ -163,7 +164,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     only = args.only.split(",")
     if "8b" in only:
-        for quant in ("fp8", "bf16"):
+        for quant in args.quants.split(","):
             out = tmp / f"l3-{quant}"
             build_engine("random:llama-3-8b", out, dtype="bfloat16", max_seq_len=2048,
                          max_num_tokens=8192, max_batch_size=8, progress=False,

@@ -390,3 +390,45 @@ def test_silu_fusion_rule():
     assert not gemv.silu_fusion_applies(1, 14336, False)
     assert gemv.silu_fusion_applies(1, 14336, True)
     assert not gemv.silu_fusion_applies(2, 14336, True)
+
+
+def test_next_weight_prefetch_rules(monkeypatch):
+    """prefetch_next is a hint: under the interpreter (and off sm_90 GPUs) it is off and the
+    result is unchanged; where it runs it takes at most NEXT_PREFETCH_BYTES, rounded down to
+    16-byte units, issued from the NEXT_PREFETCH_FROM percent of programs on."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    nxt = torch.randn(48, 64).to(torch.bfloat16)
+    assert torch.equal(gemv.gemv(x, w, prefetch_next=nxt), gemv.gemv(x, w))
+    args = gemv._next_args(nxt, x, 10, 4)
+    assert args["NEXT"] is False and args["next_bytes"] == 0
+
+    class FakeCuda:  # the argument rule as it runs on an sm_90 GPU
+        is_cuda = True
+
+        def __init__(self, numel, esize, contiguous=True):
+            self._n, self._e, self._c = numel, esize, contiguous
+
+        def numel(self):
+            return self._n
+
+        def element_size(self):
+            return self._e
+
+        def is_contiguous(self):
+            return self._c
+
+    monkeypatch.setattr(gemv, "bulk_prefetch_supported", lambda: True)
+    monkeypatch.setattr(gemv, "NEXT_PREFETCH_BYTES", 1000)
+    monkeypatch.setattr(gemv, "NEXT_PREFETCH_FROM", 50)
+    a = gemv._next_args(FakeCuda(4096, 2), x, 10, 8)
+    assert (a["NEXT"], a["next_bytes"], a["next_first_pid"], a["NT"]) == (True, 992, 5, 256)
+    monkeypatch.setattr(gemv, "NEXT_PREFETCH_FROM", 100)  # at least the last program issues
+    assert gemv._next_args(FakeCuda(4096, 2), x, 10, 4)["next_first_pid"] == 9
+    monkeypatch.setattr(gemv, "NEXT_PREFETCH_BYTES", 0)  # off
+    assert gemv._next_args(FakeCuda(4096, 2), x, 10, 4)["NEXT"] is False
+    monkeypatch.setattr(gemv, "NEXT_PREFETCH_BYTES", 1 << 40)
+    assert gemv._next_args(FakeCuda(100, 1), x, 10, 4)["next_bytes"] == 96
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv._next_args(FakeCuda(4096, 2, contiguous=False), x, 10, 4)
