@@ -17,7 +17,7 @@
 #    v: `kiln serve` on an empty Triton cache with shipped kernels (run).
 # g1 then pace2 (seventh session): the batch-1 step's time outside its CUDA graph
 #    (step_gap.py, carry .carry/a), then the pacing knobs and the start-up break-even test.
-# l2 (eighth session): the next-weight L2 prefetch, bit-identity GPU test and 8B A/B.
+# l2 (eighth session): the next-weight L2 prefetch A/B (code in 0b91ba7, removed: it lost).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -42,14 +42,7 @@ join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carri
   cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
     > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 }
-if [ "$phase" = l2 ]; then  # the next-weight L2 prefetch: bit-identity test, then the A/B
-  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py -k "next_weight or pdl" \
-    > "$OUT/next_tests.log" 2>&1
-  timeout 420 python3 scripts/bench_pdl.py --only 8b --quants ${L2_QUANTS:-fp8} --modes 2 \
-    --knob gemv.NEXT_PREFETCH_BYTES=${L2_BYTES:-0,8388608,16777216,33554432} \
-    --knob gemv.NEXT_PREFETCH_FROM=${L2_FROM:-0,60} ${L2_EXTRA:-} --out "$OUT/l2.json" > "$OUT/l2.log" 2>&1
-  tail -3 "$OUT/next_tests.log"; grep "^|" "$OUT/l2.log" || tail -30 "$OUT/l2.log"
-elif [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
+if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
   timeout 200 python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
     --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
   timeout 100 python3 scripts/profile_step.py --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1

@@ -229,54 +229,6 @@ def test_pdl_modes_are_bit_identical_in_a_captured_chain(m, hints, monkeypatch):
             assert torch.equal(out, ref), f"graph, KILN_PDL={mode}"
 
 
-@pytest.mark.parametrize("start", [0, 75])
-@pytest.mark.parametrize("limit", [4096, 16 << 20, 1 << 40])
-def test_next_weight_prefetch_changes_no_bit(limit, start, monkeypatch):
-    """The next-weight L2 prefetch is a hint: a chain of 8B-shaped GEMVs (FP8 and bf16, the
-    norm prologue, the SiLU prologue, the lm_head-sized next weight) gives the same bits with
-    and without it, eager and replayed from a CUDA graph, for any byte limit (a partial
-    segment, 16 MB, the whole weight) and issuing start."""
-    from kiln.runtime.kernels import gemv as gm
-    from kiln.runtime.kernels.activation import silu_and_mul
-
-    if not gm.bulk_prefetch_supported():
-        pytest.skip("the bulk L2 prefetch needs compute capability 9.0")
-    monkeypatch.setattr(gm, "NEXT_PREFETCH_BYTES", limit)
-    monkeypatch.setattr(gm, "NEXT_PREFETCH_FROM", start)
-    torch.manual_seed(0)
-    _, wq, sq = _weights(4096, 6144)
-    w_up = (torch.randn(28672, 4096, device=DEV) * 4096**-0.5).to(BF16)
-    _, w_down, s_down = _weights(14336, 4096)
-    lm_head = (torch.randn(128256, 4096, device=DEV) * 4096**-0.5).to(BF16)
-    x = torch.randn(1, 4096, device=DEV).to(BF16)
-    h = torch.randn(1, 4096, device=DEV).to(BF16)
-    norm_w = torch.rand(4096, device=DEV).to(BF16) + 0.5
-
-    def chain(nxt: bool):
-        a, h2 = gm.gemv_add_rms_norm(x, h, norm_w, 1e-5, wq, sq,
-                                     prefetch_next=w_up if nxt else None)
-        up = gm.gemv(a[:, :4096], w_up, prefetch_next=w_down if nxt else None)
-        y = gm.gemv(up, w_down, s_down, silu_and_mul=True, prefetch_next=lm_head if nxt else None)
-        z = gm.gemv(y, lm_head, prefetch_next=wq if nxt else None)
-        return torch.cat([a, up, y, h2], dim=1), z
-
-    ref = chain(False)
-    out = chain(True)
-    assert all(torch.equal(o, r) for o, r in zip(out, ref, strict=True)), "eager"
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(True)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        out = chain(True)
-    for _ in range(3):
-        g.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, r) for o, r in zip(out, ref, strict=True)), "graph"
-
-
 @pytest.mark.parametrize("shape", ["8b-qkv", "8b-gate_up", "smol-qkv", "smol-gate_up"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gemv_add_rms_norm_real_shapes(shape, fp8):

@@ -172,37 +172,6 @@ def _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo, k_hi, STEP: tl.constexpr):
 
 
 @triton.jit
-def _bulk_prefetch_l2(addr, nbytes, ok):
-    """Fire and forget: pull ``nbytes`` (a multiple of 16) from ``addr`` into L2 with one
-    TMA bulk prefetch per element where ``ok`` (PTX ``cp.async.bulk.prefetch.L2``, sm_90+)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-        "mov.u32 $0, 0; }",
-        constraints="=r,l,r,r", args=[addr, nbytes, ok.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_next(next_ptr, next_bytes, first_pid, NT: tl.constexpr, SEG: tl.constexpr):
-    """The programs from ``first_pid`` on pull their share of next_ptr[0:next_bytes) (the next
-    projection's weight) into L2 as they finish, one bulk prefetch of SEG bytes per thread."""
-    pid = (tl.program_id(0) + tl.num_programs(0)
-           * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)))
-    npid = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    if pid >= first_pid:
-        segs = tl.cdiv(next_bytes, SEG)
-        per = tl.cdiv(segs, npid - first_pid)
-        lane = tl.arange(0, NT)
-        base = next_ptr.to(tl.pointer_type(tl.int8))
-        for i in range(0, per, NT):
-            seg = (pid - first_pid) * per + i + lane
-            ok = (i + lane < per) & (seg < segs)
-            lo = seg.to(tl.int64) * SEG
-            size = tl.minimum(next_bytes - lo, SEG).to(tl.int32)
-            _bulk_prefetch_l2(base + lo, size, ok)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, xs_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
@@ -211,8 +180,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, HINT: tl.constexpr, next_ptr, next_bytes, next_first_pid,
-    NEXT: tl.constexpr, NT: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -345,8 +313,6 @@ def _gemv_kernel(
         if BLOCK_M > 7:
             _store_row(tl.sum(acc7, axis=1), 7, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
                        scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
-    if NEXT:  # the next projection's weight into L2 while the kernels between run
-        _prefetch_next(next_ptr, next_bytes, next_first_pid, NT, NEXT_SEG_BYTES)
 
 
 @triton.jit
@@ -537,7 +503,7 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, *, config: dict | None = None,
     silu_and_mul: bool = False, x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16, prefetch_next: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale)^T + bias, in x's dtype.
 
@@ -552,9 +518,6 @@ def gemv(
     per-tensor ``x_scale`` and FP8 weights: the FP8 tensor cores' product, scaled by
     weight_scale * x_scale, returned in ``out_dtype`` (bf16/fp16): ``_scaled_mm``'s function
     for the small M where it is faster (``w8a8_wins``); tensor-core configs only.
-    ``prefetch_next``: a contiguous CUDA tensor (the next projection's weight) whose first
-    ``NEXT_PREFETCH_BYTES`` the kernel pulls into L2 as its programs finish; a hint only,
-    never changes the result (ignored off sm_90+ GPUs and under the interpreter).
     """
     if x_scale is not None:
         return _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype)
@@ -574,8 +537,7 @@ def gemv(
     if m > GEMV_MAX_M and not config["USE_DOT"]:
         raise ValueError(f"x has {m} rows; CUDA-core configs (USE_DOT=False) take at most "
                          f"{GEMV_MAX_M}: use a tensor-core config (got {config})")
-    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, silu_and_mul,
-            prefetch_next=prefetch_next)
+    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, silu_and_mul)
     return y
 
 
@@ -643,7 +605,7 @@ def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> tor
 
 
 def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: bool,
-            norm: tuple | None = None, prefetch_next: torch.Tensor | None = None) -> None:
+            norm: tuple | None = None) -> None:
     """The kernel (and the split-K reduce) for checked arguments and a checked config;
     ``norm`` = (residual, norm weight, residual out, eps) for ``gemv_add_rms_norm``."""
     m, n, k = y.shape[0], y.shape[1], weight.shape[1]
@@ -657,17 +619,14 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
     scale = weight_scale if fp8 else y  # any pointer when unused
     b = bias if bias is not None else y
     xs = x_scale if x_scale is not None else y
-    grid = (triton.cdiv(n, bn), split, triton.cdiv(m, block_m))
-    grid_programs = grid[0] * grid[1] * grid[2]
-    _gemv_kernel[grid](
+    _gemv_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, block_m))](
         x, weight, scale, b, y, part, xs, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y),
-        **_next_args(prefetch_next, y, grid_programs, cfg["num_warps"]), **_pdl.launch_kwargs(),
+        HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -676,33 +635,6 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
             HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
             **_pdl.launch_kwargs(),
         )
-
-
-@functools.cache
-def bulk_prefetch_supported() -> bool:
-    """Whether kernels here can issue ``cp.async.bulk.prefetch.L2`` (a compiled sm_90+ GPU)."""
-    if _interpreting():
-        return False
-    try:
-        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    except Exception:  # noqa: BLE001 - any driver problem: no prefetch (it is only a hint)
-        return False
-
-
-def _next_args(nxt: torch.Tensor | None, unused: torch.Tensor, programs: int,
-               warps: int) -> dict:
-    """The kernel's next-weight prefetch arguments (off without a tensor, a GPU or bytes)."""
-    nbytes = 0
-    if nxt is not None and nxt.is_cuda and bulk_prefetch_supported():
-        if not nxt.is_contiguous():
-            raise ValueError("prefetch_next must be a contiguous tensor (a weight)")
-        nbytes = min(nxt.numel() * nxt.element_size(), NEXT_PREFETCH_BYTES) // 16 * 16
-    if nbytes <= 0:
-        return {"next_ptr": unused, "next_bytes": 0, "next_first_pid": 0, "NEXT": False,
-                "NT": 32}
-    first = min(programs - 1, programs * max(0, min(NEXT_PREFETCH_FROM, 100)) // 100)
-    return {"next_ptr": nxt, "next_bytes": nbytes, "next_first_pid": first, "NEXT": True,
-            "NT": 32 * warps}
 
 
 def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
@@ -723,20 +655,6 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 # 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
 PREFETCH_HINT_BYTES = 128
 
-# The next-weight L2 prefetch (``gemv(prefetch_next=...)``): as its programs finish, a GEMV
-# pulls the first NEXT_PREFETCH_BYTES of the next projection's weight into L2 (TMA bulk
-# prefetches of NEXT_SEG_BYTES), so HBM keeps streaming weights through the latency-bound
-# kernels between two GEMVs (rotary + KV write, attention, a norm) and the next GEMV starts
-# from L2. NEXT_PREFETCH_FROM: the percentage of programs (the first ones) that issue none,
-# so the prefetch starts near the kernel's end. 0 bytes turns it off.
-NEXT_PREFETCH_BYTES = 16 << 20
-NEXT_PREFETCH_FROM = 0
-# Which transitions of a llama step prefetch (models/llama.py, a bit mask): 1 qkv -> o_proj
-# (across rotary, attention and its reduce), 2 o_proj -> gate_up, 4 gate_up -> down,
-# 8 down -> next qkv / lm_head, 16 lm_head -> layer 0's qkv (across the step boundary).
-NEXT_PREFETCH_SITES = 31
-NEXT_SEG_BYTES = tl.constexpr(4096)
-
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
 
@@ -745,7 +663,6 @@ def gemv_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, *, config: dict | None = None,
-    prefetch_next: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gemv(rms_norm(x + residual) * norm_weight, weight, ...)`` and the new residual
     ``x + residual``, in one kernel (``fused_add_rms_norm`` then ``gemv``, without the norm
@@ -753,7 +670,7 @@ def gemv_add_rms_norm(
 
     x, residual: [1, K] bf16/fp16 (a decode step of one sequence); norm_weight [K] in x's
     dtype; weight/weight_scale/bias as in ``gemv``; CUDA-core configs only (the default at
-    M = 1; ``prefetch_next`` as in ``gemv``). Returns (y [1, N], new residual [1, K]). Same rounding points as the two kernels;
+    M = 1). Returns (y [1, N], new residual [1, K]). Same rounding points as the two kernels;
     the float32 sum of squares may differ in its last bits (another reduction order).
     """
     check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
@@ -778,7 +695,7 @@ def gemv_add_rms_norm(
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(1, k, dtype=x.dtype, device=x.device)
     _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, False,
-            norm=(residual, norm_weight, res_out, eps), prefetch_next=prefetch_next)
+            norm=(residual, norm_weight, res_out, eps))
     return y, res_out
 
 

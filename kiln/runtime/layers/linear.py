@@ -144,8 +144,8 @@ def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.T
 
 
 def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
-                  prefix: str, bias: torch.Tensor | None, silu_and_mul: bool = False,
-                  prefetch_next: torch.Tensor | None = None) -> torch.Tensor | None:
+                  prefix: str, bias: torch.Tensor | None,
+                  silu_and_mul: bool = False) -> torch.Tensor | None:
     """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
     if x.dtype not in (torch.bfloat16, torch.float16) or not _triton():
         return None
@@ -160,27 +160,23 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     x2 = x.reshape(m, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul,
-                  prefetch_next=prefetch_next)
+    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul)
     return y.reshape(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
-           silu_and_mul: bool = False, prefetch_next: torch.Tensor | None = None,
-           ) -> torch.Tensor:
+           silu_and_mul: bool = False) -> torch.Tensor:
     """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above).
 
     ``silu_and_mul``: x is a gate_up output [..., 2K]; the layer takes silu(gate) * up, fused
     into the small-batch GEMV where that runs, else through the Triton activation kernel.
-    ``prefetch_next``: the weight of the projection after this one; where the small-batch
-    GEMV runs it pulls its head into L2 (``gemv.NEXT_PREFETCH_BYTES``), elsewhere unused.
     """
     weight = w[prefix + ".weight"]
     bias = w.get(prefix + ".bias")
     if silu_and_mul and not (x.is_cuda and _silu_fusion_applies(x, weight)):
         x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses here
     if x.is_cuda and weight.dtype != torch.float32:
-        y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul, prefetch_next)
+        y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul)
         if y is not None:
             return y
     if silu_and_mul:  # no small-batch GEMV here: the activation kernel, then the GEMM
@@ -193,12 +189,11 @@ def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
 
 def linear_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    w: dict[str, torch.Tensor], prefix: str, prefetch_next: torch.Tensor | None = None,
+    w: dict[str, torch.Tensor], prefix: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual) * norm_weight), x + residual) on the Triton path: one
     kernel where the GEMV takes the norm as its prologue (``gemv.norm_prologue_applies``:
-    batch 1 on CUDA), else the fused add + RMSNorm kernel, then ``linear`` (``prefetch_next``
-    as there)."""
+    batch 1 on CUDA), else the fused add + RMSNorm kernel, then ``linear``."""
     from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
 
     weight = w[prefix + ".weight"]
@@ -210,9 +205,9 @@ def linear_add_rms_norm(
             ok, scale = _kernel_operands(x, weight, w, prefix, bias, x.shape[1])
             if ok and x.stride(-1) == 1 and residual.stride(-1) == 1:
                 return gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, scale,
-                                              bias, prefetch_next=prefetch_next)
+                                              bias)
     xn, h = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(xn, w, prefix, prefetch_next=prefetch_next), h
+    return linear(xn, w, prefix), h
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:

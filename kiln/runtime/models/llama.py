@@ -115,38 +115,24 @@ class LlamaModel:
 
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
-        # each small-batch GEMV pulls the head of the next projection's weight into L2 as it
-        # finishes (gemv.NEXT_PREFETCH_BYTES): HBM keeps streaming through the kernels between
-        nw = self._next_weight
         h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden], the residual
-        qkv = linear(k_rms_norm(h, w["layers.0.input_norm.weight"], eps), w, "layers.0.qkv",
-                     prefetch_next=nw("layers.0.o_proj", 1))
+        qkv = linear(k_rms_norm(h, w["layers.0.input_norm.weight"], eps), w, "layers.0.qkv")
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             q, k, v = self._split_qkv(qkv, p, n)
             # the Triton backend: rotary fused into the KV write, then paged attention
             o = self.attention.rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache,
                                             meta, self.scale)
-            attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj",
-                          prefetch_next=nw(p + "gate_up", 2))
+            attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
             # each add + RMSNorm goes with the projection after it (one kernel at batch 1)
             gate_up, h = linear_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps, w,
-                                             p + "gate_up", prefetch_next=nw(p + "down", 4))
-            nxt = f"layers.{i + 1}." if i + 1 < cfg.num_layers else None
-            mlp = linear(gate_up, w, p + "down", silu_and_mul=True,
-                         prefetch_next=nw(nxt + "qkv" if nxt else self.lm_head, 8))
-            if nxt:
+                                             p + "gate_up")
+            mlp = linear(gate_up, w, p + "down", silu_and_mul=True)
+            if i + 1 < cfg.num_layers:
+                nxt = f"layers.{i + 1}."
                 qkv, h = linear_add_rms_norm(mlp, h, w[nxt + "input_norm.weight"], eps, w,
-                                             nxt + "qkv", prefetch_next=nw(nxt + "o_proj", 1))
+                                             nxt + "qkv")
             else:
                 h = h + mlp
         h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
-        # the next step starts with layer 0's qkv: its head goes into L2 across the step gap
-        return linear(h, w, self.lm_head, prefetch_next=nw("layers.0.qkv", 16)).float()
-
-    def _next_weight(self, prefix: str, site: int) -> torch.Tensor | None:
-        """The weight of ``prefix`` where the transition ``site`` prefetches it (a bit of
-        gemv.NEXT_PREFETCH_SITES), else None."""
-        from kiln.runtime.kernels import gemv
-
-        return self.w[prefix + ".weight"] if gemv.NEXT_PREFETCH_SITES & site else None
+        return linear(h, w, self.lm_head).float()
