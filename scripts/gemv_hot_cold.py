@@ -4,12 +4,19 @@ H200 L2 is 50 MB, so qkv 25 MB and o_proj 17 MB FP8 stay there) against distinct
 ("cold": enough copies to pass 400 MB per graph), FP8 and bf16, PDL on, a few CUDA-core
 configs each. Hot close to cold means the kernel's own latency, not HBM, sets its time.
 
-    PYTHONPATH=. python3 scripts/gemv_hot_cold.py
+    PYTHONPATH=.:scripts python3 scripts/gemv_hot_cold.py [--dtypes fp8] [--f16 0,2,4]
+        [--configs default]
+
+``--f16`` A/Bs gemv.F16_ACC (f16x2 accumulation of FP8 weights at one row) and reports each
+variant's relative error against gemv_ref (float32).
 
 Benchmarks, not tests; prints a table last.
 """
 
 from __future__ import annotations
+
+import argparse
+import itertools
 
 import torch
 from bench_gemv import time_us  # scripts/ is on sys.path as a script
@@ -25,9 +32,15 @@ CONFIGS = [None, gemv._cfg(16, 256, False), gemv._cfg(8, 512, False),
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="fp8,bf16")
+    ap.add_argument("--f16", default="0", help="gemv.F16_ACC values to A/B (FP8 weights)")
+    ap.add_argument("--configs", default="all", help="all, or default")
+    args = ap.parse_args()
+    configs = CONFIGS if args.configs == "all" else [None]
     rows = []
     x = torch.randn(1, 14336 * 2, device=DEV, dtype=torch.bfloat16)
-    for fp8 in (True, False):
+    for fp8 in [d == "fp8" for d in args.dtypes.split(",")]:
         for name, (n, k) in SHAPES.items():
             nbytes = n * k * (1 if fp8 else 2)
             copies = max(2, -(-400_000_000 // nbytes))
@@ -37,9 +50,15 @@ def main() -> None:
                 ws.append((w * 64).to(torch.float8_e4m3fn) if fp8 else w)
             s = torch.tensor(1 / 64, device=DEV) if fp8 else None
             xi = x[:, :k]
-            for cfg in CONFIGS:
+            ref = gemv.gemv_ref(xi, ws[0], s).float()
+            for cfg, f16 in itertools.product(configs, [int(v) for v in args.f16.split(",")]):
+                if f16 and not fp8:
+                    continue
+                gemv.F16_ACC = f16
                 label = "default" if cfg is None else f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}"
+                label += f" f16acc={f16}" if fp8 else ""
                 try:
+                    err = (gemv.gemv(xi, ws[0], s, config=cfg).float() - ref).norm() / ref.norm()
                     hot = time_us(lambda i: gemv.gemv(xi, ws[0], s, config=cfg), 1)["us"]
                     cold = time_us(lambda i: gemv.gemv(xi, ws[i], s, config=cfg), copies)["us"]
                 except Exception as e:  # noqa: BLE001 - report and go on
@@ -47,8 +66,10 @@ def main() -> None:
                     continue
                 rows.append(f"| {'fp8' if fp8 else 'bf16'} {name} ({nbytes / 1e6:.1f} MB) | "
                             f"{label} | hot {hot:.2f} us ({nbytes / hot / 1e6:.2f} TB/s) | "
-                            f"cold {cold:.2f} us ({nbytes / cold / 1e6:.2f} TB/s) |")
+                            f"cold {cold:.2f} us ({nbytes / cold / 1e6:.2f} TB/s) | "
+                            f"rel err {err:.2e} |")
                 print(rows[-1], flush=True)
+            gemv.F16_ACC = 0
             del ws
             torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}")
