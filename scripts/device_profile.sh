@@ -17,7 +17,7 @@
 #    v: `kiln serve` on an empty Triton cache with shipped kernels (run).
 # g1 then pace2 (seventh session): the batch-1 step's time outside its CUDA graph
 #    (step_gap.py, carry .carry/a), then the pacing knobs and the start-up break-even test.
-# f16 (eighth session): f16x2 accumulation of FP8 weights at one row, tests, GEMV and 8B A/B.
+# f16 (eighth session): f16x2 accumulation A/B (code in the commit before its removal; it lost).
 # l2 (eighth session): the next-weight L2 prefetch A/B (code in 0b91ba7, removed: it lost).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
@@ -43,15 +43,7 @@ join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carri
   cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
     > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 }
-if [ "$phase" = f16 ]; then  # f16x2 accumulation of FP8 weights at one row: tests, A/B
-  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py -k "f16_acc" \
-    > "$OUT/f16_tests.log" 2>&1
-  PYTHONPATH=.:scripts timeout 150 python3 scripts/gemv_hot_cold.py --dtypes fp8 \
-    --f16 ${F16_VALUES:-0,2,4} --configs ${F16_CONFIGS:-all} > "$OUT/f16_gemv.log" 2>&1
-  PYTHONPATH=.:scripts timeout 300 python3 scripts/bench_pdl.py --only 8b --quants fp8 \
-    --modes 2 --knob gemv.F16_ACC=${F16_VALUES:-0,2,4} --out "$OUT/f16.json" > "$OUT/f16.log" 2>&1
-  tail -3 "$OUT/f16_tests.log"; grep "^|" "$OUT/f16_gemv.log" | sort; grep "^|" "$OUT/f16.log"
-elif [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
+if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
   timeout 200 python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
     --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
   timeout 100 python3 scripts/profile_step.py --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1

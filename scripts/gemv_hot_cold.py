@@ -4,11 +4,11 @@ H200 L2 is 50 MB, so qkv 25 MB and o_proj 17 MB FP8 stay there) against distinct
 ("cold": enough copies to pass 400 MB per graph), FP8 and bf16, PDL on, a few CUDA-core
 configs each. Hot close to cold means the kernel's own latency, not HBM, sets its time.
 
-    PYTHONPATH=.:scripts python3 scripts/gemv_hot_cold.py [--dtypes fp8] [--f16 0,2,4]
+    PYTHONPATH=.:scripts python3 scripts/gemv_hot_cold.py [--dtypes fp8] [--knob ATTR=V1,V2]
         [--configs default]
 
-``--f16`` A/Bs gemv.F16_ACC (f16x2 accumulation of FP8 weights at one row) and reports each
-variant's relative error against gemv_ref (float32).
+``--knob`` A/Bs an integer rule of the gemv module; every row reports its relative error
+against gemv_ref (float32).
 
 Benchmarks, not tests; prints a table last.
 """
@@ -34,7 +34,8 @@ CONFIGS = [None, gemv._cfg(16, 256, False), gemv._cfg(8, 512, False),
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="fp8,bf16")
-    ap.add_argument("--f16", default="0", help="gemv.F16_ACC values to A/B (FP8 weights)")
+    ap.add_argument("--knob", default=None, metavar="ATTR=V1,V2",
+                    help="an integer rule of the gemv module to A/B, e.g. MAXNREG=0,64")
     ap.add_argument("--configs", default="all", help="all, or default")
     args = ap.parse_args()
     configs = CONFIGS if args.configs == "all" else [None]
@@ -51,12 +52,14 @@ def main() -> None:
             s = torch.tensor(1 / 64, device=DEV) if fp8 else None
             xi = x[:, :k]
             ref = gemv.gemv_ref(xi, ws[0], s).float()
-            for cfg, f16 in itertools.product(configs, [int(v) for v in args.f16.split(",")]):
-                if f16 and not fp8:
-                    continue
-                gemv.F16_ACC = f16
+            attr, _, raw = (args.knob or "").partition("=")
+            values = [int(v) for v in raw.split(",")] if attr else [None]
+            shipped = getattr(gemv, attr) if attr else None
+            for cfg, value in itertools.product(configs, values):
+                if attr:
+                    setattr(gemv, attr, value)
                 label = "default" if cfg is None else f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}"
-                label += f" f16acc={f16}" if fp8 else ""
+                label += f" {attr}={value}" if attr else ""
                 try:
                     err = (gemv.gemv(xi, ws[0], s, config=cfg).float() - ref).norm() / ref.norm()
                     hot = time_us(lambda i: gemv.gemv(xi, ws[0], s, config=cfg), 1)["us"]
@@ -69,7 +72,8 @@ def main() -> None:
                             f"cold {cold:.2f} us ({nbytes / cold / 1e6:.2f} TB/s) | "
                             f"rel err {err:.2e} |")
                 print(rows[-1], flush=True)
-            gemv.F16_ACC = 0
+            if attr:
+                setattr(gemv, attr, shipped)
             del ws
             torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}")

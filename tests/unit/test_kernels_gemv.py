@@ -390,35 +390,3 @@ def test_silu_fusion_rule():
     assert not gemv.silu_fusion_applies(1, 14336, False)
     assert gemv.silu_fusion_applies(1, 14336, True)
     assert not gemv.silu_fusion_applies(2, 14336, True)
-
-
-@pytest.mark.parametrize("act", [False, True], ids=["plain", "silu"])
-@pytest.mark.parametrize("r", [4, 3])
-def test_gemv_f16_accumulation_matches_reference(act, r, monkeypatch):
-    """FP8 weights at one row with gemv.F16_ACC: the f16x2 partial sums (F16_R tiles each,
-    the largest of F16_ACC, 2, 1 dividing the K loop) then float32 give the W8A16 result
-    within bf16 rounding, with a bias and the SiLU prologue; other launches keep float32."""
-    monkeypatch.setattr(gemv, "F16_ACC", r)
-    cfg = gemv._cfg(8, 32, False)
-    assert gemv._f16_r(1, 256, 256, 1, 32, False, True, True) == (4 if r == 4 else 2)
-    assert gemv._f16_r(1, 96, 96, 1, 32, False, True, True) == (3 if r == 3 else 1)
-    assert gemv._f16_r(2, 256, 256, 1, 32, False, True, True) == 0  # two rows
-    assert gemv._f16_r(1, 250, 256, 1, 32, False, True, True) == 0  # ragged K
-    assert gemv._f16_r(1, 256, 256, 1, 32, False, False, True) == 0  # bf16 weights
-    assert gemv._f16_r(1, 256, 128, 2, 32, False, True, True) == 0  # split K
-    torch.manual_seed(0)
-    n, k = 40, 256
-    w, s = _w(n, k, FP8)
-    x = torch.randn(1, 2 * k if act else k).to(torch.bfloat16)
-    b = torch.randn(n).to(torch.bfloat16)
-    y = gemv.gemv(x, w, s, b, config=cfg, silu_and_mul=act)
-    xr = gemv_act_ref(x) if act else x
-    assert rel_err(y, gemv.gemv_ref(xr, w, s, b)) < TOL[torch.bfloat16]
-    monkeypatch.setattr(gemv, "F16_ACC", 0)
-    assert rel_err(y, gemv.gemv(x, w, s, b, config=cfg, silu_and_mul=act)) < TOL[torch.bfloat16]
-
-
-def gemv_act_ref(x: torch.Tensor) -> torch.Tensor:
-    from kiln.runtime.kernels.activation import silu_and_mul_ref
-
-    return silu_and_mul_ref(x)
