@@ -58,11 +58,9 @@ def cases():
     g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
          "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
          "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-         "HINT": 128, "F16_R": 0}
+         "HINT": 128}
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
-    yield "gemv W8A16 M=1 f16x2 accumulation, silu prefetch", gemv._gemv_kernel, dict(
-        g, F16_R=4, ACT=True), fp8w, 4
     yield "gemv W8A16 M=1 sector hints", gemv._gemv_kernel, dict(g, HINT=32), fp8w, 8
     yield "gemv W8A16 M=1 add+rmsnorm", gemv._gemv_kernel, dict(g, NORM=True, K_PAD=4096), \
         fp8w, 8

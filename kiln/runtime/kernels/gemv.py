@@ -180,7 +180,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, HINT: tl.constexpr, F16_R: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -225,35 +225,6 @@ def _gemv_kernel(
                 acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
             y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
-    elif F16_R > 0:
-        # one row, FP8 W (``f16_acc_applies``): e4m3 pairs widen to f16x2 in one instruction
-        # and multiply-add into an f16x2 tile (half the instructions of widening to float32);
-        # x is scaled by the weight scale x F16_GAIN first (the products are the real ones,
-        # with headroom against f16's 2^-14 normal floor), and every F16_R tiles the f16
-        # tile is added into the float32 accumulator (at most F16_R f16 roundings per sum)
-        x_ptrs = x_ptr + offs_k
-        if PREFETCH:
-            k_lo = pid_k * K_SPLIT
-            _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo,
-                            tl.minimum(K, k_lo + tl.minimum(K_SPLIT, 2 * BLOCK_K)), HINT // ESIZE)
-        pdl_begin(PDL)
-        xs = tl.load(scale_ptr) * F16_GAIN
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for kk in range(0, K_SPLIT, BLOCK_K * F16_R):
-            a16 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-            for r in tl.static_range(F16_R):
-                w = tl.load(w_ptrs + r * BLOCK_K).to(tl.float16)
-                xv = tl.load(x_ptrs + r * BLOCK_K)
-                if ACT:
-                    xv = _silu_mul(xv, tl.load(x_ptrs + r * BLOCK_K + K), xv.dtype)
-                x16 = (xv.to(tl.float32) * xs).to(tl.float16)
-                a16 += w * x16[None, :]
-            acc += a16.to(tl.float32)
-            w_ptrs += BLOCK_K * F16_R
-            x_ptrs += BLOCK_K * F16_R
-        v = tl.sum(acc, axis=1) * (1.0 / F16_GAIN)
-        _store_row(v, 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr, scale_ptr, bias_ptr,
-                   stride_ym, SPLIT, False, HAS_BIAS)
     else:
         # CUDA cores, BLOCK_M = M rows unrolled: one [BLOCK_N, BLOCK_K] float32 accumulator
         # per row, the widened W tile shared by all rows; reduced over K once at the end
@@ -656,7 +627,6 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
         HINT=PREFETCH_HINT_BYTES, **_norm_args(norm, k, y), **_pdl.launch_kwargs(),
-        F16_R=_f16_r(m, k, k_split, split, bk, dot, fp8, x_scale is None and norm is None),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -665,27 +635,6 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
             HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
             **_pdl.launch_kwargs(),
         )
-
-
-# FP8 weights at one row: accumulate each F16_ACC tiles in f16x2 before float32 (0 = off;
-# the kernel takes the largest of F16_ACC, 2, 1 that divides the K loop). F16_GAIN scales
-# x * weight_scale up, away from f16's subnormal range: partial sums of F16_ACC products
-# stay far below 65504 / F16_GAIN for any real activation.
-F16_ACC = 0
-F16_GAIN = tl.constexpr(16.0)
-
-
-def _f16_r(m: int, k: int, k_split: int, split: int, bk: int, dot: bool, fp8: bool,
-           plain: bool) -> int:
-    """The f16 accumulation depth for one launch (0: the float32 path)."""
-    if not (F16_ACC and m == 1 and split == 1 and k == k_split and fp8 and plain
-            and not dot):
-        return 0
-    steps = k // bk
-    for r in (F16_ACC, 2, 1):
-        if r <= steps and steps % r == 0:
-            return r
-    return 0
 
 
 def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
