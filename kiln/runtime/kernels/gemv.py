@@ -654,6 +654,11 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 # unchanged. Hinting the whole slice of small weights (qkv, o_proj) lost (FP8 2.840 ms, or
 # 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
 PREFETCH_HINT_BYTES = 128
+# Also tried on the H200 and removed (2026-11-30 eighth session, notes/NOTES.md; the code is in
+# the commits named there): each GEMV TMA-prefetching the next projection's weight into L2 as
+# it finishes (0b91ba7: 2.75 -> 2.77-3.15 ms), f16x2 accumulation of FP8 weights (1dd6c6d:
+# -> 3.06-3.13 ms), W one tile ahead in registers and a register cap (93f93b1: -> 3.63 ms,
+# neutral at 64 registers).
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
