@@ -32,9 +32,10 @@ from kiln.runtime.sampling_params import SamplingParams
 PROMPT = list(range(1000, 1128))
 
 
-def steps_ms(eng: LLMEngine, params: SamplingParams) -> tuple[float, float]:
+def steps_ms(eng: LLMEngine, params: SamplingParams,
+             prompt: list[int] = PROMPT) -> tuple[float, float]:
     """(median wall ms per step after the first 8, output tokens per second) of one request."""
-    eng.add_request(PROMPT, params)
+    eng.add_request(prompt, params)
     times = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()

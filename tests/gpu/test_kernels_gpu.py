@@ -230,6 +230,23 @@ def test_sampling_greedy_equals_argmax_at_real_vocabularies(vocab, rows):
     assert torch.equal(sampling.sample_tokens(x, inv, seed=5), x.argmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [128256, 49152])
+def test_sampling_nan_rows_stay_inside_the_vocabulary(vocab):
+    """NaN logits: greedy == torch.argmax (the first NaN), sampled ids inside the vocabulary
+    (a token id past it would be a device assert at the next embedding lookup)."""
+    from kiln.runtime.kernels import sampling
+
+    x = torch.randn(4, vocab, device=DEV)
+    x[0] = float("nan")
+    x[1, vocab - 5:] = float("nan")
+    x[2] = float("-inf")
+    x[2, vocab - 1] = float("nan")
+    x[3, 4097] = float("nan")
+    assert torch.equal(sampling.sample_tokens(x, 0.0, seed=2), x.argmax(-1))
+    tok = sampling.sample_tokens(x, 1.0, seed=2)
+    assert tok.tolist() == [0, vocab - 5, vocab - 1, 4097]
+
+
 def test_sampling_frequencies_match_softmax_on_cuda():
     """200000 draws (one row each) of a 6-token distribution padded with -inf to 4096
     tokens (two programs per row): frequencies within 4.5 standard errors of softmax, masked

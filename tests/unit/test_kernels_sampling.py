@@ -37,6 +37,23 @@ def test_greedy_rows_equal_torch_argmax_with_ties_and_masks(block, dtype):
     assert out.tolist()[1:3] == [30, 5]
 
 
+def test_nan_rows_give_token_ids_inside_the_vocabulary(block):
+    """NaN logits (a broken model or checkpoint) must not yield a token id past the
+    vocabulary (the next step's embedding lookup would be a device assert that ends the
+    server): NaN is the largest value, as in torch.argmax, greedy and sampled alike."""
+    v = 100
+    x = torch.randn(4, v)
+    x[0] = float("nan")  # every logit NaN
+    x[1, 40:] = float("nan")  # NaN from token 40 on: the first NaN wins a greedy row
+    x[2, :] = float("-inf")
+    x[2, 97] = float("nan")  # NaN among masked tokens
+    x[3, 63] = float("nan")
+    greedy = sampling.sample_tokens(x, 0.0, seed=1)
+    assert greedy.tolist() == x.argmax(-1).tolist() == [0, 40, 97, 63]
+    sampled = sampling.sample_tokens(x, 1.0, seed=1)
+    assert sampled.tolist() == [0, 40, 97, 63]  # +inf beats any finite noisy logit
+
+
 def test_sampled_rows_follow_the_gumbel_max_rule_and_are_seeded(block):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 40, generator=g)

@@ -119,7 +119,7 @@ def _paged_attn_kernel(
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
-    KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -139,10 +139,6 @@ def _paged_attn_kernel(
     head = kvh * QPK + rows % QPK
     row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
 
     # Keys this tile can see: causal stops at its last query; a tree mask may look anywhere
     # in the step.
@@ -154,6 +150,18 @@ def _paged_attn_kernel(
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    if SKIP_EMPTY and NUM_SPLITS > 1:
+        if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
+            # split count allows): mark the partial empty for the reduce and stop
+            ph = (tok * num_heads + head) * NUM_SPLITS + split
+            tl.store(part_ml_ptr + ph * 2, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                     mask=row_ok)
+            tl.store(part_ml_ptr + ph * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
 
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
@@ -219,8 +227,9 @@ def _reduce_kernel(
     w = tl.exp2(m - m_max)  # empty splits: m = -inf → 0
     total = tl.sum(l * w, 0)
     d = tl.arange(0, D_PAD)
+    # empty splits (m = -inf) wrote no accumulator: not read (masked lanes touch no memory)
     acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
-                  mask=s_ok[:, None], other=0.0)
+                  mask=(s_ok & (m > float("-inf")))[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -232,6 +241,12 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     bf16 products are exact in float32 and the accumulation is float32 either way."""
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return dtype == torch.float32 or (interp and dtype == torch.bfloat16)
+
+
+# A CUDA graph fixes the split count for the longest context; a shorter one leaves splits
+# without keys. Those programs only mark their partial empty and return, and the reduce reads
+# no accumulator for them.
+SKIP_EMPTY_SPLITS = True
 
 
 def choose_num_splits(
@@ -415,8 +430,8 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
-        **_pdl.launch_kwargs(),
+        SKIP_EMPTY=SKIP_EMPTY_SPLITS, num_warps=int(config["num_warps"]),
+        num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
         _reduce_kernel[(t, heads)](

@@ -5,7 +5,8 @@ token is ``argmax_v logits[r, v]`` where ``inv_temp[r] == 0`` (greedy: the first
 ``torch.argmax``), else ``argmax_v logits[r, v] * inv_temp[r] + G_rv`` with ``G_rv`` i.i.d.
 Gumbel(0, 1) from Philox(seed): the Gumbel-max form of ``Sampler``'s exponential race, so
 token v wins with probability ``softmax(logits[r] * inv_temp[r])_v`` and no softmax is
-computed. ``-inf`` logits (masked tokens) never win a sampled row.
+computed. ``-inf`` logits (masked tokens) never win a sampled row. NaN counts as the largest
+value (``torch.argmax``'s rule), so a NaN row still yields a token id inside the vocabulary.
 
 Why: torch's argmax over one row of 128256 logits runs as one block (27 us on the H200) and
 its softmax as another (34 us); a batch-1 decode step of llama-3-8b is 2.8 ms (notes/NOTES.md,
@@ -39,6 +40,10 @@ def _sample_partial_kernel(
     ok = offs < V
     x = tl.load(logits_ptr + row * stride_r + offs, mask=ok, other=float("-inf"))
     x = x.to(tl.float32)
+    # NaN is the largest value, as in torch.argmax (the first NaN wins a greedy row): without
+    # this a NaN row's comparisons all fail and the winner may be a masked lane, a token id
+    # past the vocabulary that the next step's embedding lookup turns into a device assert
+    x = tl.where(x == x, x, float("inf"))
     if PER_ROW:
         inv_temp = tl.load(inv_temp_ptr + row)
     if inv_temp > 0:

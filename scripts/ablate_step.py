@@ -1,0 +1,108 @@
+"""What each kind of kernel costs a batch-1 llama-3-8b decode step *in the chain*: one engine
+per variant, the CUDA graph captured with that kernel replaced by nothing (or the attention
+split count forced), then the graph replay on dummy inputs and whole engine steps of one
+greedy 128-token request after each prompt length (``--prompt-lens``). A removed kernel's
+delta is what a perfect fusion of it could save; the outputs of ablated variants are garbage
+(timing only). Random weights, FP8 (or bf16) llama-3-8b, max batch 8.
+
+    PYTHONPATH=.:scripts python3 scripts/ablate_step.py [--quant fp8] [--variants base,...]
+        [--prompt-lens 128,1792]
+
+A benchmark, not a test. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from step_gap import steps_ms  # scripts/ is on sys.path when run as a script
+
+from kiln.builder import QuantConfig, build_engine
+from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.kernels import gemv, paged_attention, rotary
+from kiln.runtime.sampling_params import SamplingParams
+
+
+def _splits(n: int):
+    return lambda *a, **k: n
+
+
+def _no_gemv(x, w, *a, **k):
+    return torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+
+
+PATCHES = {  # variant: [(module, attribute, replacement)]
+    "base": [],
+    "no_rotary_kv": [(rotary, "rotary_and_cache_", lambda *a, **k: None)],
+    "no_attention": [(paged_attention, "paged_attention", lambda q, *a, **k: q)],
+    **{f"splits{n}": [(paged_attention, "choose_num_splits", _splits(n))]
+       for n in (1, 2, 4, 8, 32, 64)},
+    "noskip": [(paged_attention, "SKIP_EMPTY_SPLITS", False)],  # before the empty-split exit
+    **{f"noskip_splits{n}": [(paged_attention, "SKIP_EMPTY_SPLITS", False),
+                             (paged_attention, "choose_num_splits", _splits(n))]
+       for n in (4, 8, 32)},
+    "no_gemv": [(gemv, "gemv", _no_gemv)],
+}
+
+
+@contextlib.contextmanager
+def patched(items):
+    old = [(m, a, getattr(m, a)) for m, a, _ in items]
+    for m, a, f in items:
+        setattr(m, a, f)
+    try:
+        yield
+    finally:
+        for m, a, f in old:
+            setattr(m, a, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quant", default="fp8")
+    ap.add_argument("--variants", default=",".join(PATCHES))
+    ap.add_argument("--prompt-lens", default="128", help="contexts to decode at, e.g. 128,1792")
+    args = ap.parse_args()
+    path = Path(tempfile.mkdtemp()) / "l3"
+    build_engine("random:llama-3-8b", path, dtype="bfloat16", max_seq_len=2048,
+                 max_num_tokens=8192, max_batch_size=8, progress=False,
+                 quantization=QuantConfig(weights="fp8") if args.quant == "fp8" else None)
+    rows = []
+    for name in args.variants.split(","):
+        with patched(PATCHES[name]):
+            eng = LLMEngine.from_engine_dir(path, RuntimeConfig(device="cuda", max_num_seqs=8))
+            g = eng.runner.graphs
+            b = next(b for b in g.buckets if b.num_seqs == 1 and not b.masked)
+            replay = statistics.median(g.replay_ms(b, iters=30) for _ in range(3))
+            eng.generate([list(range(1000, 1128))],
+                         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            p = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+            for plen in (int(v) for v in args.prompt_lens.split(",")):
+                prompt = [1000 + i % 5000 for i in range(plen)]
+                step = statistics.median(steps_ms(eng, p, prompt)[0] for _ in range(3))
+                rows.append((name, plen, replay, step))
+                print(f"{name} prompt {plen}: replay {replay:.3f} ms, engine step {step:.3f} ms",
+                      flush=True)
+            del eng, g
+            gc.collect()
+            torch.cuda.empty_cache()
+    base = {plen: step for n, plen, _, step in rows if n == "base"}
+    print(f"\n{torch.cuda.get_device_name()} {time.strftime('%Y-%m-%d')}, llama-3-8b "
+          f"{args.quant}, batch 1")
+    print("| variant | prompt | replay ms (dummy, context 1) | engine step ms (128 new tokens) "
+          "| step delta vs base |")
+    print("|---|---|---|---|---|")
+    for n, plen, r, s in rows:
+        d = f"{s - base[plen]:+.3f}" if plen in base else ""
+        print(f"| {n} | {plen} | {r:.3f} | {s:.3f} | {d} |")
+
+
+if __name__ == "__main__":
+    main()
