@@ -44,6 +44,7 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_attention": [(paged_attention, "paged_attention", lambda q, *a, **k: q)],
     **{f"splits{n}": [(paged_attention, "choose_num_splits", _splits(n))]
        for n in (1, 2, 4, 8, 32, 64)},
+    "w_evict_normal": [(gemv, "WEIGHT_EVICT", "")],  # before weights loaded evict_first
     "noskip": [(paged_attention, "SKIP_EMPTY_SPLITS", False)],  # before the empty-split exit
     **{f"noskip_splits{n}": [(paged_attention, "SKIP_EMPTY_SPLITS", False),
                              (paged_attention, "choose_num_splits", _splits(n))]

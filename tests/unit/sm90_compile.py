@@ -58,7 +58,7 @@ def cases():
     g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
          "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
          "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-         "HINT": 128}
+         "HINT": 128, "W_EVICT": "evict_first"}
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
     yield "gemv W8A16 M=1 sector hints", gemv._gemv_kernel, dict(g, HINT=32), fp8w, 8
@@ -113,6 +113,8 @@ def main() -> None:
             ptx = k.asm.get("ptx", "")
             if "griddepcontrol.wait" not in ptx:
                 raise AssertionError("no griddepcontrol.wait in the PTX (PDL wait missing)")
+            if name.startswith("gemv W8A16") and "L2::evict_first" not in ptx:
+                raise AssertionError("no L2::evict_first weight loads in the PTX")
             if ("prefetch" in name or "hints" in name) and "prefetch.global.L2" not in ptx:
                 raise AssertionError("no prefetch.global.L2 in the PTX (L2 hints missing)")
             compiled.append(name)
