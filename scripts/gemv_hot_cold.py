@@ -62,8 +62,11 @@ def main() -> None:
                 label += f" {attr}={value}" if attr else ""
                 try:
                     err = (gemv.gemv(xi, ws[0], s, config=cfg).float() - ref).norm() / ref.norm()
-                    hot = time_us(lambda i: gemv.gemv(xi, ws[0], s, config=cfg), 1)["us"]
-                    cold = time_us(lambda i: gemv.gemv(xi, ws[i], s, config=cfg), copies)["us"]
+                    def call(i, ws=ws, xi=xi, s=s, cfg=cfg, hot=False):
+                        return gemv.gemv(xi, ws[0 if hot else i], s, config=cfg)
+
+                    hot = time_us(lambda i, call=call: call(i, hot=True), 1)["us"]
+                    cold = time_us(call, copies)["us"]
                 except Exception as e:  # noqa: BLE001 - report and go on
                     rows.append(f"| {'fp8' if fp8 else 'bf16'} {name} | {label} | error {e} |")
                     continue

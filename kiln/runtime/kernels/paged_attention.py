@@ -150,7 +150,7 @@ def _paged_attn_kernel(
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
-    if SKIP_EMPTY and NUM_SPLITS > 1:
+    if SKIP_EMPTY and NUM_SPLITS > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
         if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
             # split count allows): mark the partial empty for the reduce and stop
             ph = (tok * num_heads + head) * NUM_SPLITS + split
