@@ -127,3 +127,22 @@ def test_the_sampling_kernels_take_greedy_seeded_and_temperature_only_rows():
         assert kernel_inv_temps(rows[:2] + [warped], [None] * 3, vocab=100) is None
         assert kernel_inv_temps([warped], [g], vocab=100) == [0.0]  # seeded: host redraws
     assert kernel_inv_temps([], [], vocab=100) is None
+
+
+def test_nan_logits_never_raise_and_stay_in_the_vocabulary():
+    """A model that emits NaN logits must not take the engine down (an exception in a step
+    stops the server for everyone): every policy returns a token id inside the vocabulary,
+    NaN counting as the largest value (torch.argmax's rule)."""
+    v = 16
+    logits = torch.randn(7, v)
+    logits[:, 5] = float("nan")
+    logits[6] = float("nan")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0, seed=7),
+              SamplingParams(temperature=1.0, seed=8)]
+    gens = [None] * 5 + [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    toks, _ = Sampler()(logits, params, [[]] * 7, gens)
+    assert all(0 <= t < v for t in toks), toks
+    assert toks[0] == 5  # greedy: the NaN logit
+    assert toks[5] == toks[6] == 0  # a softmax with a NaN is NaN everywhere: the first one

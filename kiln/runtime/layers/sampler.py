@@ -75,10 +75,14 @@ def race(probs: torch.Tensor) -> torch.Tensor:
 
 
 def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token from probabilities [V]; seeded draws run on CPU for reproducibility."""
-    if generator is not None:
-        return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
-    return int(torch.multinomial(probs.float(), 1))
+    """Draw one token from probabilities [V]; seeded draws run on CPU for reproducibility.
+    Probabilities that are not a distribution (NaN from a model's NaN logits) give their
+    argmax, NaN counting as the largest (torch.argmax's rule): torch.multinomial would raise,
+    and an exception in a step stops the engine for every request."""
+    p = probs.float().cpu() if generator is not None else probs.float()
+    if not (bool(torch.isfinite(p).all()) and float(p.sum()) > 0):
+        return int(p.argmax())
+    return int(torch.multinomial(p, 1, generator=generator))
 
 
 def kernel_inv_temps(params: list[SamplingParams], generators: list[torch.Generator | None],
