@@ -17,6 +17,7 @@
 #    v: `kiln serve` on an empty Triton cache with shipped kernels (run).
 # g1 then pace2 (seventh session): the batch-1 step's time outside its CUDA graph
 #    (step_gap.py, carry .carry/a), then the pacing knobs and the start-up break-even test.
+# ab (eighth session): scripts/ablate_step.py, whole engine steps at 3 contexts per variant.
 # f16 (eighth session): f16x2 accumulation A/B (code in the commit before its removal; it lost).
 # l2 (eighth session): the next-weight L2 prefetch A/B (code in 0b91ba7, removed: it lost).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
@@ -43,7 +44,15 @@ join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carri
   cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
     > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 }
-if [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
+if [ "$phase" = ab ]; then  # kernel ablation / A/B at real contexts (scripts/ablate_step.py)
+  export PYTHONPATH=.:scripts
+  for q in ${AB_QUANTS:-fp8}; do
+    timeout ${AB_S:-400} python3 scripts/ablate_step.py --quant $q \
+      --variants ${AB_VARIANTS:-base,w_evict_normal,noskip,splits32} \
+      --prompt-lens ${AB_PROMPTS:-128,512,1792} > "$OUT/ablate-$q.log" 2>&1
+    grep "^|" "$OUT/ablate-$q.log" || tail -20 "$OUT/ablate-$q.log"
+  done
+elif [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
   timeout 200 python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
     --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1
   timeout 100 python3 scripts/profile_step.py --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
