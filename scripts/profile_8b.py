@@ -67,6 +67,21 @@ def build(tmp: Path, quant: str) -> Path:
     return out
 
 
+def timed_steps(eng: LLMEngine, prompt: list[int],
+                params: SamplingParams) -> tuple[list[float], float]:
+    """One request run to the end: (wall seconds of each engine step, total seconds)."""
+    eng.add_request(prompt, params)
+    steps = []
+    torch.cuda.synchronize()
+    t_all = time.perf_counter()
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return steps, time.perf_counter() - t_all
+
+
 def batch1(res: dict, tmp: Path, quant: str) -> None:
     eng = LLMEngine.from_engine_dir(build(tmp, quant), RuntimeConfig(device="cuda"))
     runner = eng.runner.graphs
@@ -79,16 +94,7 @@ def batch1(res: dict, tmp: Path, quant: str) -> None:
     r = res[f"b1-{quant}"] = {"replay_ms": replay}
     for mode in ("sync", "async"):
         eng.async_scheduling = mode == "async"
-        eng.add_request(prompt, p)
-        steps = []
-        torch.cuda.synchronize()
-        t_all = time.perf_counter()
-        while eng.has_unfinished_requests():
-            t = time.perf_counter()
-            eng.step()
-            steps.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
-        t_all = time.perf_counter() - t_all
+        steps, t_all = timed_steps(eng, prompt, p)
         wall = statistics.median(steps[1:]) * 1e3
         r[mode] = {"step_wall_ms": wall, "first_step_ms": steps[0] * 1e3,
                    "tok_s": 128 / t_all}

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from profile_8b import build  # scripts/ is on sys.path when run as a script
+from profile_8b import build, timed_steps  # scripts/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -35,16 +35,7 @@ PROMPT = list(range(1000, 1128))
 def steps_ms(eng: LLMEngine, params: SamplingParams,
              prompt: list[int] = PROMPT) -> tuple[float, float]:
     """(median wall ms per step after the first 8, output tokens per second) of one request."""
-    eng.add_request(prompt, params)
-    times = []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        t = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    total = time.perf_counter() - t0
+    times, total = timed_steps(eng, prompt, params)
     return statistics.median(times[8:]) * 1e3, params.max_tokens / total
 
 
