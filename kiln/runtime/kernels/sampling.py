@@ -50,8 +50,8 @@ def _sample_partial_kernel(
         # [0, 1), one Philox stream per (seed, row); u == 0 gives G = -inf: never wins
         u = tl.rand(seed + (row << 32), offs)
         x = x * inv_temp - tl.log(-tl.log(u))
-    best = tl.max(x, axis=0)
-    arg = tl.argmax(x, axis=0, tie_break_left=True)
+    # one reduction for both (tl.argmax is this call, keeping only the index)
+    best, arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * parts + part, best)
     tl.store(idx_ptr + row * parts + part, part * BLOCK + arg)
 

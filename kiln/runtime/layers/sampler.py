@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -80,7 +81,8 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     argmax, NaN counting as the largest (torch.argmax's rule): torch.multinomial would raise,
     and an exception in a step stops the engine for every request."""
     p = probs.float().cpu() if generator is not None else probs.float()
-    if not (bool(torch.isfinite(p).all()) and float(p.sum()) > 0):
+    total = float(p.sum())  # NaN or inf anywhere shows in the sum (probabilities are >= 0)
+    if not (math.isfinite(total) and total > 0):
         return int(p.argmax())
     return int(torch.multinomial(p, 1, generator=generator))
 
