@@ -93,6 +93,25 @@ def test_paged_attention_empty_splits_read_no_stale_partials(skip, monkeypatch):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_decode_launch_covers_the_padding_sequence(direct, num_splits,
+                                                                   monkeypatch):
+    """A decode launch (max_query_len 1) maps program p to sequence p. A CUDA graph's last
+    (padding) sequence takes the leftover tokens, more than one tile of them, and empty
+    sequences sit before it: every row is still written and equals the reference."""
+    from kiln.runtime.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE_DIRECT", direct)
+    specs = [(70, 1, False), (5, 0, False), (3, 1, False), (9, 0, False), (0, 11, False)]
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 4, 2, 16, 16, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=1, max_context_len=71,
+                    num_splits=num_splits, out=out)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
 def test_choose_num_splits():
     assert choose_num_splits(8, 2048, 132, 64) == 16  # batch-1 decode: split the keys
     assert choose_num_splits(8, 100, 132, 64) == 1  # short context: nothing to split

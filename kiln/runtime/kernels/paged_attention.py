@@ -120,15 +120,26 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if DECODE:  # at most one query per sequence but the last (a graph's padding sequence
+        # takes the leftover tokens): program p < num_seqs is sequence p, the programs past
+        # them are the last sequence's further tiles. No search, so the sequence's metadata
+        # loads do not wait on one another.
+        last = num_seqs - 1
+        seq = tl.minimum(pid, last)
+        q_tile = tl.maximum(pid - last, 0)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    else:
+        seq = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_tile = pid - (q_start // BLOCK_Q + seq)
     if q_tile * BLOCK_Q >= q_len:
         return
     ctx = tl.load(ctx_ptr + seq)
@@ -249,6 +260,9 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 # 2026-11-30 eighth session): 2.781 -> 2.765 ms at contexts 129-256, 2.800 -> 2.790 at
 # 513-640, equal at 1793-1920 (where every split has keys).
 SKIP_EMPTY_SPLITS = True
+# Decode launches (max_query_len <= 1, no tree mask) map program p to sequence p instead of
+# searching query_start_loc (an A/B switch while measured).
+DECODE_DIRECT = True
 
 
 def choose_num_splits(
@@ -406,6 +420,7 @@ def _launch(
     block_q = block_m // qpk
     d_pad = next_pow2(max(dim, 16))
     block_n = int(config["BLOCK_N"])
+    decode = DECODE_DIRECT and max_query_len <= 1 and mask is None
     num_q_programs = t // block_q + num_seqs
     if num_splits is None:
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count
@@ -432,7 +447,7 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        SKIP_EMPTY=SKIP_EMPTY_SPLITS, num_warps=int(config["num_warps"]),
+        SKIP_EMPTY=SKIP_EMPTY_SPLITS, DECODE=decode, num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
