@@ -50,9 +50,7 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
                              (paged_attention, "choose_num_splits", _splits(n))]
        for n in (4, 8, 32)},
     "no_gemv": [(gemv, "gemv", _no_gemv)],
-    "no_wfirst": [(gemv, "WEIGHT_FIRST", False)],  # before the first W tile pre-wait
     "no_decode_direct": [(paged_attention, "DECODE_DIRECT", False)],  # before: the search
-    "neither": [(gemv, "WEIGHT_FIRST", False), (paged_attention, "DECODE_DIRECT", False)],
     "norm4096": [(gemv, "NORM_PROLOGUE_MAX_K", 4096)],  # add + RMSNorm into qkv / gate_up
 }
 

@@ -180,7 +180,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
-    K_PAD: tl.constexpr, HINT: tl.constexpr, W_EVICT: tl.constexpr, W_FIRST: tl.constexpr,
+    K_PAD: tl.constexpr, HINT: tl.constexpr, W_EVICT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -233,12 +233,6 @@ def _gemv_kernel(
             k_lo = pid_k * K_SPLIT
             _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo,
                             tl.minimum(K, k_lo + tl.minimum(K_SPLIT, 2 * BLOCK_K)), HINT // ESIZE)
-        if W_FIRST:  # the first W tile into registers before the PDL wait (W is read-only)
-            if EVEN_K:
-                w_first = tl.load(w_ptrs, eviction_policy=W_EVICT)
-            else:
-                w_first = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0,
-                                  eviction_policy=W_EVICT)
         pdl_begin(PDL)
         if NORM:  # one row: x is an addend, the input is rms_norm(x + residual) * g
             ka = tl.arange(0, K_PAD)
@@ -269,9 +263,7 @@ def _gemv_kernel(
             acc7 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for kk in range(0, K_SPLIT, BLOCK_K):
             k_ok = offs_k + kk < K
-            if W_FIRST and kk == 0:  # noqa: SIM114 - the loaded tile, or a load
-                w = w_first.to(tl.float32)
-            elif EVEN_K:
+            if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy=W_EVICT).to(tl.float32)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0,
@@ -635,8 +627,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT, W_FIRST=not dot and WEIGHT_FIRST,
-        **_norm_args(norm, k, y),
+        HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT, **_norm_args(norm, k, y),
         **_pdl.launch_kwargs(),
     )
     if split > 1:
@@ -654,9 +645,6 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
 # scripts/ablate_step.py, 8B FP8 batch 1, same process): engine step 2.753 -> 2.674 ms at
 # contexts 129-256, 2.884 -> 2.793 at 1793-1920. ("" = normal priority.)
 WEIGHT_EVICT = "evict_first"
-# The CUDA-core GEMV loads its first W tile into registers before its PDL wait, so the tile's
-# HBM latency overlaps the kernel before it (an A/B switch while measured).
-WEIGHT_FIRST = True
 
 
 def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
@@ -680,7 +668,8 @@ PREFETCH_HINT_BYTES = 128
 # the commits named there): each GEMV TMA-prefetching the next projection's weight into L2 as
 # it finishes (0b91ba7: 2.75 -> 2.77-3.15 ms), f16x2 accumulation of FP8 weights (1dd6c6d:
 # -> 3.06-3.13 ms), W one tile ahead in registers and a register cap (93f93b1: -> 3.63 ms,
-# neutral at 64 registers).
+# neutral at 64 registers). Ninth session (e428f28): the first W tile loaded into registers
+# before the PDL wait: engine step 2.679 -> 3.942 ms.
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
