@@ -26,7 +26,7 @@ from step_gap import steps_ms  # scripts/ is on sys.path when run as a script
 
 from kiln.builder import QuantConfig, build_engine
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
-from kiln.runtime.kernels import gemv, paged_attention, rotary
+from kiln.runtime.kernels import _pdl, gemv, paged_attention, rotary
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -52,6 +52,9 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_gemv": [(gemv, "gemv", _no_gemv)],
     "no_decode_direct": [(paged_attention, "DECODE_DIRECT", False)],  # before: the search
     "norm4096": [(gemv, "NORM_PROLOGUE_MAX_K", 4096)],  # add + RMSNorm into qkv / gate_up
+    "no_staged_early": [(_pdl, "STAGED_EARLY", False)],  # metadata read after the wait
+    "trigger_first": [(_pdl, "TRIGGER_FIRST", True)],  # the next kernel let in before the wait
+    "trigger_first_no_staged": [(_pdl, "TRIGGER_FIRST", True), (_pdl, "STAGED_EARLY", False)],
 }
 
 

@@ -83,15 +83,20 @@ def cases():
     yield "kv write fp8", kv_write._kv_write_kernel, kv, {
         "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4
     yield "rotary + cache", rotary._rotary_cache_kernel, {
-        "IS_FP8": False, "QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True}, None, 4
-    rot = {"QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True}
+        "IS_FP8": False, "QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True,
+        "STAGED_EARLY": True}, None, 4
+    yield "rotary + cache, trigger first", rotary._rotary_cache_kernel, {
+        "IS_FP8": True, "QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": 2,
+        "STAGED_EARLY": True}, {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4
+    rot = {"QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True, "STAGED_EARLY": False}
     yield "rotary", rotary._rotary_kernel, rot, None, 4
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
             "BLOCK_M": 16, "BLOCK_N": 64, "NUM_SPLITS": 16, "HAS_MASK": True, "KV_FP8": False,
-            "IEEE": False, "PDL": True, "SKIP_EMPTY": True, "DECODE": False}
+            "IEEE": False, "PDL": True, "SKIP_EMPTY": True, "DECODE": False,
+            "STAGED_EARLY": False}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention decode", paged_attention._paged_attn_kernel, dict(
-        attn, HAS_MASK=False, DECODE=True), None, 4
+        attn, HAS_MASK=False, DECODE=True, STAGED_EARLY=True), None, 4
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32"}
@@ -102,6 +107,10 @@ def cases():
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
     yield "fp8 quant", fp8_quant._quant_kernel, {
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4
+
+
+# kernels that read the step's staged metadata before their PDL wait (_pdl.STAGED_EARLY)
+STAGED_EARLY = ("paged attention decode", "rotary + cache", "rotary + cache, trigger first")
 
 
 def main() -> None:
@@ -117,6 +126,12 @@ def main() -> None:
                 raise AssertionError("no griddepcontrol.wait in the PTX (PDL wait missing)")
             if name.startswith("gemv W8A16") and "L2::evict_first" not in ptx:
                 raise AssertionError("no L2::evict_first weight loads in the PTX")
+            wait = ptx.find("griddepcontrol.wait")
+            if "trigger first" in name and not (
+                    0 <= ptx.find("griddepcontrol.launch_dependents") < wait):
+                raise AssertionError("the next kernel is not let in before the wait")
+            if name in STAGED_EARLY and not 0 <= ptx.find("ld.global") < wait:
+                raise AssertionError("the staged metadata is not read before the wait")
             if ("prefetch" in name or "hints" in name) and "prefetch.global.L2" not in ptx:
                 raise AssertionError("no prefetch.global.L2 in the PTX (L2 hints missing)")
             compiled.append(name)

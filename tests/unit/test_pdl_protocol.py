@@ -50,7 +50,7 @@ def test_every_launch_passes_the_pdl_arguments():
 def test_every_launched_kernel_waits_before_touching_memory():
     import importlib
 
-    checked = 0
+    checked = staged = 0
     for path in _kernel_modules():
         mod = importlib.import_module(f"kiln.runtime.kernels.{path.stem}")
         for name, _ in _launched_kernels(path.read_text()):
@@ -62,5 +62,34 @@ def test_every_launched_kernel_waits_before_touching_memory():
             assert not MEMORY_OPS.search(before), f"{name} touches memory before the wait"
             calls = set(re.findall(r"\b(_\w+)\(", before)) - ALLOWED_BEFORE_WAIT
             assert not calls, f"{name} calls {calls} before the wait"
+            if "STAGED_EARLY" in fn.arg_names:
+                _check_staged_early(name, body)
+                staged += 1
             checked += 1
     assert checked >= 9
+    assert staged >= 3  # attention, rotary, rotary + KV write
+
+
+# _pdl.STAGED_EARLY: what a kernel may read before its wait besides weights: the step's
+# metadata that the host uploads before the step's kernels and no kernel writes, and
+# constant tables. Loads go through these pointers (directly, or through these helpers).
+STAGED_POINTERS = {"qsl_ptr", "ctx_ptr", "mask_off_ptr", "pos_ptr", "cache_ptr", "slot_ptr"}
+STAGED_HELPERS = {"_find_seq", "_cos_sin"}
+
+
+def _check_staged_early(name: str, body: str) -> None:
+    """The section between ``if not STAGED_EARLY: pdl_begin`` and ``if STAGED_EARLY:
+    pdl_begin`` stores nothing and loads only through STAGED_POINTERS."""
+    body = re.sub(r"#.*", "", body)
+    first = body.index("pdl_begin(PDL)")
+    assert body[:first].rstrip().endswith("if not STAGED_EARLY:"), name
+    second = body.index("pdl_begin(PDL)", first + 1)
+    early = body[first + len("pdl_begin(PDL)"): second]
+    assert early.rstrip().endswith("if STAGED_EARLY:"), name
+    assert not re.search(r"\btl\.(store|atomic_\w+)\(", early), f"{name} writes before the wait"
+    for ptr in re.findall(r"\btl\.load\(\s*(\w+)", early):
+        assert ptr in STAGED_POINTERS, f"{name} loads {ptr} before the wait"
+    for helper, args in re.findall(r"\b(_\w+)\(([^)]*)\)", early):
+        assert helper in STAGED_HELPERS, f"{name} calls {helper} before the wait"
+        ptrs = {a.strip() for a in args.split(",") if a.strip().endswith("_ptr")}
+        assert ptrs <= STAGED_POINTERS, f"{name} passes {ptrs - STAGED_POINTERS} to {helper}"

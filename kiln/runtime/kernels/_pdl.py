@@ -71,11 +71,26 @@ def mode() -> int:
     return int(raw)
 
 
+# A/B switches (measured in scripts/ablate_step.py):
+# TRIGGER_FIRST: each kernel lets the next one launch before its own wait (PDL constexpr 2)
+# instead of after it, so launches run further ahead of the work.
+TRIGGER_FIRST = False
+# STAGED_EARLY: kernels that read the step's staged metadata (attention: query_start_loc,
+# context_lens; rotary + KV write: positions, slots, and the constant cos/sin cache) read it
+# before their wait: the host uploads it before the step's kernels and no kernel writes it.
+STAGED_EARLY = True
+
+
 def launch_kwargs() -> dict:
     """Keyword arguments for a kernel launch: the ``PDL`` constexpr, and ``launch_pdl``."""
     if mode() == OFF:
         return {"PDL": False}
-    return {"PDL": True, "launch_pdl": True}
+    return {"PDL": 2 if TRIGGER_FIRST else 1, "launch_pdl": True}
+
+
+def staged_early() -> bool:
+    """Whether kernels read the step's staged metadata before their PDL wait."""
+    return STAGED_EARLY and mode() != OFF
 
 
 @contextlib.contextmanager
@@ -99,7 +114,11 @@ def prefetch() -> bool:
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """Wait for the kernels before this one, then let the next kernel launch (see above)."""
-    if PDL:
+    """Wait for the kernels before this one, then let the next kernel launch (see above);
+    PDL 2 (TRIGGER_FIRST): let the next kernel launch, then wait."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -120,12 +120,16 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, STAGED_EARLY: tl.constexpr,
 ):
-    pdl_begin(PDL)
+    if not STAGED_EARLY:
+        pdl_begin(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata (query_start_loc, context_lens, mask offsets) is uploaded before the
+    # step's kernels run and no kernel writes it: with STAGED_EARLY it is read before the PDL
+    # wait, while the kernel before this one (rotary + KV write) still runs.
     if DECODE:  # at most one query per sequence but the last (a graph's padding sequence
         # takes the leftover tokens): program p < num_seqs is sequence p, the programs past
         # them are the last sequence's further tiles. No search, so the sequence's metadata
@@ -140,10 +144,15 @@ def _paged_attn_kernel(
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
         q_tile = pid - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= q_len:
-        return
     ctx = tl.load(ctx_ptr + seq)
     prefix = ctx - q_len
+    if HAS_MASK:
+        m_off = tl.load(mask_off_ptr + seq)
+    if STAGED_EARLY:  # every program waits, also those that return at once: the kernel
+        # completes only after the one before it (the PDL chain stays transitive)
+        pdl_begin(PDL)
+    if q_tile * BLOCK_Q >= q_len:
+        return
 
     rows = tl.arange(0, BLOCK_M)
     qi = q_tile * BLOCK_Q + rows // QPK  # query index within the sequence, [BLOCK_M]
@@ -156,7 +165,6 @@ def _paged_attn_kernel(
     last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
     kv_end = prefix + last_q
     if HAS_MASK:
-        m_off = tl.load(mask_off_ptr + seq)
         kv_end = tl.where(m_off >= 0, ctx, kv_end)
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
@@ -448,7 +456,7 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        SKIP_EMPTY=SKIP_EMPTY_SPLITS, DECODE=decode, num_warps=int(config["num_warps"]),
+        SKIP_EMPTY=SKIP_EMPTY_SPLITS, DECODE=decode, STAGED_EARLY=_pdl.staged_early(), num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
     )
     if num_splits > 1:

@@ -57,10 +57,16 @@ def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr, num_heads, num_kv_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
     QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr,
+    STAGED_EARLY: tl.constexpr,
 ):
-    pdl_begin(PDL)
+    if not STAGED_EARLY:
+        pdl_begin(PDL)
     t = tl.program_id(0)
+    # positions are staged before the step and cos/sin is constant: with STAGED_EARLY they
+    # are read before the PDL wait
     _, _, cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_ct, half, HALF_PAD)
+    if STAGED_EARLY:
+        pdl_begin(PDL)
     _rotate(q_ptr, stride_qt, stride_qh, t, num_heads, cos, sin, half, QH_PAD, HALF_PAD)
     _rotate(k_ptr, stride_kt, stride_kh, t, num_kv_heads, cos, sin, half, KH_PAD, HALF_PAD)
 
@@ -72,18 +78,23 @@ def _rotary_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     IS_FP8: tl.constexpr, QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, STAGED_EARLY: tl.constexpr,
 ):
-    pdl_begin(PDL)
+    if not STAGED_EARLY:
+        pdl_begin(PDL)
     t = tl.program_id(0)
+    # positions and slots are staged before the step, cos/sin and the scales are constant:
+    # with STAGED_EARLY they are read before the PDL wait
     d, dm, cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_ct, half, HALF_PAD)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if STAGED_EARLY:
+        pdl_begin(PDL)
     _rotate(q_ptr, stride_qt, stride_qh, t, num_heads, cos, sin, half, QH_PAD, HALF_PAD)
     # k: rotated in place (as rotary_embedding_) and written to the cache with v
     r1, r2 = _rotate(k_ptr, stride_kt, stride_kh, t, num_kv_heads, cos, sin, half, KH_PAD,
                      HALF_PAD)
     h = tl.arange(0, KH_PAD)[:, None]
     m = (h < num_kv_heads) & dm
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # negative: a padding token, nothing cached
         vp = v_ptr + t * stride_vt + h * stride_vh + d
         v1 = tl.load(vp, mask=m, other=0.0)
@@ -132,7 +143,7 @@ def rotary_embedding_(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         QH_PAD=triton.next_power_of_2(heads), KH_PAD=triton.next_power_of_2(k.shape[1]),
         HALF_PAD=triton.next_power_of_2(half), num_warps=4,
-        **_pdl.launch_kwargs(),
+        STAGED_EARLY=_pdl.staged_early(), **_pdl.launch_kwargs(),
     )
 
 
@@ -191,7 +202,7 @@ def rotary_and_cache_(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         IS_FP8=fp8, QH_PAD=triton.next_power_of_2(heads),
         KH_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4, **_pdl.launch_kwargs(),
+        num_warps=4, STAGED_EARLY=_pdl.staged_early(), **_pdl.launch_kwargs(),
     )
 
 
