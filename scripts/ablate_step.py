@@ -53,8 +53,11 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_decode_direct": [(paged_attention, "DECODE_DIRECT", False)],  # before: the search
     "norm4096": [(gemv, "NORM_PROLOGUE_MAX_K", 4096)],  # add + RMSNorm into qkv / gate_up
     "no_staged_early": [(_pdl, "STAGED_EARLY", False)],  # metadata read after the wait
-    "trigger_first": [(_pdl, "TRIGGER_FIRST", True)],  # the next kernel let in before the wait
-    "trigger_first_no_staged": [(_pdl, "TRIGGER_FIRST", True), (_pdl, "STAGED_EARLY", False)],
+    "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
+    "kv_prefetch_split": [(paged_attention, "KV_PREFETCH_TILES", 64)],  # the whole split
+    "rotary_trigger_first": [(rotary, "TRIGGER_FIRST", True)],
+    "rotary_tf_no_kv_prefetch": [(rotary, "TRIGGER_FIRST", True),
+                                 (paged_attention, "KV_PREFETCH_TILES", 0)],
 }
 
 

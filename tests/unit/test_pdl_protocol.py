@@ -43,7 +43,7 @@ def test_every_launch_passes_the_pdl_arguments():
     for path in _kernel_modules():
         for name, call in _launched_kernels(path.read_text()):
             launches += 1
-            assert "**_pdl.launch_kwargs()" in call, f"{path.name}: {name} launched without PDL"
+            assert "**_pdl.launch_kwargs(" in call, f"{path.name}: {name} launched without PDL"
     assert launches >= 9  # gemv x2, attention x2, rms_norm, silu, kv write, rotary x2, ...
 
 
@@ -73,8 +73,12 @@ def test_every_launched_kernel_waits_before_touching_memory():
 # _pdl.STAGED_EARLY: what a kernel may read before its wait besides weights: the step's
 # metadata that the host uploads before the step's kernels and no kernel writes, and
 # constant tables. Loads go through these pointers (directly, or through these helpers).
-STAGED_POINTERS = {"qsl_ptr", "ctx_ptr", "mask_off_ptr", "pos_ptr", "cache_ptr", "slot_ptr"}
+STAGED_POINTERS = {"qsl_ptr", "ctx_ptr", "mask_off_ptr", "pos_ptr", "cache_ptr", "slot_ptr",
+                   "bt_ptr"}
 STAGED_HELPERS = {"_find_seq", "_cos_sin"}
+# L2 prefetches are safe on any address (L2 is the point of coherence): these helpers may be
+# given any pointer, and themselves load only the block table (bt_row = bt_ptr + ...)
+PREFETCH_HELPERS = {"_prefetch_kv": "bt_row"}
 
 
 def _check_staged_early(name: str, body: str) -> None:
@@ -90,6 +94,18 @@ def _check_staged_early(name: str, body: str) -> None:
     for ptr in re.findall(r"\btl\.load\(\s*(\w+)", early):
         assert ptr in STAGED_POINTERS, f"{name} loads {ptr} before the wait"
     for helper, args in re.findall(r"\b(_\w+)\(([^)]*)\)", early):
+        if helper in PREFETCH_HELPERS:
+            _check_prefetch_helper(helper)
+            continue
         assert helper in STAGED_HELPERS, f"{name} calls {helper} before the wait"
         ptrs = {a.strip() for a in args.split(",") if a.strip().endswith("_ptr")}
         assert ptrs <= STAGED_POINTERS, f"{name} passes {ptrs - STAGED_POINTERS} to {helper}"
+
+
+def _check_prefetch_helper(helper: str) -> None:
+    from kiln.runtime.kernels import paged_attention
+
+    src = re.sub(r"#.*", "", inspect.getsource(getattr(paged_attention, helper).fn))
+    assert not re.search(r"\btl\.(store|atomic_\w+)\(", src), f"{helper} writes"
+    loads = re.findall(r"\btl\.load\(\s*(\w+)", src)
+    assert loads and set(loads) == {PREFETCH_HELPERS[helper]}, f"{helper} loads {loads}"

@@ -71,21 +71,22 @@ def mode() -> int:
     return int(raw)
 
 
-# A/B switches (measured in scripts/ablate_step.py):
-# TRIGGER_FIRST: each kernel lets the next one launch before its own wait (PDL constexpr 2)
-# instead of after it, so launches run further ahead of the work.
-TRIGGER_FIRST = False
-# STAGED_EARLY: kernels that read the step's staged metadata (attention: query_start_loc,
-# context_lens; rotary + KV write: positions, slots, and the constant cos/sin cache) read it
+# Kernels that read the step's staged metadata (attention: query_start_loc, context_lens, the
+# block table; rotary + KV write: positions, slots, and the constant cos/sin cache) read it
 # before their wait: the host uploads it before the step's kernels and no kernel writes it.
+# H200, 8B FP8 batch-1 engine step, same process, twice (notes/NOTES.md, 2026-11-30 ninth
+# session): 2.654 -> 2.638-2.640 ms at contexts 129-256, 2.772 -> 2.748-2.751 at 1793-1920.
 STAGED_EARLY = True
+# Tried and off: every kernel letting the next one launch before its own wait (instead of
+# after): 2.640 -> 2.643 ms at 129-256, 2.751 -> 2.813 at 1793-1920 (same call).
 
 
-def launch_kwargs() -> dict:
-    """Keyword arguments for a kernel launch: the ``PDL`` constexpr, and ``launch_pdl``."""
+def launch_kwargs(trigger_first: bool = False) -> dict:
+    """Keyword arguments for a kernel launch: the ``PDL`` constexpr, and ``launch_pdl``.
+    ``trigger_first``: the kernel lets the next one launch before its own wait (PDL 2)."""
     if mode() == OFF:
         return {"PDL": False}
-    return {"PDL": 2 if TRIGGER_FIRST else 1, "launch_pdl": True}
+    return {"PDL": 2 if trigger_first else 1, "launch_pdl": True}
 
 
 def staged_early() -> bool:
@@ -115,10 +116,21 @@ def prefetch() -> bool:
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
     """Wait for the kernels before this one, then let the next kernel launch (see above);
-    PDL 2 (TRIGGER_FIRST): let the next kernel launch, then wait."""
+    PDL 2 (``launch_kwargs(trigger_first=True)``): let the next kernel launch, then wait."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(addr, ok):
+    """Fire and forget: pull the line at each address where ``ok`` into L2 (PTX
+    ``prefetch.global.L2``; no register waits for it). Safe before the wait on any address:
+    L2 is the point of coherence, so a prefetched line is never stale. GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r", args=[addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)

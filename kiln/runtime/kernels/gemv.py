@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
-from kiln.runtime.kernels._pdl import pdl_begin
+from kiln.runtime.kernels._pdl import pdl_begin, prefetch_l2
 
 GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
 # Tensor-core tiles take up to GEMM_MAX_M rows, BLOCK_M = 16 per program (grid axis 2): the
@@ -153,21 +153,11 @@ def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT:
 
 
 @triton.jit
-def _prefetch_l2(addr, ok):
-    """Fire and forget: pull the line at each address where ``ok`` into L2 (PTX
-    ``prefetch.global.L2``; no register waits for it). GPU only (inline PTX)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        constraints="=r,l,r", args=[addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)
-
-
-@triton.jit
 def _prefetch_slice(w_ptr, rows_n, stride_wn, k_lo, k_hi, STEP: tl.constexpr):
     """L2-prefetch W[rows_n, k_lo:k_hi], one hint per STEP elements (PREFETCH_HINT_BYTES)."""
     cols = tl.arange(0, 32) * STEP
     for k in range(k_lo, k_hi, 32 * STEP):
-        _prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + (k + cols)[None, :],
+        prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + (k + cols)[None, :],
                      tl.broadcast_to((k + cols < k_hi)[None, :], (rows_n.shape[0], 32)))
 
 

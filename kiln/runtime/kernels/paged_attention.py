@@ -33,7 +33,7 @@ from kiln.runtime.kernels._checks import (
     next_pow2,
     scale_tensor,
 )
-from kiln.runtime.kernels._pdl import pdl_begin
+from kiln.runtime.kernels._pdl import pdl_begin, prefetch_l2
 
 LOG2E = 1.4426950408889634
 
@@ -52,6 +52,26 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _prefetch_kv(kc_ptr, vc_ptr, bt_row, lo, hi, live, stride_kb, stride_ks, stride_vb, stride_vs,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LINE: tl.constexpr, D_LINES: tl.constexpr):
+    """L2-prefetch the K and V rows of keys [lo, hi) (pointers at the kv head), one hint per
+    LINE elements (a 128-byte line). Reads only the block table."""
+    cols = tl.arange(0, D_LINES) * LINE
+    c_ok = cols < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        ok = (kpos < hi) & live
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        m = ok[:, None] & c_ok[None, :]
+        prefetch_l2(kc_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + cols[None, :],
+                    m)
+        prefetch_l2(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + cols[None, :],
+                    m)
 
 
 @triton.jit
@@ -120,7 +140,8 @@ def _paged_attn_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    DECODE: tl.constexpr, STAGED_EARLY: tl.constexpr,
+    DECODE: tl.constexpr, STAGED_EARLY: tl.constexpr, KV_PREFETCH: tl.constexpr,
+    LINE: tl.constexpr, D_LINES: tl.constexpr,
 ):
     if not STAGED_EARLY:
         pdl_begin(PDL)
@@ -148,6 +169,23 @@ def _paged_attn_kernel(
     prefix = ctx - q_len
     if HAS_MASK:
         m_off = tl.load(mask_off_ptr + seq)
+    # Keys this tile can see: causal stops at its last query; a tree mask may look anywhere
+    # in the step.
+    last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    kv_end = prefix + last_q
+    if HAS_MASK:
+        kv_end = tl.where(m_off >= 0, ctx, kv_end)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = kvh * stride_kh
+    vv_base = kvh * stride_vh
+    if KV_PREFETCH:  # the split's first key tiles into L2 (the block table is staged)
+        _prefetch_kv(kc_ptr + kv_base, vc_ptr + vv_base, bt_row, kv_lo,
+                     tl.minimum(kv_hi, kv_lo + KV_PREFETCH * BLOCK_N),
+                     q_tile * BLOCK_Q < q_len, stride_kb, stride_ks, stride_vb, stride_vs,
+                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, LINE, D_LINES)
     if STAGED_EARLY:  # every program waits, also those that return at once: the kernel
         # completes only after the one before it (the PDL chain stays transitive)
         pdl_begin(PDL)
@@ -160,15 +198,6 @@ def _paged_attn_kernel(
     row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
 
-    # Keys this tile can see: causal stops at its last query; a tree mask may look anywhere
-    # in the step.
-    last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
-    kv_end = prefix + last_q
-    if HAS_MASK:
-        kv_end = tl.where(m_off >= 0, ctx, kv_end)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = split * chunk
-    kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     if SKIP_EMPTY and NUM_SPLITS > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
         if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
             # split count allows): mark the partial empty for the reduce and stop
@@ -193,9 +222,6 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    kv_base = kvh * stride_kh
-    vv_base = kvh * stride_vh
     # Two passes: keys every row of the tile may see (the cached prefix, and under a causal
     # mask also the step keys up to the tile's first query: all of a decode), with no masking
     # work; then the rest of the step's keys (causal or tree mask).
@@ -268,6 +294,9 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 # 2026-11-30 eighth session): 2.781 -> 2.765 ms at contexts 129-256, 2.800 -> 2.790 at
 # 513-640, equal at 1793-1920 (where every split has keys).
 SKIP_EMPTY_SPLITS = True
+# Before its PDL wait each program L2-prefetches the K/V rows of this many key tiles at the
+# start of its split (0: off; an A/B switch while measured).
+KV_PREFETCH_TILES = 2
 # Decode launches (max_query_len <= 1, no tree mask) map program p to sequence p instead of
 # searching query_start_loc. H200, 8B FP8 batch-1 engine step, same process (2026-11-30 ninth
 # session): 2.693 -> 2.679 ms at contexts 129-256, 2.813 -> 2.799 at 1793-1920.
@@ -456,7 +485,10 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        SKIP_EMPTY=SKIP_EMPTY_SPLITS, DECODE=decode, STAGED_EARLY=_pdl.staged_early(), num_warps=int(config["num_warps"]),
+        SKIP_EMPTY=SKIP_EMPTY_SPLITS, DECODE=decode, STAGED_EARLY=_pdl.staged_early(),
+        KV_PREFETCH=KV_PREFETCH_TILES if _pdl.staged_early() else 0,
+        LINE=128 // k_cache.element_size(),
+        D_LINES=next_pow2(triton.cdiv(dim * k_cache.element_size(), 128)), num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
