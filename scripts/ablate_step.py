@@ -55,9 +55,6 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_staged_early": [(_pdl, "STAGED_EARLY", False)],  # metadata read after the wait
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
     "kv_prefetch_split": [(paged_attention, "KV_PREFETCH_TILES", 64)],  # the whole split
-    "rotary_trigger_first": [(rotary, "TRIGGER_FIRST", True)],
-    "rotary_tf_no_kv_prefetch": [(rotary, "TRIGGER_FIRST", True),
-                                 (paged_attention, "KV_PREFETCH_TILES", 0)],
 }
 
 

@@ -11,7 +11,14 @@ tiles into L2: no kernel writes weights.
 
 The protocol every kiln kernel launched with ``launch_kwargs()`` follows (``PDL`` constexpr):
 
-    [read-only weights only]  ->  gdc_wait()  ->  gdc_launch_dependents()  ->  the work
+    [read-only weights, staged metadata only]  ->  gdc_wait()  ->  gdc_launch_dependents()
+        ->  the work
+
+Staged metadata (``STAGED_EARLY``) is what the host uploads before the step's kernels and no
+kernel writes: query_start_loc, context_lens, the block table, positions, slots, and
+constant tables (cos/sin). L2 prefetches (``prefetch_l2``) may name any address. Every
+program waits, including those that then return at once, so a kernel completes only after
+the one before it. tests/unit/test_pdl_protocol.py checks these rules on the source.
 
 ``gdc_wait`` returns once the previous kernel has completed and its writes are visible;
 since that kernel waited for its own predecessor before completing, the wait covers every
@@ -77,16 +84,17 @@ def mode() -> int:
 # H200, 8B FP8 batch-1 engine step, same process, twice (notes/NOTES.md, 2026-11-30 ninth
 # session): 2.654 -> 2.638-2.640 ms at contexts 129-256, 2.772 -> 2.748-2.751 at 1793-1920.
 STAGED_EARLY = True
-# Tried and off: every kernel letting the next one launch before its own wait (instead of
-# after): 2.640 -> 2.643 ms at 129-256, 2.751 -> 2.813 at 1793-1920 (same call).
+# Tried and off (same calls): a kernel letting the next one launch before its own wait
+# instead of after it. Every kernel: 2.640 -> 2.643 ms at 129-256, 2.751 -> 2.813 at
+# 1793-1920; only the rotary kernels (attention's early section then runs during the qkv
+# GEMV): 2.627 -> 2.698-2.700, 2.733 -> 2.797.
 
 
-def launch_kwargs(trigger_first: bool = False) -> dict:
-    """Keyword arguments for a kernel launch: the ``PDL`` constexpr, and ``launch_pdl``.
-    ``trigger_first``: the kernel lets the next one launch before its own wait (PDL 2)."""
+def launch_kwargs() -> dict:
+    """Keyword arguments for a kernel launch: the ``PDL`` constexpr, and ``launch_pdl``."""
     if mode() == OFF:
         return {"PDL": False}
-    return {"PDL": 2 if trigger_first else 1, "launch_pdl": True}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def staged_early() -> bool:
@@ -115,12 +123,8 @@ def prefetch() -> bool:
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """Wait for the kernels before this one, then let the next kernel launch (see above);
-    PDL 2 (``launch_kwargs(trigger_first=True)``): let the next kernel launch, then wait."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    """Wait for the kernels before this one, then let the next kernel launch (see above)."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -295,7 +295,9 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 # 513-640, equal at 1793-1920 (where every split has keys).
 SKIP_EMPTY_SPLITS = True
 # Before its PDL wait each program L2-prefetches the K/V rows of this many key tiles at the
-# start of its split (0: off; an A/B switch while measured).
+# start of its split (0: off). H200, 8B FP8 batch-1 engine step, same process, twice
+# (2026-11-30 ninth session): 2.641-2.644 -> 2.626-2.627 ms at contexts 129-256, 2.752 ->
+# 2.733-2.737 at 1793-1920; the whole split instead of 2 tiles: the same.
 KV_PREFETCH_TILES = 2
 # Decode launches (max_query_len <= 1, no tree mask) map program p to sequence p instead of
 # searching query_start_loc. H200, 8B FP8 batch-1 engine step, same process (2026-11-30 ninth

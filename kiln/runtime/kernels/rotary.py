@@ -24,12 +24,6 @@ from kiln.runtime.kernels._checks import (
 from kiln.runtime.kernels._pdl import pdl_begin
 
 
-# The rotary kernels let attention launch before their own PDL wait, so attention's early
-# section (metadata, the block table, its K/V L2 prefetch) runs while the qkv GEMV still runs
-# (an A/B switch while measured).
-TRIGGER_FIRST = False
-
-
 @triton.jit
 def _rotate(ptr, stride_t, stride_h, t, heads, cos, sin, half,
             HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
@@ -150,7 +144,7 @@ def rotary_embedding_(
         QH_PAD=triton.next_power_of_2(heads), KH_PAD=triton.next_power_of_2(k.shape[1]),
         HALF_PAD=triton.next_power_of_2(half), num_warps=4,
         STAGED_EARLY=_pdl.staged_early(),
-        **_pdl.launch_kwargs(trigger_first=TRIGGER_FIRST),
+        **_pdl.launch_kwargs(),
     )
 
 
@@ -210,7 +204,7 @@ def rotary_and_cache_(
         IS_FP8=fp8, QH_PAD=triton.next_power_of_2(heads),
         KH_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
         num_warps=4, STAGED_EARLY=_pdl.staged_early(),
-        **_pdl.launch_kwargs(trigger_first=TRIGGER_FIRST),
+        **_pdl.launch_kwargs(),
     )
 
 
