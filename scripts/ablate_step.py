@@ -55,6 +55,7 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_staged_early": [(_pdl, "STAGED_EARLY", False)],  # metadata read after the wait
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
     "kv_prefetch_split": [(paged_attention, "KV_PREFETCH_TILES", 64)],  # the whole split
+    "no_res_fusion": [(gemv, "RESIDUAL_FUSION", False)],  # GEMV, norm kernel, GEMV
 }
 
 

@@ -256,6 +256,52 @@ def test_gemv_add_rms_norm_real_shapes(shape, fp8):
     assert torch.equal(hg, h_ref) and _rel(yg, gemv(xn, wt, sc)) < TOL
 
 
+PAIRS = {  # first GEMV (K, hidden), second GEMV (hidden, N), SiLU-and-mul into the first
+    "8b-o>gate_up": (4096, 4096, 28672, False), "8b-down>qkv": (14336, 4096, 6144, True),
+    "smol-o>gate_up": (576, 576, 3072, False), "smol-down>qkv": (1536, 576, 960, True),
+}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_linear_residual_norm_linear_real_shapes(pair, fp8, monkeypatch):
+    """The residual add and the statistics in the first GEMV's epilogue, the norm in the
+    second's loads == linear, fused_add_rms_norm, linear (the new residual bit for bit),
+    eager and replayed from a CUDA graph; the fused path really ran (two GEMV launches)."""
+    from kiln.runtime.kernels import gemv
+    from kiln.runtime.layers.linear import linear_residual_norm_linear
+
+    k, hidden, n, silu = PAIRS[pair]
+    wa, qa, sa = _weights(k, hidden)
+    wb, qb, sb = _weights(hidden, n)
+    w = {"a.weight": qa if fp8 else wa, "b.weight": qb if fp8 else wb}
+    if fp8:
+        w |= {"a.weight_scale": sa, "b.weight_scale": sb}
+    x = torch.randn(1, 2 * k if silu else k, device=DEV).to(BF16)
+    r = torch.randn(1, hidden, device=DEV).to(BF16)
+    g = (torch.rand(hidden, device=DEV) + 0.5).to(BF16)
+
+    def run(fused: bool):
+        monkeypatch.setattr(gemv, "RESIDUAL_FUSION", fused)
+        return linear_residual_norm_linear(x, r, w, "a", g, 1e-5, "b", silu_and_mul=silu)
+
+    assert gemv.residual_fusion_applies(1, hidden, k, n, w["a.weight"].dtype,
+                                        w["b.weight"].dtype)
+    y_ref, h_ref = run(False)
+    calls = []
+    monkeypatch.setattr(gemv, "gemv_prenormed", lambda *a, _f=gemv.gemv_prenormed, **kw: (
+        calls.append(1), _f(*a, **kw))[1])
+    y, h = run(True)
+    assert calls and torch.equal(h, h_ref) and _rel(y, y_ref) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg, hg = run(True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    y_ref, h_ref = run(False)
+    assert torch.equal(hg, h_ref) and _rel(yg, y_ref) < TOL
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("k", [576, 4096, 14336])
 def test_fp8_quant_bit_exact(m, k):

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 I32_PTRS = {"bt_ptr", "qsl_ptr", "ctx_ptr", "slot_ptr", "pos_ptr", "mask_off_ptr"}
-F32_PTRS = {"scale_ptr", "k_scale_ptr", "v_scale_ptr", "part_ptr", "part_acc_ptr",
+F32_PTRS = {"ss_ptr", "scale_ptr", "k_scale_ptr", "v_scale_ptr", "part_ptr", "part_acc_ptr",
             "part_ml_ptr", "xs_ptr", "amax_ptr", "scale_out_ptr", "cache_ptr"}
 F32_SCALARS = {"eps", "qk_scale", "inv_temp"}
 
@@ -58,11 +58,16 @@ def cases():
     g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
          "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
          "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-         "HINT": 128, "W_EVICT": "evict_first"}
+         "HINT": 128, "W_EVICT": "evict_first", "RES_EPI": False, "PRENORM": False,
+         "NPART_PAD": 1}
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
     yield "gemv W8A16 M=1 sector hints", gemv._gemv_kernel, dict(g, HINT=32), fp8w, 8
     yield "gemv W8A16 M=1 add+rmsnorm", gemv._gemv_kernel, dict(g, NORM=True, K_PAD=4096), \
+        fp8w, 8
+    yield "gemv W8A16 M=1 residual epilogue, silu", gemv._gemv_kernel, dict(
+        g, RES_EPI=True, ACT=True), fp8w, 8
+    yield "gemv W8A16 M=1 pre-normed", gemv._gemv_kernel, dict(g, PRENORM=True, NPART_PAD=512), \
         fp8w, 8
     yield "gemv bf16 M=4 silu split", gemv._gemv_kernel, dict(
         g, BLOCK_M=4, ACT=True, SPLIT=True, HAS_SCALE=False, PREFETCH=False, ESIZE=2), None, 8

@@ -369,6 +369,78 @@ def test_gemv_add_rms_norm_errors():
             gemv.gemv_add_rms_norm(*args, **kw)
 
 
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("k", [96, 80])  # even and ragged K tiles of the first GEMV
+def test_gemv_add_residual_then_prenormed_equals_gemv_norm_gemv(wdtype, silu, k):
+    """gemv_add_residual -> gemv_prenormed == gemv -> fused_add_rms_norm -> gemv: the same
+    new residual bit for bit (the add in the first GEMV's epilogue), the same product (the
+    statistics from its per-tile partial sums instead of a norm kernel)."""
+    from kiln.runtime.kernels.activation import silu_and_mul
+    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+
+    dtype = torch.bfloat16
+    hidden, n_out = 44, 40  # ragged BLOCK_N tiles in both GEMVs
+    wa, sa = _w(hidden, k, FP8 if wdtype == "fp8" else dtype)
+    wb, sb = _w(n_out, hidden, FP8 if wdtype == "fp8" else dtype)
+    x = torch.randn(1, 2 * k if silu else k).to(dtype)
+    res = torch.randn(1, hidden).to(dtype)
+    g = (torch.rand(hidden) + 0.5).to(dtype)
+    ba, bb = torch.randn(hidden).to(dtype), torch.randn(n_out).to(dtype)
+    h, ss = gemv.gemv_add_residual(x, wa, sa, ba, res, silu_and_mul=silu, config=CUDA_CORE)
+    assert ss.shape == (6,) and ss.dtype == torch.float32  # cdiv(44, BLOCK_N 8) tiles
+    y = gemv.gemv_prenormed(h, ss, g, 1e-5, wb, sb, bb, config=CUDA_CORE)
+    a = gemv.gemv(x, wa, sa, ba, silu_and_mul=silu, config=CUDA_CORE)
+    xn, h_ref = fused_add_rms_norm(a, res, g, 1e-5)
+    assert torch.equal(h, h_ref)
+    assert torch.allclose(ss.sum(), h_ref.float().pow(2).sum(), rtol=1e-5)
+    assert rel_err(y, gemv.gemv(xn, wb, sb, bb, config=CUDA_CORE)) < 1e-2
+    x_eager = silu_and_mul(x) if silu else x
+    assert rel_err(y, gemv.gemv_ref(fused_add_rms_norm(
+        gemv.gemv_ref(x_eager, wa, sa, ba), res, g, 1e-5)[0], wb, sb, bb)) < TOL[dtype]
+
+
+def test_gemv_add_residual_and_prenormed_errors():
+    bf = torch.bfloat16
+    x, r, g = torch.randn(1, 32, dtype=bf), torch.randn(1, 16, dtype=bf), torch.ones(16, dtype=bf)
+    w, w2 = torch.randn(16, 32, dtype=bf), torch.randn(8, 16, dtype=bf)
+    ss = torch.ones(2)
+    for args, kw, msg in [
+        ((torch.randn(2, 32, dtype=bf), w, None, None, r), {}, "x has 2 rows"),
+        ((x, w, None, None, torch.randn(1, 15, dtype=bf)), {}, "residual has shape"),
+        ((x, w, None, None, r), {"config": dict(CUDA_CORE, SPLIT_K=2)}, "without split-K"),
+        ((x, w, None, None, r), {"config": TENSOR_CORE}, "without split-K"),
+        ((torch.randn(1, 33, dtype=bf), w, None, None, r), {"silu_and_mul": True},
+         "gate | up"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            gemv.gemv_add_residual(*args, **kw)
+    for args, kw, msg in [
+        ((r, ss.double(), g, 1e-5, w2), {}, "ss has dtype"),
+        ((r, torch.ones(0), g, 1e-5, w2), {}, "0 partials"),
+        ((r, ss, torch.ones(16), 1e-5, w2), {}, "norm_weight has dtype"),
+        ((r, ss, g, 1e-5, w2), {"config": TENSOR_CORE}, "CUDA-core tiles only"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            gemv.gemv_prenormed(*args, **kw)
+
+
+def test_residual_fusion_rule(monkeypatch):
+    """One row, both GEMVs on CUDA-core tiles, the first unsplit (its partials are the
+    statistics): llama-3-8b's and smollm2's o_proj -> gate_up and down -> qkv, bf16 and
+    FP8."""
+    bf = torch.bfloat16
+    for dt in (bf, FP8):
+        assert gemv.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)
+        assert gemv.residual_fusion_applies(1, 4096, 14336, 6144, dt, dt)
+        assert gemv.residual_fusion_applies(1, 576, 576, 3072, dt, dt)
+        assert gemv.residual_fusion_applies(1, 576, 1536, 960, dt, dt)
+        assert not gemv.residual_fusion_applies(2, 4096, 4096, 28672, dt, dt)
+    assert not gemv.residual_fusion_applies(1, 256, 4096, 1024, bf, bf)  # split-K
+    monkeypatch.setattr(gemv, "RESIDUAL_FUSION", False)
+    assert not gemv.residual_fusion_applies(1, 4096, 4096, 28672, bf, bf)
+
+
 def test_norm_prologue_rule(monkeypatch):
     """On for one row at K <= NORM_PROLOGUE_MAX_K where gemv runs on CUDA-core tiles (the
     measured rule: smollm2's K 576 gained, llama-3-8b's K 4096 lost); off when switched off."""

@@ -138,6 +138,37 @@ def _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _prenorm_tile(x_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
+    """rms_norm(h) * g on one K tile, h's statistics given (inv), in rms_norm.py's rounding:
+    normalised in float32 and rounded, then times the weight and rounded."""
+    if EVEN_K:
+        h = tl.load(x_ptrs)
+        g = tl.load(g_ptrs)
+    else:
+        h = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok, other=0.0)
+    return ((h.to(tl.float32) * inv).to(h.dtype).to(tl.float32) * g.to(tl.float32)).to(h.dtype)
+
+
+@triton.jit
+def _store_residual(v, res_tile, pid_n, offs_n, rows_n, N, res_out_ptr, ss_ptr, scale_ptr,
+                    bias_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One row: h = y + residual on this program's output tile, in fused_add_rms_norm's
+    rounding (y rounded, the sum rounded), stored as the new residual; and sum(h^2) over the
+    tile, the partial the next GEMV's PRENORM prologue sums."""
+    n_ok = offs_n < N
+    if HAS_SCALE:
+        v = v * tl.load(scale_ptr)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + rows_n).to(tl.float32)
+    dt = res_out_ptr.dtype.element_ty
+    h = (v.to(dt).to(tl.float32) + res_tile.to(tl.float32)).to(dt)
+    tl.store(res_out_ptr + offs_n, h, mask=n_ok)
+    hf = tl.where(n_ok, h.to(tl.float32), 0.0)
+    tl.store(ss_ptr + pid_n, tl.sum(hf * hf, axis=0))
+
+
+@triton.jit
 def _fma_row(acc, w, x_ptrs, row, stride_xm, k_ok, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K] += w (float32) * x[row, k-tile] (broadcast over the N rows)."""
     p = x_ptrs + row * stride_xm
@@ -171,6 +202,7 @@ def _gemv_kernel(
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
     K_PAD: tl.constexpr, HINT: tl.constexpr, W_EVICT: tl.constexpr,
+    ss_ptr, n_part, RES_EPI: tl.constexpr, PRENORM: tl.constexpr, NPART_PAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -236,6 +268,14 @@ def _gemv_kernel(
             inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
             r_ptrs = res_ptr + offs_k
             g_ptrs = g_ptr + offs_k
+        if PRENORM:  # one row: x is the new residual h, the input is rms_norm(h) * g, with
+            # sum(h^2) from the partial sums the producing GEMV wrote (ss_ptr, n_part)
+            pp = tl.arange(0, NPART_PAD)
+            ss = tl.sum(tl.load(ss_ptr + pp, mask=pp < n_part, other=0.0), axis=0)
+            inv = 1.0 / tl.sqrt(ss / K + eps)
+            g_ptrs = g_ptr + offs_k
+        if RES_EPI:  # one row: the residual tile this program adds to its outputs
+            res_tile = tl.load(res_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 1:
             acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -263,6 +303,10 @@ def _gemv_kernel(
                 acc0 += w * xv.to(tl.float32)[None, :]
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
+            elif PRENORM:
+                xv = _prenorm_tile(x_ptrs, g_ptrs, k_ok, inv, EVEN_K)
+                acc0 += w * xv.to(tl.float32)[None, :]
+                g_ptrs += BLOCK_K
             else:
                 acc0 = _fma_row(acc0, w, x_ptrs, 0, stride_xm, k_ok, K, EVEN_K, ACT)
             if BLOCK_M > 1:
@@ -281,8 +325,12 @@ def _gemv_kernel(
                 acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, K, EVEN_K, ACT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        _store_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                   scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+        if RES_EPI:
+            _store_residual(tl.sum(acc0, axis=1), res_tile, pid_n, offs_n, rows_n, N,
+                            res_out_ptr, ss_ptr, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+        else:
+            _store_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
         if BLOCK_M > 1:
             _store_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
                        scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
@@ -596,9 +644,12 @@ def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> tor
 
 
 def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: bool,
-            norm: tuple | None = None) -> None:
+            norm: tuple | None = None, res_epi: tuple | None = None,
+            prenorm: tuple | None = None) -> None:
     """The kernel (and the split-K reduce) for checked arguments and a checked config;
-    ``norm`` = (residual, norm weight, residual out, eps) for ``gemv_add_rms_norm``."""
+    ``norm`` = (residual, norm weight, residual out, eps) for ``gemv_add_rms_norm``;
+    ``res_epi`` = (residual, sum-of-squares partials out) for ``gemv_add_residual`` (y is
+    the new residual); ``prenorm`` = (partials, norm weight, eps) for ``gemv_prenormed``."""
     m, n, k = y.shape[0], y.shape[1], weight.shape[1]
     bn, bk, dot = cfg["BLOCK_N"], cfg["BLOCK_K"], bool(cfg["USE_DOT"])
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
@@ -617,7 +668,8 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
-        HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT, **_norm_args(norm, k, y),
+        HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT,
+        **_norm_args(norm, k, y) | _residual_args(res_epi, prenorm, y),
         **_pdl.launch_kwargs(),
     )
     if split > 1:
@@ -635,6 +687,22 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
 # scripts/ablate_step.py, 8B FP8 batch 1, same process): engine step 2.753 -> 2.674 ms at
 # contexts 129-256, 2.884 -> 2.793 at 1793-1920. ("" = normal priority.)
 WEIGHT_EVICT = "evict_first"
+
+
+def _residual_args(res_epi: tuple | None, prenorm: tuple | None,
+                   y: torch.Tensor) -> dict:
+    """The kernel's residual epilogue / pre-normed prologue arguments (``y`` fills unused
+    pointers; res_ptr / res_out_ptr / g_ptr / eps come from ``_norm_args`` unless set here)."""
+    out = {"ss_ptr": y, "n_part": 0, "RES_EPI": res_epi is not None,
+           "PRENORM": prenorm is not None, "NPART_PAD": 1}
+    if res_epi is not None:
+        residual, ss = res_epi
+        out.update(res_ptr=residual, res_out_ptr=y, ss_ptr=ss)
+    if prenorm is not None:
+        ss, g, eps = prenorm
+        out.update(ss_ptr=ss, n_part=ss.shape[0], g_ptr=g, eps=float(eps),
+                   NPART_PAD=triton.next_power_of_2(ss.shape[0]))
+    return out
 
 
 def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
@@ -703,6 +771,104 @@ def gemv_add_rms_norm(
     _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, False,
             norm=(residual, norm_weight, res_out, eps))
     return y, res_out
+
+
+def gemv_add_residual(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None, residual: torch.Tensor, *, silu_and_mul: bool = False,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add in the GEMV's epilogue, one row: ``h = gemv(x) + residual``
+    (rounded as ``fused_add_rms_norm`` rounds it), and ``ss`` [programs] float32, the sum of
+    h^2 over each program's output tile, which ``gemv_prenormed`` turns into the RMSNorm of
+    h without a norm kernel between them.
+
+    x: [1, K] (or [1, 2K] with ``silu_and_mul``); residual [1, N] in x's dtype; weight /
+    weight_scale / bias as in ``gemv``. CUDA-core configs without split-K only (the default
+    at M = 1 except the smallest N). Returns (h [1, N], ss)."""
+    check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
+    m, k = x.shape
+    if silu_and_mul:
+        if k % 2:
+            raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
+        k //= 2
+    if m != 1:
+        raise ValueError(f"x has {m} rows; gemv_add_residual takes one (use gemv, then "
+                         "fused_add_rms_norm)")
+    if x.stride(-1) != 1:
+        raise ValueError("x needs a contiguous last dimension")
+    n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
+    check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_shape("residual", residual, (1, n))
+    if residual.stride(-1) != 1:
+        raise ValueError("residual needs a contiguous last dimension")
+    config = _config(config, 1, n, k, weight.dtype)
+    if config["USE_DOT"] or config["SPLIT_K"] > 1:
+        raise ValueError(f"config {config}: the residual epilogue runs on CUDA-core tiles "
+                         "without split-K only (USE_DOT=False, SPLIT_K=1)")
+    h = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    ss = torch.empty(triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32, device=x.device)
+    _launch(x, weight, weight_scale if fp8 else None, bias, h, None, config, silu_and_mul,
+            res_epi=(residual, ss))
+    return h, ss
+
+
+def gemv_prenormed(
+    h: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, config: dict | None = None,
+) -> torch.Tensor:
+    """``gemv(rms_norm(h) * norm_weight, weight, ...)`` for one row h [1, K] whose sum of
+    squares comes in partials ``ss`` (``gemv_add_residual``): each program sums the partials
+    (a fixed order: deterministic) and normalises each x tile as it loads it. Same rounding
+    points as rms_norm then gemv; the float32 sum of squares may differ in its last bits
+    (another reduction order). CUDA-core configs only."""
+    check_tensor("h", h, ndim=2, dtypes=GEMV_DTYPES)
+    check_tensor("ss", ss, ndim=1, dtypes=(torch.float32,), device=h.device)
+    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(h.dtype,), device=h.device)
+    m, k = h.shape
+    if m != 1:
+        raise ValueError(f"h has {m} rows; gemv_prenormed takes one")
+    check_shape("norm_weight", norm_weight, (k,))
+    if h.stride(-1) != 1:
+        raise ValueError("h needs a contiguous last dimension")
+    if not 1 <= ss.shape[0] <= PRENORM_MAX_PARTS:
+        raise ValueError(f"ss has {ss.shape[0]} partials; 1 to {PRENORM_MAX_PARTS} allowed")
+    n, fp8 = _check_weight(h, weight, weight_scale, bias, k)
+    config = _config(config, 1, n, k, weight.dtype)
+    if config["USE_DOT"]:
+        raise ValueError(f"config {config}: the pre-normed prologue runs on CUDA-core tiles "
+                         "only (USE_DOT=False)")
+    y = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    _launch(h, weight, weight_scale if fp8 else None, bias, y, None, config, False,
+            prenorm=(ss, norm_weight, eps))
+    return y
+
+
+def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
+                            in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``linear -> + residual -> RMSNorm -> linear`` runs as gemv_add_residual then
+    gemv_prenormed: one row, both GEMVs taken by ``gemv`` on CUDA-core tiles, the first
+    without split-K (its partials are the statistics). ``in_dtype`` / ``out_dtype``: the
+    two weights' dtypes; the first weight is [hidden, k_in], the second [n_out, hidden]."""
+    if not (RESIDUAL_FUSION and m == 1):
+        return False
+    fp8_a, fp8_b = in_dtype in FP8_DTYPES, out_dtype in FP8_DTYPES
+    if not (gemv_wins(1, hidden, k_in, fp8_a) and gemv_wins(1, n_out, hidden, fp8_b)):
+        return False
+    a = _config(None, 1, hidden, k_in, in_dtype)
+    b = _config(None, 1, n_out, hidden, out_dtype)
+    return (not a["USE_DOT"] and a["SPLIT_K"] == 1 and not b["USE_DOT"]
+            and triton.cdiv(hidden, a["BLOCK_N"]) <= PRENORM_MAX_PARTS)
+
+
+# Whether the model runs each ``linear -> + residual -> RMSNorm -> linear`` of a batch-1 step
+# as two GEMVs (the residual add and the sum of squares in the first one's epilogue, the
+# normalisation in the second one's loads) instead of GEMV, norm kernel, GEMV: one launch
+# fewer per pair, and no program recomputes the row's statistics (an A/B switch while
+# measured).
+RESIDUAL_FUSION = True
+PRENORM_MAX_PARTS = 4096
 
 
 def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> bool:

@@ -210,6 +210,40 @@ def linear_add_rms_norm(
     return linear(xn, w, prefix), h
 
 
+def linear_residual_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
+    norm_weight: torch.Tensor, eps: float, next_prefix: str, silu_and_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(h) * norm_weight, next_prefix), h) with h = linear(x, prefix) +
+    residual: a projection, the residual add and the RMSNorm before the next projection
+    (o_proj -> post-attention norm -> gate_up; down -> next layer's input norm -> qkv).
+
+    At batch 1 on CUDA, where ``gemv.residual_fusion_applies``, two kernels: the first GEMV
+    adds the residual and writes per-tile sums of squares in its epilogue, the second
+    normalises as it loads (no norm kernel between them). Else linear, then
+    ``linear_add_rms_norm``."""
+    wa, wb = w[prefix + ".weight"], w[next_prefix + ".weight"]
+    k_in = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
+    if (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and _triton() and residual.shape == (x.shape[0], wa.shape[0])):
+        from kiln.runtime.kernels import gemv
+
+        if gemv.residual_fusion_applies(x.shape[0], wa.shape[0], k_in, wb.shape[0], wa.dtype,
+                                        wb.dtype):
+            if silu_and_mul and not _silu_fusion_applies(x, wa):
+                x, silu_and_mul = _silu_and_mul(x), False  # the activation kernel first
+            ba, bb = w.get(prefix + ".bias"), w.get(next_prefix + ".bias")
+            ok_a, sa = _kernel_operands(x, wa, w, prefix, ba, k_in)
+            ok_b, sb = _kernel_operands(residual, wb, w, next_prefix, bb, wa.shape[0])
+            if (ok_a and ok_b and x.stride(-1) == 1 and residual.stride(-1) == 1
+                    and norm_weight.dtype == x.dtype):
+                h, ss = gemv.gemv_add_residual(x, wa, sa, ba, residual,
+                                               silu_and_mul=silu_and_mul)
+                return gemv.gemv_prenormed(h, ss, norm_weight, eps, wb, sb, bb), h
+    y = linear(x, w, prefix, silu_and_mul=silu_and_mul)
+    return linear_add_rms_norm(y, residual, norm_weight, eps, w, next_prefix)
+
+
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from kiln.runtime.kernels.activation import silu_and_mul
 

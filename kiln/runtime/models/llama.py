@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
-from kiln.runtime.layers.linear import linear, linear_add_rms_norm
+from kiln.runtime.layers.linear import linear, linear_residual_norm_linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
@@ -123,16 +123,17 @@ class LlamaModel:
             # the Triton backend: rotary fused into the KV write, then paged attention
             o = self.attention.rope_forward(i, q, k, v, positions, self.cos_sin_cache, cache,
                                             meta, self.scale)
-            attn = linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
-            # each add + RMSNorm goes with the projection after it (one kernel at batch 1)
-            gate_up, h = linear_add_rms_norm(attn, h, w[p + "post_norm.weight"], eps, w,
-                                             p + "gate_up")
-            mlp = linear(gate_up, w, p + "down", silu_and_mul=True)
+            # each projection, its residual add, the RMSNorm and the next projection: two
+            # GEMVs at batch 1 (the add and the statistics in the first one's epilogue)
+            gate_up, h = linear_residual_norm_linear(
+                o.reshape(n, cfg.q_size), h, w, p + "o_proj", w[p + "post_norm.weight"], eps,
+                p + "gate_up")
             if i + 1 < cfg.num_layers:
                 nxt = f"layers.{i + 1}."
-                qkv, h = linear_add_rms_norm(mlp, h, w[nxt + "input_norm.weight"], eps, w,
-                                             nxt + "qkv")
+                qkv, h = linear_residual_norm_linear(
+                    gate_up, h, w, p + "down", w[nxt + "input_norm.weight"], eps, nxt + "qkv",
+                    silu_and_mul=True)
             else:
-                h = h + mlp
+                h = h + linear(gate_up, w, p + "down", silu_and_mul=True)
         h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
         return linear(h, w, self.lm_head).float()
