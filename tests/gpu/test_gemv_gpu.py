@@ -281,6 +281,8 @@ def test_linear_residual_norm_linear_real_shapes(pair, fp8, monkeypatch):
     r = torch.randn(1, hidden, device=DEV).to(BF16)
     g = (torch.rand(hidden, device=DEV) + 0.5).to(BF16)
 
+    monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20)  # 8B shapes too
+
     def run(fused: bool):
         monkeypatch.setattr(gemv, "RESIDUAL_FUSION", fused)
         return linear_residual_norm_linear(x, r, w, "a", g, 1e-5, "b", silu_and_mul=silu)

@@ -426,19 +426,22 @@ def test_gemv_add_residual_and_prenormed_errors():
 
 
 def test_residual_fusion_rule(monkeypatch):
-    """One row, both GEMVs on CUDA-core tiles, the first unsplit (its partials are the
-    statistics): llama-3-8b's and smollm2's o_proj -> gate_up and down -> qkv, bf16 and
-    FP8."""
+    """One row, hidden at most RESIDUAL_FUSION_MAX_HIDDEN (smollm2's, not llama-3-8b's: the
+    measured rule), both GEMVs on CUDA-core tiles, the first unsplit (its partials are the
+    statistics)."""
     bf = torch.bfloat16
+    for dt in (bf, FP8):
+        assert gemv.residual_fusion_applies(1, 576, 576, 3072, dt, dt)
+        assert gemv.residual_fusion_applies(1, 576, 1536, 960, dt, dt)
+        assert not gemv.residual_fusion_applies(2, 576, 576, 3072, dt, dt)
+        assert not gemv.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)  # measured loss
+    monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20)
     for dt in (bf, FP8):
         assert gemv.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)
         assert gemv.residual_fusion_applies(1, 4096, 14336, 6144, dt, dt)
-        assert gemv.residual_fusion_applies(1, 576, 576, 3072, dt, dt)
-        assert gemv.residual_fusion_applies(1, 576, 1536, 960, dt, dt)
-        assert not gemv.residual_fusion_applies(2, 4096, 4096, 28672, dt, dt)
     assert not gemv.residual_fusion_applies(1, 256, 4096, 1024, bf, bf)  # split-K
     monkeypatch.setattr(gemv, "RESIDUAL_FUSION", False)
-    assert not gemv.residual_fusion_applies(1, 4096, 4096, 28672, bf, bf)
+    assert not gemv.residual_fusion_applies(1, 576, 576, 3072, bf, bf)
 
 
 def test_norm_prologue_rule(monkeypatch):

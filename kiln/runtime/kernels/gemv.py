@@ -325,11 +325,12 @@ def _gemv_kernel(
                 acc7 = _fma_row(acc7, w, x_ptrs, 7, stride_xm, k_ok, K, EVEN_K, ACT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        v0 = tl.sum(acc0, axis=1)
         if RES_EPI:
-            _store_residual(tl.sum(acc0, axis=1), res_tile, pid_n, offs_n, rows_n, N,
+            _store_residual(v0, res_tile, pid_n, offs_n, rows_n, N,
                             res_out_ptr, ss_ptr, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
         else:
-            _store_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
+            _store_row(v0, 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
                        scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
         if BLOCK_M > 1:
             _store_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
@@ -848,10 +849,11 @@ def gemv_prenormed(
 def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
                             in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
     """Whether ``linear -> + residual -> RMSNorm -> linear`` runs as gemv_add_residual then
-    gemv_prenormed: one row, both GEMVs taken by ``gemv`` on CUDA-core tiles, the first
-    without split-K (its partials are the statistics). ``in_dtype`` / ``out_dtype``: the
+    gemv_prenormed: one row, hidden at most RESIDUAL_FUSION_MAX_HIDDEN, both GEMVs taken by
+    ``gemv`` on CUDA-core tiles, the first without split-K (its partials are the
+    statistics). ``in_dtype`` / ``out_dtype``: the
     two weights' dtypes; the first weight is [hidden, k_in], the second [n_out, hidden]."""
-    if not (RESIDUAL_FUSION and m == 1):
+    if not (RESIDUAL_FUSION and m == 1 and hidden <= RESIDUAL_FUSION_MAX_HIDDEN):
         return False
     fp8_a, fp8_b = in_dtype in FP8_DTYPES, out_dtype in FP8_DTYPES
     if not (gemv_wins(1, hidden, k_in, fp8_a) and gemv_wins(1, n_out, hidden, fp8_b)):
@@ -864,10 +866,15 @@ def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
 
 # Whether the model runs each ``linear -> + residual -> RMSNorm -> linear`` of a batch-1 step
 # as two GEMVs (the residual add and the sum of squares in the first one's epilogue, the
-# normalisation in the second one's loads) instead of GEMV, norm kernel, GEMV: one launch
-# fewer per pair, and no program recomputes the row's statistics (an A/B switch while
-# measured).
+# normalisation in the second one's loads) instead of GEMV, norm kernel, GEMV (or the norm
+# prologue, which recomputes the row's statistics in every program), and up to which hidden
+# size it pays. H200 (notes/NOTES.md, 2026-11-30 ninth session): smollm2 (hidden 576) decode
+# replay 0.503 -> 0.493 ms (against the norm prologue); llama-3-8b (hidden 4096) engine step
+# FP8 2.650 -> 3.028 ms, bf16 4.108-4.113 -> 4.163-4.166 (the second GEMV's normalising
+# loads cost gate_up and qkv registers, 72 -> 77-80, and every program reads the partials
+# before its first tile).
 RESIDUAL_FUSION = True
+RESIDUAL_FUSION_MAX_HIDDEN = 2048
 PRENORM_MAX_PARTS = 4096
 
 
