@@ -56,8 +56,6 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
     "kv_prefetch_split": [(paged_attention, "KV_PREFETCH_TILES", 64)],  # the whole split
     "no_res_fusion": [(gemv, "RESIDUAL_FUSION", False)],  # GEMV, norm kernel, GEMV
-    "res_fusion": [(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20)],  # also at hidden 4096
-    "reduce_masked": [(paged_attention, "REDUCE_PARALLEL_LOADS", False)],  # before
 }
 
 

@@ -103,8 +103,7 @@ def cases():
     yield "paged attention decode, K/V prefetch", paged_attention._paged_attn_kernel, dict(
         attn, HAS_MASK=False, DECODE=True, STAGED_EARLY=True, KV_PREFETCH=2), None, 4
     yield "paged attention reduce", paged_attention._reduce_kernel, {
-        "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True,
-        "PARALLEL": True}, None, 4
+        "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32"}
     yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, {
         "PER_ROW": True, "BLOCK": 2048, "PDL": True}, samp, 4

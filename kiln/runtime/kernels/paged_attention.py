@@ -257,7 +257,7 @@ def _paged_attn_kernel(
 def _reduce_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr, PDL: tl.constexpr, PARALLEL: tl.constexpr,
+    S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -272,14 +272,12 @@ def _reduce_kernel(
     w = tl.exp2(m - m_max)  # empty splits: m = -inf → 0
     total = tl.sum(l * w, 0)
     d = tl.arange(0, D_PAD)
-    if PARALLEL:  # every split's accumulator loaded with (m, l); the empty ones (m = -inf
-        # wrote none: stale workspace) are replaced by zeros after the load
-        acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
-                      mask=s_ok[:, None], other=0.0)
-        acc = tl.where((m > float("-inf"))[:, None], acc, 0.0)
-    else:  # empty splits (m = -inf) wrote no accumulator: not read (masked lanes: no memory)
-        acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
-                      mask=(s_ok & (m > float("-inf")))[:, None], other=0.0)
+    # empty splits (m = -inf) wrote no accumulator: not read (masked lanes touch no memory).
+    # Tried (2026-11-30 ninth session): loading every accumulator with (m, l) and zeroing the
+    # empty splits' afterwards (no load waiting on m) was slower: it reads the empty splits
+    # too (8B FP8 engine step 2.646 -> 2.675 ms at contexts 129-256).
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
+                  mask=(s_ok & (m > float("-inf")))[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -299,10 +297,6 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 # 2026-11-30 eighth session): 2.781 -> 2.765 ms at contexts 129-256, 2.800 -> 2.790 at
 # 513-640, equal at 1793-1920 (where every split has keys).
 SKIP_EMPTY_SPLITS = True
-# The split reduce loads every accumulator together with (m, l) and zeroes the empty splits'
-# after the load, instead of a load masked by m (which waits for m): one dependent load less
-# (an A/B switch while measured).
-REDUCE_PARALLEL_LOADS = True
 # Before its PDL wait each program L2-prefetches the K/V rows of this many key tiles at the
 # start of its split (0: off). H200, 8B FP8 batch-1 engine step, same process, twice
 # (2026-11-30 ninth session): 2.641-2.644 -> 2.626-2.627 ms at contexts 129-256, 2.752 ->
@@ -506,8 +500,7 @@ def _launch(
         _reduce_kernel[(t, heads)](
             out, part_acc, part_ml, heads, out.stride(0), out.stride(1),
             HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=next_pow2(num_splits), PARALLEL=REDUCE_PARALLEL_LOADS, num_warps=4,
-            **_pdl.launch_kwargs(),
+            S_PAD=next_pow2(num_splits), num_warps=4, **_pdl.launch_kwargs(),
         )
 
 
