@@ -50,7 +50,6 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
                              (paged_attention, "choose_num_splits", _splits(n))]
        for n in (4, 8, 32)},
     "no_gemv": [(gemv, "gemv", _no_gemv)],
-    "no_decode_direct": [(paged_attention, "DECODE_DIRECT", False)],  # before: the search
     "norm4096": [(gemv, "NORM_PROLOGUE_MAX_K", 4096)],  # add + RMSNorm into qkv / gate_up
     "no_staged_early": [(_pdl, "STAGED_EARLY", False)],  # metadata read after the wait
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],

@@ -93,16 +93,11 @@ def test_paged_attention_empty_splits_read_no_stale_partials(skip, monkeypatch):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_attention_decode_launch_covers_the_padding_sequence(direct, num_splits,
-                                                                   monkeypatch):
-    """A decode launch (max_query_len 1) maps program p to sequence p. A CUDA graph's last
-    (padding) sequence takes the leftover tokens, more than one tile of them, and empty
-    sequences sit before it: every row is still written and equals the reference."""
-    from kiln.runtime.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "DECODE_DIRECT", direct)
+def test_paged_attention_decode_launch_with_a_padding_sequence(num_splits):
+    """A decode launch (max_query_len 1) as a CUDA graph stages it: empty sequences, and the
+    last (padding) sequence taking the leftover tokens, more than one tile of them: every
+    row is written and equals the reference."""
     specs = [(70, 1, False), (5, 0, False), (3, 1, False), (9, 0, False), (0, 11, False)]
     q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 4, 2, 16, 16, torch.float32)
     out = torch.full_like(q, float("nan"))
