@@ -1,6 +1,8 @@
 """Compile kiln's Triton kernels for sm_90 (H100/H200) without a GPU: Triton's CUDA backend
 lowers to PTX and runs ptxas on the host. Catches what the CPU interpreter cannot: code
-generation errors, the PDL intrinsics, inline PTX (the GEMV's L2 prefetch).
+generation errors, the PDL intrinsics, inline PTX (the GEMV's L2 prefetch). Compiled with
+the real launches' specialisation (16-byte-divisible pointers and GEMV shapes), so the PTX is
+the one the GPU runs: the one-row FP8 GEMV must load its weights 16 bytes at a time.
 
 Run in a process without TRITON_INTERPRET (the kernels must be real JIT functions):
     python tests/unit/sm90_compile.py   -> one JSON line {"compiled": [...], "failed": [...]}
