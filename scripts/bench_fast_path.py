@@ -79,6 +79,25 @@ def build_smol(tmp: Path, max_batch_size: int, window: str = "7,7,7", dtype: str
     return source, out
 
 
+def sanity(eng: LLMEngine, path: Path, prompt: list[int], n: int = 24) -> dict:
+    """The engine's first ``n`` greedy tokens of ``prompt`` at batch 1 against the reference
+    path's (torch attention, no graphs), printed with the text: a fast number over broken
+    output is void (the ninth session measured x2.09 lookahead on a batch-1 decode path that
+    emitted only token 0). bf16 paths may part at a near tie; the GPU correctness tests judge
+    that, this only shows it."""
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lookahead=(1, 1, 0))
+    got = eng.generate([prompt], params)[0].token_ids
+    ref_eng = load(path, "reference")
+    want = ref_eng.generate([prompt], params)[0].token_ids
+    del ref_eng
+    free()
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    text = eng.tokenizer.decode(got)[:60]
+    ROWS.append(("smollm2 b1 greedy vs reference", "equal" if first is None else
+                 f"first differs at {first}", repr(text)))
+    return {"equal": first is None, "first_difference": first, "text": text}
+
+
 def smol(res: dict, tmp: Path, configs: list[str]) -> None:
     from kiln.bench.prompts import CHAT_PROMPTS
     from kiln.bench.speculative import run_speculative_latency
@@ -93,6 +112,8 @@ def smol(res: dict, tmp: Path, configs: list[str]) -> None:
         b64 = decode_tps(eng, prompt, 64, 256)
         r[name] = {"batch1_tok_s": b1, "batch64_tok_s": b64}
         ROWS.append((f"smollm2 bf16 b1 / b64 [{name}]", f"{b1:.0f} / {b64:.0f}", "tok/s"))
+        if source == "smollm2-135m":
+            r[name]["sanity"] = sanity(eng, out, prompt)
         if name == "fast" and source == "smollm2-135m":
             # adaptive speculation (opt-in) and always-speculate, alternated twice: the
             # same engine, so the spread between repeats shows the noise
