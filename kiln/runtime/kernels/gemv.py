@@ -561,12 +561,7 @@ def gemv(
     """
     if x_scale is not None:
         return _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype)
-    check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
-    m, k = x.shape
-    if silu_and_mul:
-        if k % 2:
-            raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
-        k //= 2
+    m, k = _check_x(x, silu_and_mul)
     n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
     if not 1 <= m <= GEMM_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMM_MAX_M} (use F.linear)")
@@ -579,6 +574,17 @@ def gemv(
                          f"{GEMV_MAX_M}: use a tensor-core config (got {config})")
     _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, silu_and_mul)
     return y
+
+
+def _check_x(x: torch.Tensor, silu_and_mul: bool) -> tuple[int, int]:
+    """(M, K) of a bf16/fp16 x [M, K], or of x = gate | up [M, 2K] with ``silu_and_mul``."""
+    check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
+    m, k = x.shape
+    if silu_and_mul:
+        if k % 2:
+            raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
+        k //= 2
+    return m, k
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale, bias,
@@ -762,16 +768,24 @@ def gemv_add_rms_norm(
         raise ValueError(f"K={k} is over the prologue's one-row limit {NORM_MAX_K}")
     if x.stride(-1) != 1 or residual.stride(-1) != 1:
         raise ValueError("x and residual need a contiguous last dimension")
-    n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
-    config = _config(config, 1, n, k, weight.dtype)
-    if config["USE_DOT"]:
-        raise ValueError(f"config {config}: the add + RMSNorm prologue runs on CUDA-core "
-                         "tiles only (USE_DOT=False)")
+    n, fp8, config = _one_row_config(x, weight, weight_scale, bias, k, config,
+                                     "the add + RMSNorm prologue")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(1, k, dtype=x.dtype, device=x.device)
     _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, False,
             norm=(residual, norm_weight, res_out, eps))
     return y, res_out
+
+
+def _one_row_config(x: torch.Tensor, weight: torch.Tensor, weight_scale, bias, k: int,
+                    config: dict | None, what: str) -> tuple[int, bool, dict]:
+    """(N, whether FP8, the config) of a one-row fused GEMV, whose config must be CUDA-core."""
+    n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
+    config = _config(config, 1, n, k, weight.dtype)
+    if config["USE_DOT"]:
+        raise ValueError(f"config {config}: {what} runs on CUDA-core tiles only "
+                         "(USE_DOT=False)")
+    return n, fp8, config
 
 
 def gemv_add_residual(
@@ -787,12 +801,7 @@ def gemv_add_residual(
     x: [1, K] (or [1, 2K] with ``silu_and_mul``); residual [1, N] in x's dtype; weight /
     weight_scale / bias as in ``gemv``. CUDA-core configs without split-K only (the default
     at M = 1 except the smallest N). Returns (h [1, N], ss)."""
-    check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES)
-    m, k = x.shape
-    if silu_and_mul:
-        if k % 2:
-            raise ValueError(f"x has {k} columns; silu_and_mul needs gate | up (2 * K)")
-        k //= 2
+    m, k = _check_x(x, silu_and_mul)
     if m != 1:
         raise ValueError(f"x has {m} rows; gemv_add_residual takes one (use gemv, then "
                          "fused_add_rms_norm)")
@@ -835,11 +844,8 @@ def gemv_prenormed(
         raise ValueError("h needs a contiguous last dimension")
     if not 1 <= ss.shape[0] <= PRENORM_MAX_PARTS:
         raise ValueError(f"ss has {ss.shape[0]} partials; 1 to {PRENORM_MAX_PARTS} allowed")
-    n, fp8 = _check_weight(h, weight, weight_scale, bias, k)
-    config = _config(config, 1, n, k, weight.dtype)
-    if config["USE_DOT"]:
-        raise ValueError(f"config {config}: the pre-normed prologue runs on CUDA-core tiles "
-                         "only (USE_DOT=False)")
+    n, fp8, config = _one_row_config(h, weight, weight_scale, bias, k, config,
+                                     "the pre-normed prologue")
     y = torch.empty(1, n, dtype=h.dtype, device=h.device)
     _launch(h, weight, weight_scale if fp8 else None, bias, y, None, config, False,
             prenorm=(ss, norm_weight, eps))
