@@ -39,6 +39,8 @@ class Bucket:
     num_seqs: int
     num_tokens: int
     masked: bool
+    # the launch config's hint (1 for decode buckets), not a bound: find_bucket also places
+    # short prefills here (any step of at most num_seqs sequences and num_tokens tokens)
     max_query_len: int
 
 

@@ -107,6 +107,21 @@ def test_paged_attention_decode_launch_with_a_padding_sequence(num_splits):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_max_query_len_is_not_a_bound(num_splits):
+    """CUDA graphs replay short prefills in decode buckets captured with max_query_len 1
+    (cuda_graph.find_bucket): a sequence before the last with more queries than one tile
+    (BLOCK_Q) must still have every row computed. A launch that trusted the hint made the
+    real smollm2 engine emit only token 0 (2026-11-30)."""
+    specs = [(0, 11, False), (20, 1, False), (9, 7, False), (0, 0, False)]
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 9, 3, 16, 16, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=1, max_context_len=21,
+                    num_splits=num_splits, out=out)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
 def test_choose_num_splits():
     assert choose_num_splits(8, 2048, 132, 64) == 16  # batch-1 decode: split the keys
     assert choose_num_splits(8, 100, 132, 64) == 1  # short context: nothing to split

@@ -292,11 +292,11 @@ SKIP_EMPTY_SPLITS = True
 # (2026-11-30 ninth session): 2.641-2.644 -> 2.626-2.627 ms at contexts 129-256, 2.752 ->
 # 2.733-2.737 at 1793-1920; the whole split instead of 2 tiles: the same.
 KV_PREFETCH_TILES = 2
-# Tried and removed (2026-11-30 ninth session): decode launches mapping program p to
-# sequence p instead of searching query_start_loc. It measured -0.012 ms per 8B FP8 step and
-# passed the CPU interpreter tests, but on the H200 the real smollm2 bf16 engine then
-# generated only token 0 from the first token on (the other changes of that session on,
-# this one off: the right text). The cause was not found; the search stays.
+# Tried and removed (2026-11-30 ninth session): launches with max_query_len 1 mapping
+# program p to sequence p instead of searching query_start_loc (-0.012 ms per 8B FP8 step).
+# It trusted max_query_len as a bound: the real smollm2 engine then generated only token 0,
+# because its short prompts were prefilled in a decode graph (see paged_attention) and only
+# their first BLOCK_Q queries were computed.
 
 
 def choose_num_splits(
@@ -357,8 +357,11 @@ def paged_attention(
 
     block_tables [num_seqs, max_blocks] int32; query_start_loc [num_seqs + 1] int32
     (ascending, last = T); context_lens [num_seqs] int32 (cached prefix + query_len).
-    max_query_len / max_context_len are host-side upper bounds (they size the grid and the
-    split count; no host sync). mask: packed uint8/bool tree masks, mask_offsets [num_seqs]
+    max_context_len is a host-side upper bound (it sizes the split count; no host sync).
+    max_query_len only picks the launch config and the split count: it is **not** a bound.
+    CUDA graphs replay short prefills (a 40-token prompt in the 64-sequence, 64-token decode
+    bucket, captured with max_query_len 1), so any sequence may have more queries and the
+    kernel covers them all (the grid is sized from T). mask: packed uint8/bool tree masks, mask_offsets [num_seqs]
     int32 (-1 = causal). An FP8 cache is dequantised with k_scale / v_scale (floats or
     1-element float32 device tensors, e.g. ``cache.k_scale[layer : layer + 1]``). num_splits
     fixes the key-split count (CUDA graphs want a static one). ``config`` forces a launch
