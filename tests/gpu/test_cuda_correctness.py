@@ -127,11 +127,16 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in ref.generate(prompts, params)]
     # the four together (batch-4 graphs), then the first alone: batch 1 has its own graph
-    # and kernels (the one-row GEMVs, the residual fusion); a decode-attention change once
-    # broke only that one (every token 0) while the batched run passed
+    # and kernels (the one-row GEMVs, the residual fusion); then a 7-token prompt alone,
+    # which is prefilled in the 8-token decode graph (two query tiles of one sequence). A
+    # decode-attention change once broke exactly these (every token 0; 2026-11-30) while
+    # the batched run passed.
+    short = prompts[0][:7]
     got = [o.token_ids for o in fast.generate(prompts, params)]
     got.append(fast.generate(prompts[:1], params)[0].token_ids)
-    prompts, want = prompts + prompts[:1], want + want[:1]
+    got.append(fast.generate([short], params)[0].token_ids)
+    want += [want[0], ref.generate([short], params)[0].token_ids]
+    prompts = prompts + [prompts[0], short]
     print("\nsmollm2-135m bf16 CUDA: fast path vs reference, first 32 greedy tokens")
     for prompt, w, g in zip(prompts, want, got):
         j = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None)
