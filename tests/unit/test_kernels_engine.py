@@ -100,3 +100,28 @@ def test_buckets_that_fail_to_capture_run_eagerly(tiny_reference, monkeypatch, c
     ref = LLMEngine.from_engine_dir(out, RuntimeConfig(attention_backend="torch", **cfg))
     assert got == [o.token_ids for o in ref.generate(prompts, params)]
     assert {b.num_seqs for b in eng.runner.graphs.ready} == {1}
+
+
+def test_short_prompt_prefilled_in_a_decode_graph_bucket(tiny_reference):
+    """A prompt of 12 tokens alone fits the 16-sequence, 16-token decode bucket, captured with
+    max_query_len 1 (cuda_graph.find_bucket): its prefill runs there, two query tiles of one
+    sequence. The Triton staged path must give the torch backend's tokens (a launch that
+    took max_query_len as a bound once computed only the first tile: every token wrong)."""
+    _, out = tiny_reference("llama", max_seq_len=64, max_num_tokens=64, max_batch_size=16)
+    prompt = mixed_prompts()[2][:12]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def run(backend):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", block_size=4, num_kv_blocks=32, attention_backend=backend,
+            cuda_graphs=backend == "triton"))
+        toks = eng.generate([prompt], params)[0].token_ids
+        return eng, toks
+
+    _, ref = run("torch")
+    eng, got = run("triton")
+    assert got == ref
+    g = eng.runner.graphs
+    assert g.find_bucket(1, 12, False) == next(b for b in g.buckets
+                                                if b.num_seqs == 16 and not b.masked)
+    assert g.num_replays > 0
