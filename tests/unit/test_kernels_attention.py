@@ -93,30 +93,26 @@ def test_paged_attention_empty_splits_read_no_stale_partials(skip, monkeypatch):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_attention_decode_launch_with_a_padding_sequence(num_splits):
-    """A decode launch (max_query_len 1) as a CUDA graph stages it: empty sequences, and the
-    last (padding) sequence taking the leftover tokens, more than one tile of them: every
-    row is written and equals the reference."""
-    specs = [(70, 1, False), (5, 0, False), (3, 1, False), (9, 0, False), (0, 11, False)]
-    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 4, 2, 16, 16, torch.float32)
-    out = torch.full_like(q, float("nan"))
-    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=1, max_context_len=71,
-                    num_splits=num_splits, out=out)
-    ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25)
-    assert rel_err(out, ref) < TOL[torch.float32]
+# decode launches (max_query_len 1) as CUDA graphs stage them; max_query_len is a launch hint,
+# not a bound (cuda_graph.find_bucket replays short prefills in decode buckets)
+DECODE_LAYOUTS = {
+    # empty sequences, and the last (padding) one taking the leftover tokens: two tiles
+    "padding": ([(70, 1, False), (5, 0, False), (3, 1, False), (9, 0, False),
+                 (0, 11, False)], 4, 2, 71),
+    # a prefill before the last sequence with more queries than one tile (BLOCK_Q 5 at GQA
+    # 3); a launch that trusted the hint made the real smollm2 emit only token 0 (2026-11-30)
+    "short-prefill": ([(0, 11, False), (20, 1, False), (9, 7, False), (0, 0, False)], 9, 3, 21),
+}
 
 
+@pytest.mark.parametrize("layout", DECODE_LAYOUTS)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_attention_max_query_len_is_not_a_bound(num_splits):
-    """CUDA graphs replay short prefills in decode buckets captured with max_query_len 1
-    (cuda_graph.find_bucket): a sequence before the last with more queries than one tile
-    (BLOCK_Q) must still have every row computed. A launch that trusted the hint made the
-    real smollm2 engine emit only token 0 (2026-11-30)."""
-    specs = [(0, 11, False), (20, 1, False), (9, 7, False), (0, 0, False)]
-    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 9, 3, 16, 16, torch.float32)
+def test_paged_attention_decode_launch_writes_every_row(layout, num_splits):
+    """With max_query_len 1 every row of every sequence is written and equals the reference."""
+    specs, heads, kv_heads, max_ctx = DECODE_LAYOUTS[layout]
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, heads, kv_heads, 16, 16, torch.float32)
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=1, max_context_len=21,
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=1, max_context_len=max_ctx,
                     num_splits=num_splits, out=out)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25)
     assert rel_err(out, ref) < TOL[torch.float32]

@@ -361,12 +361,13 @@ def paged_attention(
     max_query_len only picks the launch config and the split count: it is **not** a bound.
     CUDA graphs replay short prefills (a 40-token prompt in the 64-sequence, 64-token decode
     bucket, captured with max_query_len 1), so any sequence may have more queries and the
-    kernel covers them all (the grid is sized from T). mask: packed uint8/bool tree masks, mask_offsets [num_seqs]
-    int32 (-1 = causal). An FP8 cache is dequantised with k_scale / v_scale (floats or
-    1-element float32 device tensors, e.g. ``cache.k_scale[layer : layer + 1]``). num_splits
-    fixes the key-split count (CUDA graphs want a static one). ``config`` forces a launch
-    config (BLOCK_N, num_warps, num_stages, tiles_per_split); by default the one tuned for
-    this shape (``tuning.lookup``, see ``tuning_key``) or ``default_config``. Returns
+    kernel covers them all (the grid is sized from T). mask: packed uint8/bool tree masks,
+    mask_offsets [num_seqs] int32 (-1 = causal). An FP8 cache is dequantised with k_scale /
+    v_scale (floats or 1-element float32 device tensors, e.g.
+    ``cache.k_scale[layer : layer + 1]``). num_splits fixes the key-split count (CUDA graphs
+    want a static one). ``config`` forces a launch config (BLOCK_N, num_warps, num_stages,
+    tiles_per_split); by default the one tuned for this shape (``tuning.lookup``, see
+    ``tuning_key``) or ``default_config``. Returns
     [T, H, D] in q's dtype.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -472,6 +473,7 @@ def _launch(
         part_ml = torch.empty(t, heads, num_splits, 2, dtype=torch.float32, device=dev)
     else:
         part_acc = part_ml = out  # unused
+    early, esize = _pdl.staged_early(), k_cache.element_size()
     _paged_attn_kernel[(num_q_programs, kv_heads, num_splits)](
         out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
         context_lens, mask if mask is not None else context_lens,
@@ -483,10 +485,9 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        SKIP_EMPTY=SKIP_EMPTY_SPLITS, STAGED_EARLY=_pdl.staged_early(),
-        KV_PREFETCH=KV_PREFETCH_TILES if _pdl.staged_early() else 0,
-        LINE=128 // k_cache.element_size(),
-        D_LINES=next_pow2(triton.cdiv(dim * k_cache.element_size(), 128)), num_warps=int(config["num_warps"]),
+        SKIP_EMPTY=SKIP_EMPTY_SPLITS, STAGED_EARLY=early,
+        KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
+        D_LINES=next_pow2(triton.cdiv(dim * esize, 128)), num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
