@@ -83,8 +83,13 @@ def cases():
     reduce = {"SPLIT_K": 4, "HAS_SCALE": True, "HAS_BIAS": True, "X_FP8": False,
               "BLOCK": 1024, "PDL": True}
     yield "gemv split-K reduce", gemv._splitk_reduce_kernel, reduce, None, 4
-    norm = {"HAS_RESIDUAL": True, "BLOCK": 4096, "PDL": True}
+    norm = {"HAS_RESIDUAL": True, "GATHER": False, "WRITE_RES": True, "BLOCK": 4096,
+            "PDL": True}
     yield "add+rmsnorm", rms_norm._rms_norm_kernel, norm, None, 8
+    yield "embedding + rmsnorm", rms_norm._rms_norm_kernel, dict(
+        norm, HAS_RESIDUAL=False, GATHER=True), {"rows_ptr": "*i64"}, 8
+    yield "add + logit rows + rmsnorm", rms_norm._rms_norm_kernel, dict(
+        norm, GATHER=True, WRITE_RES=False), {"rows_ptr": "*i64"}, 8
     yield "silu_and_mul", activation._silu_and_mul_kernel, {"BLOCK": 1024, "PDL": True}, None, 4
     kv = {"IS_FP8": True, "H_PAD": 8, "D_PAD": 128, "PDL": True}
     yield "kv write fp8", kv_write._kv_write_kernel, kv, {

@@ -46,6 +46,44 @@ def test_fused_add_rms_norm(dtype, hidden):
     assert rel_err(plain, rms_norm.fused_add_rms_norm_ref(x, None, w, 1e-6)[0]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_rms_norm_is_embedding_then_rms_norm(dtype):
+    table = torch.randn(11, 48).to(dtype)
+    w = (1 + 0.1 * torch.randn(48)).to(dtype)
+    ids = torch.tensor([3, 0, 10, 3, 7])
+    out, h = rms_norm.embed_rms_norm(ids, table, w, 1e-6)
+    rows = torch.nn.functional.embedding(ids, table)
+    assert torch.equal(h, rows)  # the residual: the rows themselves
+    assert torch.equal(out, rms_norm.rms_norm(rows, w, 1e-6))  # the same kernel's numbers
+    # int32 ids too (the staged buffers' type may change), and ids past the table read zeros
+    out32, h32 = rms_norm.embed_rms_norm(torch.tensor([3, 11, -1], dtype=torch.int32), table,
+                                         w, 1e-6)
+    assert torch.equal(h32[0], table[3]) and torch.equal(out32[0], out[0])
+    assert not h32[1:].any() and not out32[1:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_add_rms_norm_is_add_select_norm(dtype):
+    x, r = torch.randn(6, 40).to(dtype), torch.randn(6, 40).to(dtype)
+    w = (1 + 0.1 * torch.randn(40)).to(dtype)
+    rows = torch.tensor([5, 0, 2, 5])
+    out = rms_norm.gather_add_rms_norm(x, r, rows, w, 1e-6)
+    full, _ = rms_norm.fused_add_rms_norm(x, r, w, 1e-6)
+    assert out.shape == (4, 40)
+    assert torch.equal(out, full[rows])  # bit-exact: the same kernel's numbers per row
+    assert rel_err(out, rms_norm.fused_add_rms_norm_ref(x, r, w, 1e-6)[0][rows]) < TOL[dtype]
+    none = rms_norm.gather_add_rms_norm(x, r, torch.tensor([6, -1]), w, 1e-6)
+    assert not none.any()  # rows outside the batch: the norm of zeros
+
+
+def test_gather_norms_reject_bad_rows():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="rows"):
+        rms_norm.gather_add_rms_norm(x, x, torch.tensor([0.0]), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="rows"):
+        rms_norm.embed_rms_norm(torch.tensor([[0]]), x, torch.ones(8), 1e-6)
+
+
 def test_rms_norm_rejects_weight_dtype():
     with pytest.raises(ValueError, match="weight has dtype"):
         rms_norm.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6)

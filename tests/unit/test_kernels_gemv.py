@@ -122,6 +122,31 @@ def test_gemv_with_silu_and_mul_prologue(wdtype, cfg):
                   silu_and_mul=True)
 
 
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("cfg", [CUDA_CORE, TENSOR_CORE, dict(CUDA_CORE, SPLIT_K=3),
+                                 dict(TENSOR_CORE, SPLIT_K=2)], ids=["cc", "tc", "cc-sk", "tc-sk"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_float32_out_is_the_widened_result(wdtype, cfg, m):
+    """out_dtype=float32 (the logits): exactly ``.float()`` of the bf16 result."""
+    x = torch.randn(m, 80).to(torch.bfloat16)
+    w, s = _w(50, 80, FP8 if wdtype == "fp8" else torch.bfloat16)
+    b = torch.randn(50).to(torch.bfloat16)
+    y = gemv.gemv(x, w, s, b, config=cfg, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, gemv.gemv(x, w, s, b, config=cfg).float())
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemv.gemv(x, w, s, b, config=cfg, out_dtype=torch.float16)
+
+
+def test_linear_float_out_off_the_gemv_path():
+    from kiln.runtime.layers.linear import linear
+
+    x = torch.randn(2, 24).to(torch.bfloat16)
+    w = {"p.weight": torch.randn(10, 24).to(torch.bfloat16)}
+    y = linear(x, w, "p", float_out=True)
+    assert y.dtype == torch.float32 and torch.equal(y, linear(x, w, "p").float())
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_gemv_default_config_and_one_element_scale(m):
     w, s = _w(48, 128, FP8)

@@ -88,9 +88,10 @@ def _interpreting() -> bool:
 @triton.jit
 def _store_row(
     v, row, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr, scale_ptr, bias_ptr, stride_ym,
-    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, RND: tl.constexpr,
 ):
-    """Row ``row`` of the output, v [BLOCK_N] float32: a split-K partial, or scaled + bias."""
+    """Row ``row`` of the output, v [BLOCK_N] float32: a split-K partial, or scaled + bias,
+    rounded to ``RND`` (x's dtype) before y's dtype (float32 y: the widened x-dtype result)."""
     n_ok = offs_n < N
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + row) * N + offs_n, v, mask=n_ok)
@@ -99,7 +100,8 @@ def _store_row(
             v = v * tl.load(scale_ptr)
         if HAS_BIAS:
             v += tl.load(bias_ptr + rows_n).to(tl.float32)
-        tl.store(y_ptr + row * stride_ym + offs_n, v.to(y_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(y_ptr + row * stride_ym + offs_n, v.to(RND).to(y_ptr.dtype.element_ty),
+                 mask=n_ok)
 
 
 @triton.jit
@@ -246,6 +248,8 @@ def _gemv_kernel(
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
             y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+            if not X_FP8:  # float32 y: the x-dtype result, widened
+                acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:
         # CUDA cores, BLOCK_M = M rows unrolled: one [BLOCK_N, BLOCK_K] float32 accumulator
@@ -331,33 +335,41 @@ def _gemv_kernel(
                             res_out_ptr, ss_ptr, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
         else:
             _store_row(v0, 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 1:
             _store_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 2:
             _store_row(tl.sum(acc2, axis=1), 2, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 3:
             _store_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 4:
             _store_row(tl.sum(acc4, axis=1), 4, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 5:
             _store_row(tl.sum(acc5, axis=1), 5, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 6:
             _store_row(tl.sum(acc6, axis=1), 6, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
         if BLOCK_M > 7:
             _store_row(tl.sum(acc7, axis=1), 7, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
-                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS)
+                       scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
+                       x_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _splitk_reduce_kernel(
-    part_ptr, scale_ptr, bias_ptr, y_ptr, xs_ptr, M, N, stride_ym,
+    part_ptr, scale_ptr, bias_ptr, y_ptr, xs_ptr, x_ptr, M, N, stride_ym,
     SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     X_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -374,6 +386,8 @@ def _splitk_reduce_kernel(
         acc = acc * tl.load(xs_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if not X_FP8:  # float32 y: the x-dtype result, widened (x_ptr: only its dtype is used)
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -543,9 +557,11 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, *, config: dict | None = None,
     silu_and_mul: bool = False, x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale)^T + bias, in x's dtype.
+    """y [M, N] = x [M, K] @ (weight [N, K] * weight_scale)^T + bias, in x's dtype, or with
+    ``out_dtype=torch.float32`` that x-dtype result widened to float32 (``.float()`` of it,
+    without the extra kernel: the logits of the output projection).
 
     x: bf16/fp16, 1 <= M <= GEMM_MAX_M rows (row stride free, last dim contiguous); past
     GEMV_MAX_M rows only tensor-core configs (the default there).
@@ -556,16 +572,21 @@ def gemv(
     the activation and the down projection).
     W8A8: x already e4m3 (``quantize_fp8_padded``'s output, rows past M unread) with its
     per-tensor ``x_scale`` and FP8 weights: the FP8 tensor cores' product, scaled by
-    weight_scale * x_scale, returned in ``out_dtype`` (bf16/fp16): ``_scaled_mm``'s function
-    for the small M where it is faster (``w8a8_wins``); tensor-core configs only.
+    weight_scale * x_scale, returned in ``out_dtype`` (bf16/fp16, default bf16):
+    ``_scaled_mm``'s function for the small M where it is faster (``w8a8_wins``);
+    tensor-core configs only.
     """
     if x_scale is not None:
-        return _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype)
+        return _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config,
+                          out_dtype or torch.bfloat16)
     m, k = _check_x(x, silu_and_mul)
     n, fp8 = _check_weight(x, weight, weight_scale, bias, k)
     if not 1 <= m <= GEMM_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMM_MAX_M} (use F.linear)")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype {out_dtype}: gemv returns x's dtype ({x.dtype}) or "
+                         "float32")
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if n == 0 or k == 0:
         return y.zero_()
     config = _config(config, m, n, k, weight.dtype)
@@ -682,7 +703,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
-            part, scale, b, y, xs, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=fp8,
+            part, scale, b, y, xs, x, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=fp8,
             HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
             **_pdl.launch_kwargs(),
         )

@@ -4,6 +4,15 @@
 dtype, as the eager add is); out = w * rmsnorm(new_residual) with float32 statistics, the
 normalised value rounded to the input dtype before the weight is applied
 (kiln/runtime/layers/norm.py).
+
+Two gathers keep torch's kernels out of a decode graph's ends (a torch kernel is no PDL
+launch, so each one is a full stop in the chain):
+
+- ``embed_rms_norm(ids, table, w)``: the embedding rows and layer 0's input norm in one
+  kernel (``F.embedding`` then ``rms_norm``).
+- ``gather_add_rms_norm(x, residual, rows, w)``: the last residual add, the selection of the
+  rows that need logits and the final norm in one kernel (``(x + residual)[rows]`` then
+  ``rms_norm``), computed for the selected rows only.
 """
 
 from __future__ import annotations
@@ -20,24 +29,32 @@ from kiln.runtime.layers.norm import rms_norm as _rms_norm_torch
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows_ptr, num_src, hidden, eps,
     stride_xt, stride_rt, stride_ot, stride_rot,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, WRITE_RES: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < hidden
-    x = tl.load(x_ptr + t * stride_xt + offs, mask=m, other=0.0)
+    src = t.to(tl.int64)
+    if GATHER:  # output row t is input row rows[t]; rows outside [0, num_src) read zeros
+        src = tl.load(rows_ptr + t).to(tl.int64)
+        src_v = tl.zeros([BLOCK], dtype=tl.int64) + src  # a vector mask (the interpreter's)
+        m = m & (src_v >= 0) & (src_v < num_src)
+    x = tl.load(x_ptr + src * stride_xt + offs, mask=m, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + t * stride_rt + offs, mask=m, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + t * stride_rot + offs, x, mask=m)
+        r = tl.load(res_ptr + src * stride_rt + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if WRITE_RES:  # the residual stream after the add (or the gathered rows)
+        tl.store(res_out_ptr + t * stride_rot + offs, x, mask=offs < hidden)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=m)
+    w = tl.load(w_ptr + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, (normed * w).to(out_ptr.dtype.element_ty),
+             mask=offs < hidden)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -46,19 +63,23 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_shape("weight", weight, (x.shape[1],))
 
 
-def _launch(x, res, weight, out, res_out, eps) -> None:
-    if x.shape[0] == 0:
+def _launch(x, res, weight, out, res_out, eps, rows: torch.Tensor | None = None) -> None:
+    """One program per output row: row t of ``out`` (and ``res_out``) from input row t, or
+    from input row rows[t] with ``rows``."""
+    if out.shape[0] == 0:
         return
     hidden = x.shape[1]
     block = triton.next_power_of_2(hidden)
     if block > 65536:
         raise ValueError(f"hidden size {hidden} is over the kernel's one-row limit 65536")
     warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _rms_norm_kernel[(x.shape[0],)](
+    _rms_norm_kernel[(out.shape[0],)](
         x, res if res is not None else x, weight, out, res_out if res_out is not None else out,
-        hidden, eps, x.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
+        rows if rows is not None else out, x.shape[0], hidden, eps, x.stride(0),
+        res.stride(0) if res is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        HAS_RESIDUAL=res is not None, BLOCK=block, num_warps=warps, **_pdl.launch_kwargs(),
+        HAS_RESIDUAL=res is not None, GATHER=rows is not None, WRITE_RES=res_out is not None,
+        BLOCK=block, num_warps=warps, **_pdl.launch_kwargs(),
     )
 
 
@@ -81,6 +102,41 @@ def fused_add_rms_norm(
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _launch(x, residual, weight, out, res_out, eps)
     return out, res_out
+
+
+def _check_rows(rows: torch.Tensor, x: torch.Tensor) -> None:
+    check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T] (int32/int64), table [V, hidden] → (rms_norm(table[ids]) * weight,
+    table[ids]): ``F.embedding`` and the first RMSNorm in one kernel. Ids outside [0, V)
+    give zero rows (``F.embedding`` would raise or fault; ids are checked upstream)."""
+    _check(table, weight)
+    _check_rows(ids, table)
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+    h = torch.empty_like(out)
+    _launch(table, None, weight, out, h, eps, rows=ids)
+    return out, h
+
+
+def gather_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """x, residual [T, hidden], rows [R] → rms_norm((x + residual)[rows]) * weight [R,
+    hidden]: the last residual add, the logit rows' selection and the final norm in one
+    kernel (the add is rounded to x's dtype, as the eager add is). Rows outside [0, T) give
+    the norm of zeros."""
+    _check(x, weight)
+    check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_shape("residual", residual, tuple(x.shape))
+    _check_rows(rows, x)
+    out = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    _launch(x, residual, weight, out, None, eps, rows=rows)
+    return out
 
 
 def fused_add_rms_norm_ref(

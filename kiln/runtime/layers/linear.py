@@ -145,7 +145,8 @@ def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.T
 
 def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
                   prefix: str, bias: torch.Tensor | None,
-                  silu_and_mul: bool = False) -> torch.Tensor | None:
+                  silu_and_mul: bool = False,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
     if x.dtype not in (torch.bfloat16, torch.float16) or not _triton():
         return None
@@ -160,31 +161,36 @@ def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tens
     x2 = x.reshape(m, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul)
+    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul, out_dtype=out_dtype)
     return y.reshape(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
-           silu_and_mul: bool = False) -> torch.Tensor:
+           silu_and_mul: bool = False, float_out: bool = False) -> torch.Tensor:
     """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above).
 
     ``silu_and_mul``: x is a gate_up output [..., 2K]; the layer takes silu(gate) * up, fused
     into the small-batch GEMV where that runs, else through the Triton activation kernel.
+    ``float_out``: the result in x's dtype, then ``.float()``; the small-batch GEMV stores
+    that float32 value itself (no conversion kernel after it).
     """
     weight = w[prefix + ".weight"]
     bias = w.get(prefix + ".bias")
     if silu_and_mul and not (x.is_cuda and _silu_fusion_applies(x, weight)):
         x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses here
     if x.is_cuda and weight.dtype != torch.float32:
-        y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul)
+        y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul,
+                          torch.float32 if float_out else None)
         if y is not None:
             return y
     if silu_and_mul:  # no small-batch GEMV here: the activation kernel, then the GEMM
         x = _silu_and_mul(x)
     if weight.dtype != FP8:
-        return F.linear(x, weight, bias)
-    return fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),
-                      bias)
+        y = F.linear(x, weight, bias)
+    else:
+        y = fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),
+                       bias)
+    return y.float() if float_out else y
 
 
 def linear_add_rms_norm(

@@ -7,7 +7,9 @@ kiln/builder/weights.py. Tokens of all sequences are flattened into one batch.
 Two formulations of the same layer: the reference (plain torch ops, the oracle) and the
 fused one (Triton kernels: add+RMSNorm, which at batch 1 the next projection's GEMV may take
 as its prologue, rotary fused into the KV write, SiLU-and-mul, which the down projection's
-GEMV may take in its loads), used with the Triton attention backend. The fused kernels keep the reference's rounding points (the
+GEMV may take in its loads; the embedding with the first norm, and the last residual add
+with the logit rows and the final norm, each one kernel), used with the Triton attention
+backend. The fused kernels keep the reference's rounding points (the
 residual add is rounded to the compute dtype, RMSNorm statistics in float32) except rotary,
 which computes in float32 and rounds once; float32 results are identical up to FMA
 contraction.
@@ -111,12 +113,14 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
-        from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
+        from kiln.runtime.kernels.rms_norm import embed_rms_norm, gather_add_rms_norm
 
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
-        h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden], the residual
-        qkv = linear(k_rms_norm(h, w["layers.0.input_norm.weight"], eps), w, "layers.0.qkv")
+        # the embedding rows (h, the residual) and layer 0's input norm: one kernel
+        x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
+                              w["layers.0.input_norm.weight"], eps)
+        qkv = linear(x, w, "layers.0.qkv")
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             q, k, v = self._split_qkv(qkv, p, n)
@@ -133,7 +137,7 @@ class LlamaModel:
                 qkv, h = linear_residual_norm_linear(
                     gate_up, h, w, p + "down", w[nxt + "input_norm.weight"], eps, nxt + "qkv",
                     silu_and_mul=True)
-            else:
-                h = h + linear(gate_up, w, p + "down", silu_and_mul=True)
-        h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
-        return linear(h, w, self.lm_head).float()
+            else:  # the last add, the logit rows and the final norm: one kernel
+                y = linear(gate_up, w, p + "down", silu_and_mul=True)
+                h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
+        return linear(h, w, self.lm_head, float_out=True)
