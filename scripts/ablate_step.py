@@ -27,6 +27,7 @@ from step_gap import steps_ms  # scripts/ is on sys.path when run as a script
 from kiln.builder import QuantConfig, build_engine
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.kernels import _pdl, gemv, paged_attention, rotary
+from kiln.runtime.models import llama
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
     "kv_prefetch_split": [(paged_attention, "KV_PREFETCH_TILES", 64)],  # the whole split
     "no_res_fusion": [(gemv, "RESIDUAL_FUSION", False)],  # GEMV, norm kernel, GEMV
+    "torch_ends": [(llama, "FUSED_ENDS", False)],  # F.embedding, add, index_select, .float()
 }
 
 

@@ -34,12 +34,13 @@ from bench_fast_path import build_smol, free  # scripts/ is on sys.path as a scr
 from kiln.builder import QuantConfig, build_engine
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.kernels import _pdl, gemv, paged_attention
+from kiln.runtime.models import llama
 from kiln.runtime.sampling_params import SamplingParams
 
 ROWS: list[tuple[str, str]] = []
 
 
-MODULES = {"gemv": gemv, "paged_attention": paged_attention}  # --knob targets
+MODULES = {"gemv": gemv, "paged_attention": paged_attention, "llama": llama}  # --knob targets
 
 
 def _rule(name: str) -> tuple[object, str]:

@@ -21,6 +21,9 @@
 # f16 (eighth session): f16x2 accumulation A/B (code in the commit before its removal; it lost).
 # l2 (eighth session): the next-weight L2 prefetch A/B (code in 0b91ba7, removed: it lost).
 # f1 then f2 (ninth session): e1 / e2 without serve and the kernel tests.
+# g1 then g2 (tenth session): new GPU tests, the graph-ends A/B (8B FP8 steps, smollm2 replays),
+#    8B latency incl. an FP8 lm_head engine (carry .carry/a + .whl); then correctness and the
+#    smollm2 bench with its sanity row (carry .carry/b + .whl).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -34,12 +37,14 @@ install_wheels() {  # the pure-Python wheels the device lacks (.whl, carried)
     --target /tmp/site .whl/*.whl
 }
 latency_8b() {  # kiln bench latency, 8B bf16 and FP8 engines (max batch 256), 128 in / 128 out
-  for q in none fp8; do
-    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$q --dtype bfloat16 --max-seq-len 2048 \
-      --max-num-tokens 8192 --max-batch-size 256 --quantization $q --no-tune --no-precompile-kernels \
-      --force > /dev/null
-    timeout 120 python3 -m kiln bench latency /tmp/l3-$q --batch-size 1 --input-len 128 \
-      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$q.json" > "$OUT/lat-$q.log" 2>&1
+  # (LAT_VARIANTS: none fp8, and fp8-lmh = FP8 weights with --quantize-lm-head)
+  for v in ${LAT_VARIANTS:-none fp8}; do
+    q=${v%-lmh}; extra=""; [ "$v" != "$q" ] && extra="--quantize-lm-head"
+    python3 -m kiln build random:llama-3-8b -o /tmp/l3-$v --dtype bfloat16 --max-seq-len 2048 \
+      --max-num-tokens 8192 --max-batch-size 256 --quantization $q $extra --no-tune \
+      --no-precompile-kernels --force > "$OUT/build-$v.log" 2>&1 || tail -3 "$OUT/build-$v.log"
+    timeout 120 python3 -m kiln bench latency /tmp/l3-$v --batch-size 1 --input-len 128 \
+      --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$v.json" > "$OUT/lat-$v.log" 2>&1
   done
 }
 join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carried .carry/b
@@ -55,6 +60,32 @@ if [ "$phase" = ab ]; then  # kernel ablation / A/B at real contexts (scripts/ab
       --prompt-lens ${AB_PROMPTS:-128,512,1792} > "$OUT/ablate-$q.log" 2>&1
     grep "^|" "$OUT/ablate-$q.log" || tail -20 "$OUT/ablate-$q.log"
   done
+elif [ "$phase" = g1 ]; then  # tenth session, call 1 (carry .carry/a + .whl)
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 150 python3 -m pytest -q tests/gpu/test_gemv_gpu.py tests/gpu/test_kernels_gpu.py \
+    -k "float32_logits or graph_end or elementwise or (real_shapes and not mid_m)" \
+    > "$OUT/gpu_new.log" 2>&1
+  tail -2 "$OUT/gpu_new.log"
+  LAT_VARIANTS="fp8-lmh fp8 none" latency_8b
+  for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
+  timeout 150 python3 scripts/ablate_step.py --quant fp8 --variants base,torch_ends,base,torch_ends \
+    --prompt-lens 128 > "$OUT/ablate-ends.log" 2>&1
+  grep "^|" "$OUT/ablate-ends.log" || tail -5 "$OUT/ablate-ends.log"
+  timeout 80 python3 scripts/bench_pdl.py --only smol --modes 2 --knob llama.FUSED_ENDS=1,0 \
+    > "$OUT/pdl-ends.log" 2>&1
+  grep "^|" "$OUT/pdl-ends.log" || tail -5 "$OUT/pdl-ends.log"
+elif [ "$phase" = g2 ]; then  # right after g1 (carry .carry/b + .whl)
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 280 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+    > "$OUT/correctness.log" 2>&1
+  tail -3 "$OUT/correctness.log"
+  timeout 200 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
+    --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
+  tail -30 "$OUT/smol.log"
 elif [ "$phase" = q ]; then  # quick: no GGUF (random smollm2 weights), tiny-model GPU tests
   timeout 200 python3 scripts/profile_8b.py --only ${PROFILE_8B:-b1,fp8,tput} \
     --out "$OUT/profile_8b.json" > "$OUT/profile_8b.log" 2>&1

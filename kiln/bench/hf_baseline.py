@@ -4,7 +4,8 @@ The transformers model is made from the engine directory's own weights (never fr
 original source: the engine may be a ``random:`` preset or FP8). Engine tensors are un-fused
 (qkv -> q/k/v, gate_up -> gate/up, by ``tensor_plan`` in reverse) and FP8 linears are
 dequantized, ``weight.float() * weight_scale``, to the engine's compute dtype; activation and
-KV-cache scales are dropped, so an FP8 engine is compared against its dequantized model.
+KV-cache scales are dropped, so an FP8 engine is compared against its dequantized model. An
+FP8 lm_head is dequantized the same way; a tied model with one runs untied in transformers.
 
 * latency: ``model.generate`` on the very prompts of kiln's latency run, greedy, exactly
   ``output_len`` new tokens (``min_new_tokens == max_new_tokens``, no EOS), with
@@ -19,6 +20,7 @@ KV-cache scales are dropped, so an FP8 engine is compared against its dequantize
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -116,12 +118,21 @@ def hf_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor],
     return sd, fp8
 
 
+def _as_run(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> ModelConfig:
+    """``cfg`` as the engine runs it: a tied model whose engine has its own lm_head.weight
+    (the FP8 lm_head, ``kiln build --quantize-lm-head``) runs untied, the head dequantized."""
+    if cfg.tie_word_embeddings and "lm_head.weight" in weights:
+        return dataclasses.replace(cfg, tie_word_embeddings=False)
+    return cfg
+
+
 def hf_model_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor],
                           dtype: torch.dtype, device: str | torch.device) -> tuple[Any, int]:
     """A transformers CausalLM (eval mode, on ``device``) holding the engine tensors
     ``weights`` (consumed); returns (model, number of dequantized FP8 linears)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    cfg = _as_run(cfg, weights)
     config = hf_config(cfg)
     sd, fp8 = hf_state_dict(cfg, weights, dtype)
     with torch.device(device):

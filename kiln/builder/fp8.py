@@ -16,6 +16,10 @@ Engine tensors an FP8 linear gets (runtime names, see kiln/builder/weights.py):
 (static activations only); with an FP8 KV cache every layer has ``layers.{i}.k_scale`` and
 ``layers.{i}.v_scale`` [] f32. Fused q/k/v and gate/up shards are requantized to the largest
 shard scale: w = e4m3(w_i.float() * s_i / s_max), so one scale serves the fused tensor.
+
+The FP8 lm_head (``kiln build --quantize-lm-head``, any source) is the same layout,
+``lm_head.weight`` [V, H] e4m3 + ``lm_head.weight_scale`` [] f32, quantized per tensor from
+the engine-dtype lm_head (tied models: from the embedding, which stays as it is).
 """
 
 from __future__ import annotations
@@ -171,6 +175,31 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
+def quantize_lm_head(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``lm_head.weight`` → e4m3 ``lm_head.weight`` + ``lm_head.weight_scale`` (amax / 448),
+    in place of ``weights``; where there is none (a tied model's random weights), made from
+    ``embed_tokens.weight``, which stays."""
+    name = "lm_head.weight" if "lm_head.weight" in weights else "embed_tokens.weight"
+    q, s = quantize_per_tensor(weights[name])
+    weights["lm_head.weight"], weights["lm_head.weight_scale"] = q, s.to(q.device)
+    return weights
+
+
+def fp8_lm_head_layout(
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``layout`` (name → (shape, dtype), file order) with lm_head.weight e4m3 and its
+    float32 weight_scale right after it, the order ``quantize_lm_head`` leaves a group in."""
+    out = {}
+    for name, (shape, dtype) in layout.items():
+        if name == "lm_head.weight":
+            out[name] = (shape, FP8)
+            out["lm_head.weight_scale"] = ((), torch.float32)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
 def _kv_scale(source: SourceModel, names: set[str], i: int, kind: str) -> torch.Tensor | None:
     a = f"model.layers.{i}.self_attn."
     for n in (f"{a}{kind}_proj.{kind}_scale", f"{a}{kind}_scale", f"{a}kv_scale"):
@@ -267,9 +296,13 @@ def fp8_layout(
 
 
 def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
-                    fp8_weights: bool, kv_fp8: bool) -> dict[str, torch.Tensor]:
-    """Random engine weights → FP8 linears with per-tensor scales (dynamic activations) and,
-    with ``kv_fp8``, KV scales of 1.0. Converts in place of the dict, one tensor at a time."""
+                    fp8_weights: bool, kv_fp8: bool,
+                    fp8_lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """Random engine weights → FP8 linears with per-tensor scales (dynamic activations),
+    with ``kv_fp8`` KV scales of 1.0, with ``fp8_lm_head`` the FP8 lm_head
+    (``quantize_lm_head``). Converts in place of the dict, one tensor at a time."""
+    if fp8_lm_head:
+        quantize_lm_head(weights)
     for i in range(cfg.num_layers):
         for lin in LINEARS if fp8_weights else ():
             name = f"layers.{i}.{lin}.weight"

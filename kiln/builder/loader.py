@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.builder.fp8 import is_scale_name, quantize_random
+from kiln.builder.fp8 import FP8, is_scale_name, quantize_random
 from kiln.builder.spec import ENGINE_FORMAT_VERSION, EngineSpec
 from kiln.builder.weights import TORCH_DTYPES, random_weights, runtime_shapes
 from kiln.builder.writer import ENGINE_JSON, TOKENIZER_DIR
@@ -56,9 +56,10 @@ class EngineArtifact:
             weights = random_weights(
                 self.spec.model, int(w["seed"]), device=device, dtype=dtype, std=float(w["std"])
             )
-            if q.weights == "fp8" or q.kv_cache == "fp8":
+            if "fp8" in (q.weights, q.kv_cache, q.lm_head):
                 weights = quantize_random(weights, self.spec.model, fp8_weights=q.weights == "fp8",
-                                          kv_fp8=q.kv_cache == "fp8")
+                                          kv_fp8=q.kv_cache == "fp8",
+                                          fp8_lm_head=q.lm_head == "fp8")
             return weights
         from safetensors import safe_open
 
@@ -70,7 +71,8 @@ class EngineArtifact:
                     # FP8 weights and their float32 scales keep their dtype
                     keep = t.dtype == torch.float8_e4m3fn or is_scale_name(key)
                     out[key] = t if keep else t.to(dtype)
-        expected = runtime_shapes(self.spec.model)
+        self._check_lm_head(out)
+        expected = runtime_shapes(self.spec.model, separate_head=q.lm_head == "fp8")
         extra = {k for k in set(out) - set(expected) if not is_scale_name(k)}
         if not set(expected) <= set(out) or extra:
             missing, extra = sorted(set(expected) - set(out)), sorted(extra)
@@ -79,6 +81,21 @@ class EngineArtifact:
                 f"{missing[:5]}, unexpected {extra[:5]}); rebuild the engine"
             )
         return out
+
+    def _check_lm_head(self, weights: dict[str, torch.Tensor]) -> None:
+        """engine.json's ``quantization.lm_head`` is "fp8" exactly when the weights have an
+        e4m3 lm_head.weight with its lm_head.weight_scale."""
+        head = weights.get("lm_head.weight")
+        fp8 = head is not None and head.dtype == FP8 and "lm_head.weight_scale" in weights
+        said = self.spec.quantization.lm_head
+        if fp8 != (said == "fp8"):
+            found = ("an FP8 lm_head" if fp8 else "no FP8 lm_head (e4m3 lm_head.weight + float32 "
+                     "lm_head.weight_scale)")
+            raise EngineFormatError(
+                f"engine {self.path}: engine.json says quantization lm_head {said!r} but its "
+                f"weights have {found}; rebuild the engine (with --quantize-lm-head for an FP8 "
+                "lm_head)"
+            )
 
 
 def load_engine(path: str | Path, *, verify_checksums: bool = True) -> EngineArtifact:

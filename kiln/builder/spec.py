@@ -108,26 +108,33 @@ class Limits:
 QUANT_WEIGHTS = ("none", "fp8")
 QUANT_ACTIVATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8")
+QUANT_LM_HEAD = ("none", "fp8")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """Quantization scheme. ``kv_cache="auto"`` means the engine dtype (resolved at build).
 
-    ``scales`` records where scales came from (e.g. {"source": "modelopt", "calib_size": 512});
-    None when nothing is quantized.
+    ``scales`` records where the linears' and KV scales came from (e.g. {"source":
+    "modelopt", "calib_size": 512}); None when neither is quantized.
+    ``lm_head="fp8"`` (``kiln build --quantize-lm-head``): the output projection is stored as
+    ``lm_head.weight`` e4m3 with one float32 ``lm_head.weight_scale`` = amax / 448 of the
+    engine-dtype matrix (made at build; random engines: at load), also when the model ties it
+    to the embedding, which then stays in the engine dtype. Engines without the key: "none".
     """
 
     weights: str = "none"
     activations: str = "none"
     kv_cache: str = "auto"
     scales: dict[str, Any] | None = None
+    lm_head: str = "none"
 
     def __post_init__(self) -> None:
         for name, valid in (
             ("weights", QUANT_WEIGHTS),
             ("activations", QUANT_ACTIVATIONS),
             ("kv_cache", KV_CACHE_DTYPES),
+            ("lm_head", QUANT_LM_HEAD),
         ):
             if getattr(self, name) not in valid:
                 raise ValueError(
@@ -139,7 +146,12 @@ class QuantConfig:
         return dataclasses.replace(self, kv_cache=dtype) if self.kv_cache == "auto" else self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """engine.json's section; ``lm_head`` only when "fp8", so that engines without an FP8
+        lm_head stay readable by kiln versions from before the option."""
+        d = dataclasses.asdict(self)
+        if self.lm_head == "none":
+            del d["lm_head"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantConfig:

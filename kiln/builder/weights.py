@@ -14,7 +14,11 @@ H hidden, I intermediate, V vocab:
     layers.{i}.gate_up.weight        [2*I, H]                 cat(gate, up) on dim 0
     layers.{i}.down.weight           [H, I]
     norm.weight                      [H]
-    lm_head.weight                   [V, H]                   omitted when tied
+    lm_head.weight                   [V, H]                   omitted when tied (see below)
+
+An FP8 lm_head (engine.json ``quantization.lm_head == "fp8"``) is ``lm_head.weight`` e4m3 +
+``lm_head.weight_scale`` [] float32 (kiln/builder/fp8.py); a tied model then gets it as a
+separate head made from the embedding (``separate_head``), and keeps ``embed_tokens.weight``.
 """
 
 from __future__ import annotations
@@ -52,13 +56,19 @@ def _layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def runtime_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def has_lm_head(cfg: ModelConfig, separate_head: bool = False) -> bool:
+    """Whether the engine holds ``lm_head.weight``: untied models always, tied ones only with
+    ``separate_head`` (the FP8 copy of the embedding)."""
+    return separate_head or not cfg.tie_word_embeddings
+
+
+def runtime_shapes(cfg: ModelConfig, separate_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Every runtime tensor name → shape, in file order (embedding, layers, norm, lm_head)."""
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_layers):
         shapes.update(_layer_shapes(cfg, i))
     shapes["norm.weight"] = (cfg.hidden_size,)
-    if not cfg.tie_word_embeddings:
+    if has_lm_head(cfg, separate_head):
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes
 
@@ -83,11 +93,15 @@ def _layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     return src
 
 
-def tensor_plan(cfg: ModelConfig) -> list[dict[str, list[str]]]:
-    """Groups of runtime name → HF names: [embedding], one per layer, [norm (+ lm_head)]."""
+def tensor_plan(cfg: ModelConfig, separate_head: bool = False) -> list[dict[str, list[str]]]:
+    """Groups of runtime name → HF names: [embedding], one per layer, [norm (+ lm_head)].
+
+    ``separate_head`` on a tied model: the head group's lm_head.weight is read from the
+    embedding (a second read of it; the embedding group keeps its own)."""
     head = {"norm.weight": ["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        head["lm_head.weight"] = ["lm_head.weight"]
+    if has_lm_head(cfg, separate_head):
+        hf = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        head["lm_head.weight"] = [hf]
     return [
         {"embed_tokens.weight": ["model.embed_tokens.weight"]},
         *(_layer_sources(cfg, i) for i in range(cfg.num_layers)),
@@ -131,15 +145,16 @@ def check_source_tensors(source: SourceModel) -> None:
 
 
 def prepare_groups(
-    source: SourceModel, dtype: str
+    source: SourceModel, dtype: str, separate_head: bool = False
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield runtime tensors one group (embedding, each layer, head) at a time, in ``dtype``.
+    """Yield runtime tensors one group (embedding, each layer, head) at a time, in ``dtype``
+    (``separate_head``: see ``tensor_plan``).
 
     Only one group's source tensors are alive at once, so memory stays bounded by a layer.
     """
     target = TORCH_DTYPES[dtype]
-    shapes = runtime_shapes(source.config)
-    for group in tensor_plan(source.config):
+    shapes = runtime_shapes(source.config, separate_head)
+    for group in tensor_plan(source.config, separate_head):
         out = {}
         for name, hf_names in group.items():
             parts = [source.get_tensor(n).to(target) for n in hf_names]

@@ -265,7 +265,8 @@ def _resolve_quantization(
             return requested.resolved(dtype), None
         scales = {"source": "random", "weights": "per-tensor amax/448, quantized at load",
                   "activations": "dynamic"}
-        return QuantConfig("fp8", "fp8", requested.kv_cache, scales).resolved(dtype), None
+        return QuantConfig("fp8", "fp8", requested.kv_cache, scales,
+                           requested.lm_head).resolved(dtype), None
     ckpt = fp8.detect_fp8_checkpoint(model)
     if ckpt is None:
         if wants_fp8:
@@ -286,7 +287,7 @@ def _resolve_quantization(
     }
     if ckpt.calibration:
         scales["calibration"] = ckpt.calibration
-    return QuantConfig("fp8", "fp8", kv, scales), ckpt
+    return QuantConfig("fp8", "fp8", kv, scales, requested.lm_head), ckpt
 
 
 def _record_kv_scales(spec: EngineSpec, report: dict[str, Any]) -> EngineSpec:
@@ -311,23 +312,26 @@ def _write_weights(
     quantization: QuantConfig | None = None, report: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     cfg = model.config
-    shapes = runtime_shapes(cfg)
     target = TORCH_DTYPES[dtype]
     q = quantization or QuantConfig()
     report = {} if report is None else report
+    fp8_head = q.lm_head == "fp8"
+    shapes = runtime_shapes(cfg, separate_head=fp8_head)
     if q.weights == "fp8" or q.kv_cache == "fp8":
-        plan = tensor_plan(cfg)
+        plan = tensor_plan(cfg, separate_head=fp8_head)
         kv_fp8 = q.kv_cache == "fp8"
         layout = fp8.fp8_layout(model, cfg, plan, shapes, target, kv_fp8=kv_fp8)
-        shapes = {name: shape for name, (shape, _) in layout.items()}
-        dtypes = {name: dt for name, (_, dt) in layout.items()}
         groups = fp8.prepare_fp8_groups(model, cfg, plan, target, kv_fp8=kv_fp8, report=report)
     else:
-        dtypes = None
-        groups = prepare_groups(model, dtype)
+        layout = {name: (shape, target) for name, shape in shapes.items()}
+        groups = prepare_groups(model, dtype, separate_head=fp8_head)
+    if fp8_head:  # the head group's engine-dtype lm_head becomes e4m3 + scale
+        layout = fp8.fp8_lm_head_layout(layout)
+        groups = (fp8.quantize_lm_head(g) if "lm_head.weight" in g else g for g in groups)
     writer = SafetensorsStreamWriter(
-        tmp / WEIGHTS_FILE, shapes, target, metadata={"format": "pt", "kiln": "1"},
-        dtypes=dtypes,
+        tmp / WEIGHTS_FILE, {name: shape for name, (shape, _) in layout.items()}, target,
+        metadata={"format": "pt", "kiln": "1"},
+        dtypes={name: dt for name, (_, dt) in layout.items()},
     )
     bar = Progress(
         TextColumn("[bold]Building[/] {task.description}"),

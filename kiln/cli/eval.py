@@ -41,8 +41,8 @@ def perplexity(
     Console().print(
         f"perplexity [bold]{result['perplexity']:.4f}[/] over {result['tokens']} tokens "
         f"({result['windows']} windows of {result['seq_len']}, {result['data']}); engine "
-        f"{result['dtype']}, weights {q['weights']}, kv {q['kv_cache']}, {result['device']}, "
-        f"{result['seconds']} s"
+        f"{result['dtype']}, weights {q['weights']}, kv {q['kv_cache']}, lm_head "
+        f"{q['lm_head']}, {result['device']}, {result['seconds']} s"
     )
 
 

@@ -30,7 +30,8 @@ def quantize(
     exclude: str = typer.Option(
         "lm_head,embed_tokens", "--exclude",
         help="Comma-separated module name patterns left unquantized (lm_head and embed_tokens "
-        "always are: kiln runs them in the engine dtype).",
+        "always are: kiln reads them in the engine dtype; `kiln build CKPT "
+        "--quantize-lm-head` makes an FP8 lm_head).",
     ),
     device: str | None = typer.Option(
         None, "--device", help="cpu or cuda (default: cuda when available)."

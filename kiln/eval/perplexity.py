@@ -86,7 +86,7 @@ def perplexity(
         "engine": str(engine_dir),
         "dtype": spec.dtype,
         "quantization": {"weights": q.weights, "activations": q.activations,
-                         "kv_cache": q.kv_cache},
+                         "kv_cache": q.kv_cache, "lm_head": q.lm_head},
         "device": str(engine.device),
         "seconds": round(time.perf_counter() - t0, 2),
     }

@@ -33,7 +33,8 @@ from kiln.errors import KilnError
 from kiln.quantize.calib import calibration_chunks, load_text_set
 
 MODELOPT_VERSION = "0.47.0"
-ALWAYS_EXCLUDED = ("lm_head", "embed_tokens")  # kiln runs them in the engine dtype
+# kiln reads them in the engine dtype (`kiln build --quantize-lm-head` makes an FP8 lm_head)
+ALWAYS_EXCLUDED = ("lm_head", "embed_tokens")
 QFORMATS = ("fp8",)
 KV_DTYPES = ("none", "fp8")
 CALIB_FILE = "kiln_quantize.json"

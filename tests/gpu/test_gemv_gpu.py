@@ -64,6 +64,22 @@ def test_gemv_real_shapes(shape):
     assert _rel(gemv(x, w.half()), gemv_ref(x, w.half())) < 2e-3
 
 
+@pytest.mark.parametrize("shape", ["8b-lm_head", "smol-lm_head", "8b-qkv"])
+def test_gemv_float32_logits_are_the_widened_bf16_result(shape):
+    """out_dtype=float32 (the lm_head's logits, no .float() kernel): bit-identical to the
+    bf16 result widened, at every M the small-batch path takes, bf16 and FP8 weights."""
+    from kiln.runtime.kernels.gemv import gemv
+
+    k, n = SHAPES[shape]
+    w, q, s = _weights(k, n)
+    for m in (1, 2, 8):
+        x = torch.randn(m, k, device=DEV).to(BF16)
+        for wt, sc in ((w, None), (q, s)):
+            y = gemv(x, wt, sc, out_dtype=torch.float32)
+            assert y.dtype == torch.float32
+            assert torch.equal(y, gemv(x, wt, sc).float()), (shape, m, wt.dtype)
+
+
 @pytest.mark.parametrize("shape", ["8b-down", "smol-down"])
 def test_gemv_silu_and_mul_prologue_real_shapes(shape):
     """The down projection with the activation fused in equals silu_and_mul then gemv (the

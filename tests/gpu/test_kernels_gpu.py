@@ -68,6 +68,29 @@ def test_elementwise_kernels(shape, dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graph_end_norms_equal_the_torch_composition(shape, dtype):
+    """embed_rms_norm == F.embedding then rms_norm; gather_add_rms_norm == (x + r)[rows]
+    then rms_norm: bit for bit (the same kernel's arithmetic per row), vocab-sized tables."""
+    from kiln.runtime.kernels import rms_norm
+
+    hidden = SHAPES[shape][3]
+    vocab = 128256 if shape == "llama-3-8b" else 49152
+    table = torch.randn(vocab, hidden, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(dtype)
+    ids = torch.randint(0, vocab, (257,), device=DEV)
+    ids[:2] = torch.tensor([0, vocab - 1])
+    out, h = rms_norm.embed_rms_norm(ids, table, w, 1e-5)
+    rows = torch.nn.functional.embedding(ids, table)
+    assert torch.equal(h, rows)
+    assert torch.equal(out, rms_norm.rms_norm(rows, w, 1e-5))
+    x, r = (torch.randn(300, hidden, device=DEV).to(dtype) for _ in range(2))
+    sel = torch.tensor([299, 0, 17, 17], device=DEV)
+    full, _ = rms_norm.fused_add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(rms_norm.gather_add_rms_norm(x, r, sel, w, 1e-5), full[sel])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_reshape_and_cache(shape, cache_dtype):
     from kiln.runtime.kernels.kv_write import reshape_and_cache, reshape_and_cache_ref

@@ -4,60 +4,19 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
+from helpers import write_compressed_tensors
 from safetensors.torch import load_file, save_file
 
 from kiln.builder import build_engine, load_engine
-from kiln.builder.fp8 import quantize_per_tensor
 from kiln.errors import SourceError
 from kiln.eval.perplexity import perplexity
 from kiln.quantize.calib import load_text_set
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.layers.linear import FP8
 from kiln.runtime.sampling_params import SamplingParams
-
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FP8_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
-
-
-def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool):
-    """A compressed-tensors float-quantized FP8 checkpoint (what llm-compressor writes)."""
-    shutil.copytree(src, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    new = {}
-    for name, t in tensors.items():
-        module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR:
-            q, s = quantize_per_tensor(t)
-            new[name], new[module + ".weight_scale"] = q, s.reshape(1)
-            if not dynamic:  # a plausible static activation scale
-                new[module + ".input_scale"] = torch.tensor([4.0 / 448])
-        else:
-            new[name] = t
-    if kv:
-        for i in range(2):
-            new[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02 + i / 100)
-            new[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.01 + i / 100)
-    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "version": "0.9.0",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {**FP8_SCHEME, "dynamic": False},
-            "input_activations": {**FP8_SCHEME, "dynamic": dynamic},
-        }},
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": {**FP8_SCHEME, "dynamic": False} if kv else None,
-    }
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 @pytest.mark.parametrize("dynamic,kv", [(False, True), (True, False)])

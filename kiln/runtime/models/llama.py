@@ -27,6 +27,11 @@ from kiln.runtime.layers.linear import linear, linear_residual_norm_linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
+# The graph's ends as Triton kernels (embed_rms_norm, gather_add_rms_norm, float32 logits
+# from the lm_head GEMV) instead of F.embedding + norm, add + index_select + norm, .float():
+# an A/B switch (scripts/ablate_step.py variant torch_ends).
+FUSED_ENDS = True
+
 
 class LlamaModel:
     """Holds weights as plain tensors; ``forward`` returns hidden states of selected rows."""
@@ -49,8 +54,10 @@ class LlamaModel:
         if missing:
             raise ValueError(f"engine weights are missing {missing[:5]} ({len(missing)} in all)")
         self.w = weights
-        # the output projection as a linear layer prefix (tied: the embedding matrix)
-        self.lm_head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        # the output projection as a linear layer prefix: lm_head wherever the engine has one
+        # (an FP8 lm_head is one even when tied), else the tied embedding matrix
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in weights
+        self.lm_head = "embed_tokens" if tied else "lm_head"
 
     def expected_names(self) -> list[str]:
         cfg = self.cfg
@@ -114,12 +121,16 @@ class LlamaModel:
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
         from kiln.runtime.kernels.rms_norm import embed_rms_norm, gather_add_rms_norm
+        from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
 
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
-        # the embedding rows (h, the residual) and layer 0's input norm: one kernel
-        x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
-                              w["layers.0.input_norm.weight"], eps)
+        if FUSED_ENDS:  # the embedding rows (h, the residual) and layer 0's norm: one kernel
+            x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
+                                  w["layers.0.input_norm.weight"], eps)
+        else:
+            h = F.embedding(input_ids, w["embed_tokens.weight"])
+            x = k_rms_norm(h, w["layers.0.input_norm.weight"], eps)
         qkv = linear(x, w, "layers.0.qkv")
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -137,7 +148,12 @@ class LlamaModel:
                 qkv, h = linear_residual_norm_linear(
                     gate_up, h, w, p + "down", w[nxt + "input_norm.weight"], eps, nxt + "qkv",
                     silu_and_mul=True)
-            else:  # the last add, the logit rows and the final norm: one kernel
+            elif FUSED_ENDS:  # the last add, the logit rows and the final norm: one kernel
                 y = linear(gate_up, w, p + "down", silu_and_mul=True)
                 h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
+            else:
+                h = h + linear(gate_up, w, p + "down", silu_and_mul=True)
+                h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
+        if not FUSED_ENDS:
+            return linear(h, w, self.lm_head).float()
         return linear(h, w, self.lm_head, float_out=True)
