@@ -116,10 +116,12 @@ class ModelRunner:
             stager.d["input_ids"][: len(input_patch)] = input_patch
         if bucket is not None:
             out.logits = self.graphs.replay(bucket, st.num_rows)
-            return out
-        d = stager.d
-        t = st.num_tokens
-        meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len, st.masked)
-        out.logits = self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache,
-                                        meta, d["logit_rows"][: st.num_rows])
+        else:
+            d = stager.d
+            t = st.num_tokens
+            meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len,
+                                   st.masked)
+            out.logits = self.model.forward(d["input_ids"][:t], d["positions"][:t],
+                                            self.cache, meta, d["logit_rows"][: st.num_rows])
+        stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out
