@@ -76,6 +76,17 @@ elif [ "$phase" = g1 ]; then  # tenth session, call 1 (carry .carry/a + .whl)
   timeout 80 python3 scripts/bench_pdl.py --only smol --modes 2 --knob llama.FUSED_ENDS=1,0 \
     > "$OUT/pdl-ends.log" 2>&1
   grep "^|" "$OUT/pdl-ends.log" || tail -5 "$OUT/pdl-ends.log"
+elif [ "$phase" = g3 ]; then  # tenth session, final call 1 (carry .carry/a + .whl); g2 after it
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 90 python3 scripts/gemv_hot_cold.py --dtypes fp8 --shapes lm_head > "$OUT/lmh_sweep.log" 2>&1
+  grep "^|" "$OUT/lmh_sweep.log" | tail -10
+  LAT_VARIANTS="fp8-lmh fp8 none" latency_8b
+  for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
+  timeout 170 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
+    --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
+  tail -12 "$OUT/tput.log"
 elif [ "$phase" = g2 ]; then  # right after g1 (carry .carry/b + .whl)
   install_wheels || exit 1
   join_gguf || exit 1
@@ -262,6 +273,17 @@ elif [ "$phase" = g1 ]; then  # seventh session (carry .carry/a): GGUF half a; t
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 400 python3 scripts/step_gap.py --out "$OUT/step_gap.json" > "$OUT/step_gap.log" 2>&1
   tail -32 "$OUT/step_gap.log"
+elif [ "$phase" = g3 ]; then  # tenth session, final call 1 (carry .carry/a + .whl); g2 after it
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 90 python3 scripts/gemv_hot_cold.py --dtypes fp8 --shapes lm_head > "$OUT/lmh_sweep.log" 2>&1
+  grep "^|" "$OUT/lmh_sweep.log" | tail -10
+  LAT_VARIANTS="fp8-lmh fp8 none" latency_8b
+  for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
+  timeout 170 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
+    --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
+  tail -12 "$OUT/tput.log"
 elif [ "$phase" = g2 ]; then  # (no carry) sampling kernels: GPU tests, then the step gap A/B
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k sampling \

@@ -25,10 +25,11 @@ from kiln.runtime.kernels import gemv
 
 DEV = "cuda"
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 14336),
-          "gate_up": (28672, 4096)}
+          "gate_up": (28672, 4096), "lm_head": (128256, 4096)}
 CONFIGS = [None, gemv._cfg(16, 256, False), gemv._cfg(8, 512, False),
            gemv._cfg(4, 1024, False, warps=8), gemv._cfg(16, 1024, False, warps=8),
-           gemv._cfg(32, 256, False)]
+           gemv._cfg(32, 256, False), gemv._cfg(16, 512, False), gemv._cfg(8, 1024, False, warps=8),
+           gemv._cfg(32, 512, False, warps=8)]
 
 
 def main() -> None:
@@ -37,12 +38,15 @@ def main() -> None:
     ap.add_argument("--knob", default=None, metavar="ATTR=V1,V2",
                     help="an integer rule of the gemv module to A/B, e.g. MAXNREG=0,64")
     ap.add_argument("--configs", default="all", help="all, or default")
+    ap.add_argument("--shapes", default="qkv,o_proj,down,gate_up",
+                    help=f"comma-separated, of {list(SHAPES)}")
     args = ap.parse_args()
     configs = CONFIGS if args.configs == "all" else [None]
     rows = []
     x = torch.randn(1, 14336 * 2, device=DEV, dtype=torch.bfloat16)
     for fp8 in [d == "fp8" for d in args.dtypes.split(",")]:
-        for name, (n, k) in SHAPES.items():
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
             nbytes = n * k * (1 if fp8 else 2)
             copies = max(2, -(-400_000_000 // nbytes))
             ws = []
