@@ -176,7 +176,7 @@ def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict
                 spec.model, spec.limits, spec.dtype, device, advance,
                 kv_dtype="fp8" if q.kv_cache == "fp8" else spec.dtype,
                 weights_fp8=q.weights == "fp8", tokens_per_step=sp.tokens_per_step,
-                tree_mask=sp.mode == "lookahead")
+                tree_mask=sp.mode == "lookahead", lm_head_fp8=q.lm_head == "fp8")
     except Exception as e:  # noqa: BLE001 - an engine with default configs still works
         Console(stderr=True).print(f"[yellow]warning:[/] kernel tuning failed ({type(e).__name__}:"
                                    f" {e}); the engine uses default kernel configs")

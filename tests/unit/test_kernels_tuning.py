@@ -197,3 +197,26 @@ def test_paged_attention_config_changes_nothing_but_speed(monkeypatch):
         tuning.clear()
     pa.paged_attention(*b.args(), 0.25, **kw)
     assert used[-1] == pa.default_config(16)
+
+
+# ---- gemv ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights_fp8", [False, True])
+@pytest.mark.parametrize("lm_head_fp8", [False, True])
+def test_gemv_problems_tune_the_lm_head_in_its_engine_dtype(weights_fp8, lm_head_fp8):
+    """The tuned lm_head key is the one the runtime looks up: FP8 only with an FP8 lm_head
+    (kiln build --quantize-lm-head), whatever the other linears are."""
+    from kiln.runtime.kernels.gemv import tuning_key
+
+    gm = tuning.registered()["gemv"]
+    target = tuning.TuneTarget(TINY, Limits(max_seq_len=64, max_batch_size=2,
+                                            max_num_tokens=64), torch.bfloat16,
+                               weights_fp8=weights_fp8, lm_head_fp8=lm_head_fp8)
+    keys = {gm.key(p) for p in gm.problems(target)}
+    head = tuning_key(1, TINY.vocab_size, TINY.hidden_size,
+                      "fp8" if lm_head_fp8 else "bfloat16")
+    assert head in keys
+    qkv = tuning_key(1, TINY.q_size + 2 * TINY.kv_size, TINY.hidden_size,
+                     "fp8" if weights_fp8 else "bfloat16")
+    assert qkv in keys

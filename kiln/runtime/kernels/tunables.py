@@ -133,7 +133,8 @@ def paged_attention_tunable() -> Tunable:
 
 def _gemv_problems(t: TuneTarget) -> list[dict]:
     """The model's linears at M=1: qkv, o_proj, gate_up, down (FP8 when the engine's
-    weights are) and lm_head (never FP8). bf16/fp16 engines only (gemv's dtypes)."""
+    weights are) and lm_head (FP8 with ``--quantize-lm-head``). bf16/fp16 engines only
+    (gemv's dtypes)."""
     if t.dtype not in (torch.bfloat16, torch.float16):
         return []
     m = t.model
@@ -141,7 +142,8 @@ def _gemv_problems(t: TuneTarget) -> list[dict]:
     w = "fp8" if t.weights_fp8 else dt
     shapes = [(m.q_size + 2 * m.kv_size, m.hidden_size, w), (m.hidden_size, m.q_size, w),
               (2 * m.intermediate_size, m.hidden_size, w),
-              (m.hidden_size, m.intermediate_size, w), (m.vocab_size, m.hidden_size, dt)]
+              (m.hidden_size, m.intermediate_size, w),
+              (m.vocab_size, m.hidden_size, "fp8" if t.lm_head_fp8 else dt)]
     return [{"m": 1, "n": n, "k": k, "dtype": dt, "weight": wd}
             for n, k, wd in dict.fromkeys(shapes)]
 

@@ -58,6 +58,7 @@ class TuneTarget:
     weights_fp8: bool = False
     tokens_per_step: int = 1  # > 1 with speculative decoding (1 + max_draft_len)
     tree_mask: bool = False  # speculative steps use a tree mask (lookahead)
+    lm_head_fp8: bool = False  # the lm_head is FP8 (kiln build --quantize-lm-head)
 
     @property
     def kv(self) -> torch.dtype:
@@ -211,6 +212,7 @@ def tune(
     progress: Callable[[str, int, int], None] | None = None, *,
     kv_dtype: torch.dtype | str | None = None, weights_fp8: bool = False,
     tokens_per_step: int = 1, tree_mask: bool = False, kernels: Sequence[str] | None = None,
+    lm_head_fp8: bool = False,
 ) -> dict[str, Any]:
     """Tune every registered kernel (or those named in ``kernels``) that runs on ``device``
     for this engine's shapes; returns the engine.json section.
@@ -221,7 +223,7 @@ def tune(
     """
     device = torch.device(device)
     target = TuneTarget(model, limits, _dtype(dtype), _dtype(kv_dtype) if kv_dtype else None,
-                        weights_fp8, tokens_per_step, tree_mask)
+                        weights_fp8, tokens_per_step, tree_mask, lm_head_fp8)
     t0 = time.perf_counter()
     plan: list[tuple[Tunable, str, list[dict], list[dict]]] = []
     for name, t in registered().items():
