@@ -21,9 +21,11 @@
 # f16 (eighth session): f16x2 accumulation A/B (code in the commit before its removal; it lost).
 # l2 (eighth session): the next-weight L2 prefetch A/B (code in 0b91ba7, removed: it lost).
 # f1 then f2 (ninth session): e1 / e2 without serve and the kernel tests.
-# g1 then g2 (tenth session): new GPU tests, the graph-ends A/B (8B FP8 steps, smollm2 replays),
+# t1 then t2 (tenth session): new GPU tests, the graph-ends A/B (8B FP8 steps, smollm2 replays),
 #    8B latency incl. an FP8 lm_head engine (carry .carry/a + .whl); then correctness and the
-#    smollm2 bench with its sanity row (carry .carry/b + .whl).
+#    smollm2 bench with its sanity row (carry .carry/b + .whl). t3 then t2: the final targets;
+#    t5: the per-row FP8 lm_head's GPU tests and latency. (Calls 1-2 and 7-8 of that session
+#    ran t1 / t2 / t3 under the names g1 / g2 / g3, which shadowed the seventh session's.)
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -60,7 +62,7 @@ if [ "$phase" = ab ]; then  # kernel ablation / A/B at real contexts (scripts/ab
       --prompt-lens ${AB_PROMPTS:-128,512,1792} > "$OUT/ablate-$q.log" 2>&1
     grep "^|" "$OUT/ablate-$q.log" || tail -20 "$OUT/ablate-$q.log"
   done
-elif [ "$phase" = g1 ]; then  # tenth session, call 1 (carry .carry/a + .whl)
+elif [ "$phase" = t1 ]; then  # tenth session, call 1 (carry .carry/a + .whl)
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
@@ -76,7 +78,7 @@ elif [ "$phase" = g1 ]; then  # tenth session, call 1 (carry .carry/a + .whl)
   timeout 80 python3 scripts/bench_pdl.py --only smol --modes 2 --knob llama.FUSED_ENDS=1,0 \
     > "$OUT/pdl-ends.log" 2>&1
   grep "^|" "$OUT/pdl-ends.log" || tail -5 "$OUT/pdl-ends.log"
-elif [ "$phase" = g3 ]; then  # tenth session, final call 1 (carry .carry/a + .whl); g2 after it
+elif [ "$phase" = t3 ]; then  # tenth session, final call 1 (carry .carry/a + .whl); t2 after it
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
@@ -87,7 +89,14 @@ elif [ "$phase" = g3 ]; then  # tenth session, final call 1 (carry .carry/a + .w
   timeout 170 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
     --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
   tail -12 "$OUT/tput.log"
-elif [ "$phase" = g2 ]; then  # right after g1 (carry .carry/b + .whl)
+elif [ "$phase" = t5 ]; then  # tenth session: the per-row FP8 lm_head (tests, latency)
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py \
+    -k "per_row or float32_logits or (real_shapes and not mid_m)" > "$OUT/gpu_rows.log" 2>&1
+  tail -2 "$OUT/gpu_rows.log"
+  LAT_VARIANTS="fp8-lmh" latency_8b
+  grep -i "tok/s\|TPOT" "$OUT"/lat-fp8-lmh.log | head -4
+elif [ "$phase" = t2 ]; then  # right after t1 or t3 (carry .carry/b + .whl)
   install_wheels || exit 1
   join_gguf || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
@@ -273,17 +282,6 @@ elif [ "$phase" = g1 ]; then  # seventh session (carry .carry/a): GGUF half a; t
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 400 python3 scripts/step_gap.py --out "$OUT/step_gap.json" > "$OUT/step_gap.log" 2>&1
   tail -32 "$OUT/step_gap.log"
-elif [ "$phase" = g3 ]; then  # tenth session, final call 1 (carry .carry/a + .whl); g2 after it
-  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
-  install_wheels || exit 1
-  export PYTHONPATH=/tmp/site:.:scripts
-  timeout 90 python3 scripts/gemv_hot_cold.py --dtypes fp8 --shapes lm_head > "$OUT/lmh_sweep.log" 2>&1
-  grep "^|" "$OUT/lmh_sweep.log" | tail -10
-  LAT_VARIANTS="fp8-lmh fp8 none" latency_8b
-  for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
-  timeout 170 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
-    --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
-  tail -12 "$OUT/tput.log"
 elif [ "$phase" = g2 ]; then  # (no carry) sampling kernels: GPU tests, then the step gap A/B
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 120 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k sampling \

@@ -105,7 +105,8 @@ def hf_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor],
             t = weights.pop(name)
             if t.dtype == _FP8:
                 prefix = name.removesuffix(".weight")
-                t = (t.float() * weights.pop(prefix + ".weight_scale").float()).to(dtype)
+                scale = weights.pop(prefix + ".weight_scale").float().reshape(-1, 1)  # [] / [N]
+                t = (t.float() * scale).to(dtype)
                 fp8 += 1
             else:
                 t = t.to(dtype)

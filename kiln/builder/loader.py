@@ -85,12 +85,13 @@ class EngineArtifact:
     def _check_lm_head(self, weights: dict[str, torch.Tensor]) -> None:
         """engine.json's ``quantization.lm_head`` is "fp8" exactly when the weights have an
         e4m3 lm_head.weight with its lm_head.weight_scale."""
-        head = weights.get("lm_head.weight")
-        fp8 = head is not None and head.dtype == FP8 and "lm_head.weight_scale" in weights
+        head, scale = weights.get("lm_head.weight"), weights.get("lm_head.weight_scale")
+        fp8 = (head is not None and head.dtype == FP8 and scale is not None
+               and scale.shape == (head.shape[0],))
         said = self.spec.quantization.lm_head
         if fp8 != (said == "fp8"):
             found = ("an FP8 lm_head" if fp8 else "no FP8 lm_head (e4m3 lm_head.weight + float32 "
-                     "lm_head.weight_scale)")
+                     "lm_head.weight_scale, one per row)")
             raise EngineFormatError(
                 f"engine {self.path}: engine.json says quantization lm_head {said!r} but its "
                 f"weights have {found}; rebuild the engine (with --quantize-lm-head for an FP8 "

@@ -17,8 +17,9 @@ H hidden, I intermediate, V vocab:
     lm_head.weight                   [V, H]                   omitted when tied (see below)
 
 An FP8 lm_head (engine.json ``quantization.lm_head == "fp8"``) is ``lm_head.weight`` e4m3 +
-``lm_head.weight_scale`` [] float32 (kiln/builder/fp8.py); a tied model then gets it as a
-separate head made from the embedding (``separate_head``), and keeps ``embed_tokens.weight``.
+``lm_head.weight_scale`` [V] float32, one per row (kiln/builder/fp8.py); a tied model then
+gets it as a separate head made from the embedding (``separate_head``), and keeps
+``embed_tokens.weight``.
 """
 
 from __future__ import annotations

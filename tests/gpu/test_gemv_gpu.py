@@ -80,6 +80,32 @@ def test_gemv_float32_logits_are_the_widened_bf16_result(shape):
             assert torch.equal(y, gemv(x, wt, sc).float()), (shape, m, wt.dtype)
 
 
+@pytest.mark.parametrize("shape", ["8b-lm_head", "smol-lm_head"])
+def test_fp8_lm_head_per_row_scale_every_path(shape):
+    """The FP8 lm_head (one scale per row) through ``linear`` at every M it meets: the W8A16
+    GEMV (M 1, float32 logits), W8A8 (M 2-8, where it runs) and _scaled_mm (M 16, 64), each
+    against the dequantized float32 product with the same activations."""
+    from kiln.builder.fp8 import quantize_per_row
+    from kiln.runtime.layers.linear import fp8_linear, linear
+
+    k, n = SHAPES[shape]
+    q, s = quantize_per_row(torch.randn(n, k, device=DEV) * k**-0.5)
+    w = {"h.weight": q, "h.weight_scale": s}
+    wd = q.float() * s[:, None]
+    for m in (1, 4, 16, 64):
+        x = torch.randn(m, k, device=DEV).to(BF16)
+        y = linear(x, w, "h", float_out=True)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        if m == 1:  # W8A16: x as it is
+            ref = x.float() @ wd.t()
+        else:  # W8A8: x quantized per tensor, as fp8_linear does everywhere
+            xs = x.float().abs().amax() / 448
+            ref = ((x.float() / xs).clamp(-448, 448).to(FP8).float() * xs) @ wd.t()
+        assert _rel(y, ref) < TOL, (shape, m)
+        if m > 1:
+            assert _rel(fp8_linear(x, q, s).float(), ref) < TOL, (shape, m)
+
+
 @pytest.mark.parametrize("shape", ["8b-down", "smol-down"])
 def test_gemv_silu_and_mul_prologue_real_shapes(shape):
     """The down projection with the activation fused in equals silu_and_mul then gemv (the

@@ -65,6 +65,7 @@ def cases():
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
     yield "gemv W8A16 M=1 sector hints", gemv._gemv_kernel, dict(g, HINT=32), fp8w, 8
+    yield "gemv W8A16 M=1 per-row scale", gemv._gemv_kernel, dict(g, HAS_SCALE=2), fp8w, 8
     yield "gemv W8A16 M=1 add+rmsnorm", gemv._gemv_kernel, dict(g, NORM=True, K_PAD=4096), \
         fp8w, 8
     yield "gemv W8A16 M=1 residual epilogue, silu", gemv._gemv_kernel, dict(

@@ -122,6 +122,33 @@ def test_gemv_with_silu_and_mul_prologue(wdtype, cfg):
                   silu_and_mul=True)
 
 
+@pytest.mark.parametrize("cfg", [CUDA_CORE, TENSOR_CORE, dict(CUDA_CORE, SPLIT_K=3),
+                                 dict(TENSOR_CORE, SPLIT_K=2)], ids=["cc", "tc", "cc-sk", "tc-sk"])
+def test_gemv_per_row_weight_scale(cfg):
+    """FP8 weights with one scale per row (the FP8 lm_head): W8A16 at M 1 and 5, W8A8, and a
+    bad scale shape is refused."""
+    from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
+
+    n, k = 40, 96
+    w, _ = _w(n, k, FP8)
+    s = torch.rand(n) * 0.02 + 0.001  # [N]
+    b = torch.randn(n).to(torch.bfloat16)
+    for m in (1, 5):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = gemv.gemv(x, w, s, b, config=cfg)
+        ref = (x.float() @ (w.float() * s[:, None]).t() + b.float()).to(torch.bfloat16)
+        assert rel_err(y, ref) < TOL[torch.bfloat16]
+        assert rel_err(y, gemv.gemv_ref(x, w, s, b)) < TOL[torch.bfloat16]
+    if cfg["USE_DOT"]:  # W8A8 takes tensor-core configs only
+        x = torch.randn(3, k) * 3
+        xq, xs = quantize_fp8_padded(x, torch.tensor(0.021))
+        y = gemv.gemv(xq[:3], w, s, x_scale=xs, config=cfg)
+        ref = ((xq[:3].float() * xs) @ (w.float() * s[:, None]).t()).to(torch.bfloat16)
+        assert rel_err(y, ref) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="one per weight row"):
+        gemv.gemv(torch.randn(1, k).to(torch.bfloat16), w, torch.ones(n - 1), config=cfg)
+
+
 @pytest.mark.parametrize("wdtype", ["same", "fp8"])
 @pytest.mark.parametrize("cfg", [CUDA_CORE, TENSOR_CORE, dict(CUDA_CORE, SPLIT_K=3),
                                  dict(TENSOR_CORE, SPLIT_K=2)], ids=["cc", "tc", "cc-sk", "tc-sk"])

@@ -1,6 +1,6 @@
 """`kiln build --quantize-lm-head`: the FP8 output projection (engine.json quantization.lm_head).
 
-The engine's lm_head must be e4m3 + one float32 scale, exactly quantize_per_tensor of the
+The engine's lm_head must be e4m3 + one float32 scale per row, exactly quantize_per_row of the
 engine-dtype head (tied models: of the embedding, which stays), for every source; the runtime
 must run that tensor: its logits and greedy tokens equal a transformers reference whose head
 is the FP8 one (on CPU an FP8 linear also quantizes its activations per tensor, dynamically,
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from kiln.bench.hf_baseline import build_hf_model
 from kiln.builder import QuantConfig, build_engine, load_engine
-from kiln.builder.fp8 import FP8, FP8_MAX, quantize_per_tensor
+from kiln.builder.fp8 import FP8, FP8_MAX, quantize_per_row
 from kiln.errors import EngineFormatError
 from kiln.eval.perplexity import window_nll
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -67,7 +67,8 @@ def test_build_writes_the_fp8_head_of_the_engine_dtype_head(kind, quant, tiny_hf
     if not spec.is_random:  # the file itself: e4m3 head, float32 scale, nothing else added
         with safe_open(str(tmp_path / "e" / "weights.safetensors"), "pt") as f:
             head, scale = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head.weight_scale")
-            assert (head.dtype, scale.dtype, scale.shape) == (FP8, torch.float32, ())
+            assert (head.dtype, scale.dtype, tuple(scale.shape)) == (FP8, torch.float32,
+                                                                     (cfg.vocab_size,))
             names = set(f.keys())
         with safe_open(str(tmp_path / "ref" / "weights.safetensors"), "pt") as f:
             added = names - set(f.keys())
@@ -80,13 +81,15 @@ def test_build_writes_the_fp8_head_of_the_engine_dtype_head(kind, quant, tiny_hf
     assert torch.equal(w["embed_tokens.weight"], ref["embed_tokens.weight"])  # stays bf16
     assert (w["layers.0.qkv.weight"].dtype == FP8) == (kind.startswith("ct") or quant == "fp8")
     original = _head(ref, cfg.tie_word_embeddings)
-    q, s = quantize_per_tensor(original)
+    q, s = quantize_per_row(original)
     assert torch.equal(w["lm_head.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(w["lm_head.weight_scale"], s)
     # e4m3 rounding: 2^-4 of each value, or half the subnormal step 2^-9 * s near zero
+    s = s[:, None]
     err = (w["lm_head.weight"].float() * s - original.float()).abs()
     assert bool((err <= torch.maximum(original.float().abs() / 16, s * 2.0**-10)).all())
-    assert float(original.float().abs().max()) == pytest.approx(float(s) * FP8_MAX, rel=1e-6)
+    amax = original.float().abs().amax(dim=1, keepdim=True)  # each row's amax is 448 * s
+    assert torch.allclose(amax, s * FP8_MAX, rtol=1e-6)
 
 
 def _logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -104,7 +107,7 @@ class Fp8Head(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
-        self.weight = weight.float() * scale  # [V, H]
+        self.weight = weight.float() * scale[:, None]  # [V, H], one scale per row
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         xs = (h.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
@@ -189,7 +192,7 @@ def test_hf_baseline_dequantizes_the_fp8_head(tiny_hf_model, tmp_path):
     w = load_engine(tmp_path / "e").load_weights()
     model, info = build_hf_model(str(tmp_path / "e"), "cpu")
     assert info["dequantized_fp8_linears"] == 1
-    head = w["lm_head.weight"].float() * w["lm_head.weight_scale"]
+    head = w["lm_head.weight"].float() * w["lm_head.weight_scale"][:, None]
     assert torch.equal(model.get_output_embeddings().weight, head)
     assert torch.equal(model.get_input_embeddings().weight, w["embed_tokens.weight"])
 
@@ -200,7 +203,7 @@ def test_cli_flag_help_build_and_inspect(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["build", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--quantize-lm-head" in res.output
-    assert "FP8 e4m3 with one per-tensor scale" in res.output
+    assert "FP8 e4m3 with one scale per row" in res.output
     out = tmp_path / "e"
     res = runner.invoke(app, ["build", "random:tiny-qwen2", "-o", str(out), "--no-tune",
                               "--no-precompile-kernels", "--quantize-lm-head", "--json"])

@@ -1,8 +1,9 @@
 """Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for 1 <= M <= GEMM_MAX_M.
 
 W is row-major [N, K] like ``F.linear``'s weight: bf16/fp16 (the input dtype), or FP8 e4m3
-with a per-tensor float32 ``weight_scale`` (W8A16: activations stay bf16/fp16, weights are
-widened in registers, float32 accumulation, the scale applied once per output). At batch 1
+with a float32 ``weight_scale``, per tensor or one per row (the FP8 lm_head) (W8A16:
+activations stay bf16/fp16, weights are widened in registers, float32 accumulation, the
+scale applied once per output). At batch 1
 the whole cost is streaming W once, so the kernel is about bytes in flight:
 
 - ``USE_DOT=False`` (CUDA cores): a program owns BLOCK_N rows of W; each loop step loads a
@@ -86,6 +87,17 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _scaled(v, scale_ptr, rows, HAS_SCALE: tl.constexpr):
+    """v [BLOCK] times the weight scale: one per tensor (``HAS_SCALE == 1``) or one per
+    output row (``HAS_SCALE == 2``, loaded at ``rows``, which must be valid row indices)."""
+    if HAS_SCALE == 2:
+        v = v * tl.load(scale_ptr + rows)
+    elif HAS_SCALE:
+        v = v * tl.load(scale_ptr)
+    return v
+
+
+@triton.jit
 def _store_row(
     v, row, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr, scale_ptr, bias_ptr, stride_ym,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, RND: tl.constexpr,
@@ -96,8 +108,7 @@ def _store_row(
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + row) * N + offs_n, v, mask=n_ok)
     else:
-        if HAS_SCALE:
-            v = v * tl.load(scale_ptr)
+        v = _scaled(v, scale_ptr, rows_n, HAS_SCALE)
         if HAS_BIAS:
             v += tl.load(bias_ptr + rows_n).to(tl.float32)
         tl.store(y_ptr + row * stride_ym + offs_n, v.to(RND).to(y_ptr.dtype.element_ty),
@@ -159,8 +170,7 @@ def _store_residual(v, res_tile, pid_n, offs_n, rows_n, N, res_out_ptr, ss_ptr, 
     rounding (y rounded, the sum rounded), stored as the new residual; and sum(h^2) over the
     tile, the partial the next GEMV's PRENORM prologue sums."""
     n_ok = offs_n < N
-    if HAS_SCALE:
-        v = v * tl.load(scale_ptr)
+    v = _scaled(v, scale_ptr, rows_n, HAS_SCALE)
     if HAS_BIAS:
         v += tl.load(bias_ptr + rows_n).to(tl.float32)
     dt = res_out_ptr.dtype.element_ty
@@ -241,7 +251,9 @@ def _gemv_kernel(
             p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
             tl.store(p_ptrs, acc, mask=out_ok)
         else:
-            if HAS_SCALE:
+            if HAS_SCALE == 2:
+                acc = acc * tl.load(scale_ptr + rows_n)[:, None]
+            elif HAS_SCALE:
                 acc = acc * tl.load(scale_ptr)
             if X_FP8:
                 acc = acc * tl.load(xs_ptr)
@@ -380,8 +392,7 @@ def _splitk_reduce_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
         acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr)
+    acc = _scaled(acc, scale_ptr, tl.where(ok, offs, 0), HAS_SCALE)
     if X_FP8:
         acc = acc * tl.load(xs_ptr)
     if HAS_BIAS:
@@ -565,8 +576,9 @@ def gemv(
 
     x: bf16/fp16, 1 <= M <= GEMM_MAX_M rows (row stride free, last dim contiguous); past
     GEMV_MAX_M rows only tensor-core configs (the default there).
-    weight: x's dtype, or float8_e4m3fn with ``weight_scale`` a 0-dim or 1-element float32
-    tensor on x's device (required for FP8, refused otherwise). bias: [N] in x's dtype.
+    weight: x's dtype, or float8_e4m3fn with ``weight_scale`` a float32 tensor on x's device,
+    0-dim or 1 element (per tensor) or [N] (per row) (required for FP8, refused otherwise).
+    bias: [N] in x's dtype.
     ``silu_and_mul``: x is a gate_up output [M, 2K] and the product uses
     ``activation.silu_and_mul(x)`` [M, K], computed as the tiles are loaded (one kernel for
     the activation and the down projection).
@@ -610,14 +622,14 @@ def _check_x(x: torch.Tensor, silu_and_mul: bool) -> tuple[int, int]:
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale, bias,
                   k: int) -> tuple[int, bool]:
-    """The weight [N, K] (x's dtype or FP8 with its per-tensor scale) and bias [N] of a
-    bf16/fp16 x; returns (N, whether FP8)."""
+    """The weight [N, K] (x's dtype or FP8 with its per-tensor or per-row scale) and bias
+    [N] of a bf16/fp16 x; returns (N, whether FP8)."""
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,) + FP8_DTYPES, device=x.device)
     n = weight.shape[0]
     check_shape("weight", weight, (n, k))
     fp8 = weight.dtype in FP8_DTYPES
     if fp8:
-        _check_scale("weight_scale", weight_scale, x.device, "FP8 weights")
+        _check_scale("weight_scale", weight_scale, x.device, "FP8 weights", rows=n)
     elif weight_scale is not None:
         raise ValueError(f"weight_scale is only for FP8 weights; weight is {weight.dtype}")
     if bias is not None:
@@ -634,14 +646,18 @@ def _config(config: dict | None, m: int, n: int, k: int, weight_dtype) -> dict:
     return check_config(config)
 
 
-def _check_scale(name: str, t, device: torch.device, needed_with: str) -> None:
-    """A per-tensor float32 scale on ``device`` (0-dim or 1 element), required here."""
+def _check_scale(name: str, t, device: torch.device, needed_with: str,
+                 rows: int | None = None) -> None:
+    """A float32 scale on ``device``, required here: per tensor (0-dim or 1 element), or,
+    given ``rows``, also one per weight row ([rows], contiguous)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} is required with {needed_with} (a float32 tensor)")
     check_tensor(name, t, dtypes=(torch.float32,), device=device)
-    if t.numel() != 1:
+    per_row = rows is not None and t.shape == (rows,) and t.is_contiguous()
+    if t.numel() != 1 and not per_row:
+        also = f" or one per weight row ([{rows}])" if rows is not None else ""
         raise ValueError(f"{name} has shape {tuple(t.shape)}; gemv takes a per-tensor scale "
-                         "(0-dim or 1 element)")
+                         f"(0-dim or 1 element){also}")
 
 
 def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> torch.Tensor:
@@ -655,7 +671,7 @@ def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> tor
     check_shape("weight", weight, (n, k))
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use _scaled_mm)")
-    _check_scale("weight_scale", weight_scale, x.device, "FP8 x and weights")
+    _check_scale("weight_scale", weight_scale, x.device, "FP8 x and weights", rows=n)
     _check_scale("x_scale", x_scale, x.device, "FP8 x and weights")
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(out_dtype,), device=x.device)
@@ -687,12 +703,13 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     fp8 = weight_scale is not None
     scale = weight_scale if fp8 else y  # any pointer when unused
+    scale_mode = 0 if not fp8 else 1 if weight_scale.numel() == 1 else 2  # 2: one per row
     b = bias if bias is not None else y
     xs = x_scale if x_scale is not None else y
     _gemv_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, block_m))](
         x, weight, scale, b, y, part, xs, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
-        EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=fp8,
+        EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=scale_mode,
         HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
@@ -703,7 +720,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
-            part, scale, b, y, xs, x, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=fp8,
+            part, scale, b, y, xs, x, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=scale_mode,
             HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
             **_pdl.launch_kwargs(),
         )
@@ -935,8 +952,8 @@ def gemv_ref(
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
     w = weight.float()
-    if weight_scale is not None:
-        w = w * weight_scale.float().reshape(())
+    if weight_scale is not None:  # per tensor or per row
+        w = w * weight_scale.float().reshape(-1, 1)
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()

@@ -3,7 +3,8 @@
 An FP8 linear ``prefix`` has, in the weights dict (see kiln/builder/weights.py):
 
     {prefix}.weight        [N, K] float8_e4m3fn    W ~= weight.float() * weight_scale
-    {prefix}.weight_scale  [] float32              per-tensor dequantization scale
+    {prefix}.weight_scale  [] float32              per-tensor dequantization scale, or [N]:
+                                                   one per row (the FP8 lm_head)
     {prefix}.input_scale   [] float32              static activation scale (optional; absent
                                                    means dynamic per-tensor activation scale)
     {prefix}.bias          [N]                     optional, engine dtype
@@ -12,8 +13,10 @@ CUDA runs ``torch._scaled_mm`` (FP8 tensor cores) after one fused Triton kernel 
 the activations into an M-padded buffer (kiln/runtime/kernels/fp8_quant.py; dynamic scales
 add an amax kernel), or, at M <= 8 on large weights (``gemv.w8a8_wins``), the Triton FP8
 tensor-core skinny GEMM on the same quantized activations; everything else, and shapes
-_scaled_mm refuses, runs the dequantized matmul. Both paths quantize activations the same way (x -> e4m3(x / s), bit-exact), so the
-CPU result is the GPU result up to accumulation order.
+_scaled_mm refuses, runs the dequantized matmul. Both paths quantize activations the same
+way (x -> e4m3(x / s), bit-exact), so the CPU result is the GPU result up to accumulation
+order. A per-row weight scale (the FP8 lm_head) is applied in the GEMV's epilogue, or after a
+float32 _scaled_mm.
 
 Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations; up to
 ``GEMM_MAX_M`` rows on small bf16/fp16 weights, the speculative steps) go to the Triton
@@ -71,9 +74,15 @@ def fp8_linear(
     if x.is_cuda and scaled_mm_ok(m, k, n):
         xq, x_scale = _quantize_padded(x2, input_scale)  # [M rounded up to 16, K] e4m3
         gemv = _w8a8_gemv(m, n, k, x, weight_scale)
+        per_row = weight_scale.numel() > 1
         if gemv is not None:  # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
-            y = gemv.gemv(xq[:m], weight, weight_scale.reshape(1), x_scale=x_scale,
-                          out_dtype=x.dtype)
+            y = gemv.gemv(xq[:m], weight, weight_scale.reshape(-1 if per_row else 1),
+                          x_scale=x_scale, out_dtype=x.dtype)
+        elif per_row:  # scaled per tensor by x's scale, then by each row's scale
+            y = (torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
+                                  scale_b=torch.ones((), device=x.device),
+                                  out_dtype=torch.float32)[:m]
+                 * weight_scale.float().reshape(1, -1)).to(x.dtype)
         else:
             # weight is [N, K] row-major: weight.t() is the column-major [K, N] it wants
             y = torch._scaled_mm(
@@ -87,7 +96,7 @@ def fp8_linear(
         # (float32 accumulation on CPU).
         acc = torch.float32 if x.device.type == "cpu" else x.dtype
         xd = xq.to(acc) * x_scale.to(acc)
-        wd = weight.to(acc) * weight_scale.to(acc)
+        wd = weight.to(acc) * weight_scale.to(acc).reshape(-1, 1)  # per tensor or per row
         y = F.linear(xd, wd).to(x.dtype)
     if bias is not None:
         y = y + bias
@@ -139,7 +148,7 @@ def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.T
     ok = ((fp8 or weight.dtype == x.dtype) and weight.shape[1] == k
           and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)
           and (not fp8 or (scale is not None and scale.dtype == torch.float32
-                           and scale.numel() == 1)))
+                           and scale.numel() in (1, weight.shape[0]))))
     return ok, scale
 
 
