@@ -83,19 +83,27 @@ def sanity(eng: LLMEngine, path: Path, prompt: list[int], n: int = 24) -> dict:
     """The engine's first ``n`` greedy tokens of ``prompt`` at batch 1 against the reference
     path's (torch attention, no graphs), printed with the text: a fast number over broken
     output is void (the ninth session measured x2.09 lookahead on a batch-1 decode path that
-    emitted only token 0). bf16 paths may part at a near tie; the GPU correctness tests judge
-    that, this only shows it."""
+    emitted only token 0). bf16 paths may part at a near tie: at the first difference the
+    reference's top-2 log-prob gap is printed (the GPU correctness tests call < 0.25 nats a
+    tie)."""
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lookahead=(1, 1, 0))
     got = eng.generate([prompt], params)[0].token_ids
     ref_eng = load(path, "reference")
     want = ref_eng.generate([prompt], params)[0].token_ids
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    gap = None
+    if first is not None:
+        lp = ref_eng.generate([prompt + want[:first]], SamplingParams(
+            max_tokens=1, temperature=0, logprobs=2))[0].logprobs[0]
+        top = sorted(lp.top.values(), reverse=True)
+        gap = top[0] - top[1]
     del ref_eng
     free()
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     text = eng.tokenizer.decode(got)[:60]
     ROWS.append(("smollm2 b1 greedy vs reference", "equal" if first is None else
-                 f"first differs at {first}", repr(text)))
-    return {"equal": first is None, "first_difference": first, "text": text}
+                 f"first differs at {first} (top-2 gap {gap:.3f} nats)", repr(text)))
+    return {"equal": first is None, "first_difference": first, "top2_gap_nats": gap,
+            "text": text}
 
 
 def smol(res: dict, tmp: Path, configs: list[str]) -> None:
