@@ -9,7 +9,16 @@ from typing import Any
 from kiln.builder.speculative import SpeculativeConfig, check_limits
 from kiln.config import ModelConfig
 
-ENGINE_FORMAT_VERSION = 1
+# The newest engine format this kiln reads and writes. 2: an FP8 lm_head
+# (quantization.lm_head "fp8", lm_head.weight_scale one per row). An engine is written with
+# the oldest version that describes it (``format_version_for``), so a kiln that reads only 1
+# still opens every engine without the new feature and says "upgrade kiln" for the others.
+ENGINE_FORMAT_VERSION = 2
+
+
+def format_version_for(quantization: QuantConfig) -> int:
+    """The oldest engine format version that holds an engine with this quantization."""
+    return 2 if quantization.lm_head != "none" else 1
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_MAX_BATCH_SIZE = 64

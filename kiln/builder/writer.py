@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kiln
 from kiln.builder import fp8
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
-from kiln.builder.spec import DTYPES, ENGINE_FORMAT_VERSION, EngineSpec, Limits, QuantConfig
+from kiln.builder.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_version_for
 from kiln.builder.speculative import SpeculativeConfig
 from kiln.builder.weights import (
     RANDOM_STD,
@@ -107,7 +107,7 @@ def build_engine(
         check_source_tensors(fp8.without_scales(model) if fp8_ckpt else model)
 
     spec = EngineSpec(
-        format_version=ENGINE_FORMAT_VERSION,
+        format_version=format_version_for(quantization),
         kiln_version=kiln.__version__,
         model=cfg,
         dtype=dtype,

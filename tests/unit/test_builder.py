@@ -233,7 +233,7 @@ def test_newer_format_version_rejected(built, tmp_path):
     spec["format_version"] = ENGINE_FORMAT_VERSION + 1
     spec["kiln_version"] = "9.0.0"
     (d / "engine.json").write_text(json.dumps(spec))
-    with pytest.raises(EngineFormatError, match=r"kiln 9.0.0 with format 2.*reads up to format 1"):
+    with pytest.raises(EngineFormatError, match=r"kiln 9.0.0 with format 3.*reads up to format 2"):
         load_engine(d)
 
 

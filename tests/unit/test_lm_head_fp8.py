@@ -163,6 +163,21 @@ def test_engine_json_without_the_key_loads_as_none(tiny_hf_model, tmp_path):
         QuantConfig(lm_head="int4")
 
 
+def test_format_version_is_the_oldest_that_holds_the_engine(tmp_path, monkeypatch):
+    """Format 2 only for an FP8 lm_head; every other engine stays 1, readable by older kiln
+    (which says "upgrade kiln" for a 2)."""
+    from kiln.builder import loader
+
+    build_engine("random:tiny-llama", tmp_path / "plain", progress=False)
+    build_engine("random:tiny-llama", tmp_path / "head", quantization=FP8_HEAD, progress=False)
+    assert load_engine(tmp_path / "plain").spec.format_version == 1
+    assert load_engine(tmp_path / "head").spec.format_version == 2
+    monkeypatch.setattr(loader, "ENGINE_FORMAT_VERSION", 1)  # a kiln from before the option
+    load_engine(tmp_path / "plain")
+    with pytest.raises(EngineFormatError, match=r"format 2.*reads up to format 1.*upgrade kiln"):
+        load_engine(tmp_path / "head")
+
+
 def _set_lm_head(engine_dir, value: str) -> None:
     path = engine_dir / "engine.json"
     raw = json.loads(path.read_text())
