@@ -1,7 +1,8 @@
 """smollm2-135m decode graph replays (S=1, S=64, dummy inputs) and plain decoding tok/s at
 batch 1 and 64 (``bench_fast_path.decode_tps``: 64 copies of one chat prompt, 256 new tokens,
 prefill included) with module switches flipped, one engine per variant in one process, each
-variant ``--repeats`` times in alternating order (so the spread shows the noise). Random weights unless the GGUF is in $KILN_CACHE. A benchmark, not a test.
+variant ``--repeats`` times in alternating order (so the spread shows the noise). Random
+weights unless the GGUF is in $KILN_CACHE. A benchmark, not a test.
 
     PYTHONPATH=.:scripts python3 scripts/ab_smol_batch.py [--variants base,torch_ends,...]
 """

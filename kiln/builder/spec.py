@@ -128,8 +128,9 @@ class QuantConfig:
     "modelopt", "calib_size": 512}); None when neither is quantized.
     ``lm_head="fp8"`` (``kiln build --quantize-lm-head``): the output projection is stored as
     ``lm_head.weight`` e4m3 with float32 ``lm_head.weight_scale`` [V] = each row's amax / 448
-    of the engine-dtype matrix (made at build; random engines: at load), also when the model ties it
-    to the embedding, which then stays in the engine dtype. Engines without the key: "none".
+    of the engine-dtype matrix (made at build; random engines: at load), also when the model
+    ties it to the embedding, which then stays in the engine dtype. Engines without the key:
+    "none".
     """
 
     weights: str = "none"

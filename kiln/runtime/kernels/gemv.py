@@ -88,8 +88,8 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _scaled(v, scale_ptr, rows, HAS_SCALE: tl.constexpr):
-    """v [BLOCK] times the weight scale: one per tensor (``HAS_SCALE == 1``) or one per
-    output row (``HAS_SCALE == 2``, loaded at ``rows``, which must be valid row indices)."""
+    """v times the weight scale: one per tensor (``HAS_SCALE == 1``) or one per output row
+    (``HAS_SCALE == 2``, loaded at ``rows``, valid row indices shaped to broadcast with v)."""
     if HAS_SCALE == 2:
         v = v * tl.load(scale_ptr + rows)
     elif HAS_SCALE:
@@ -251,10 +251,7 @@ def _gemv_kernel(
             p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
             tl.store(p_ptrs, acc, mask=out_ok)
         else:
-            if HAS_SCALE == 2:
-                acc = acc * tl.load(scale_ptr + rows_n)[:, None]
-            elif HAS_SCALE:
-                acc = acc * tl.load(scale_ptr)
+            acc = _scaled(acc, scale_ptr, rows_n[:, None], HAS_SCALE)
             if X_FP8:
                 acc = acc * tl.load(xs_ptr)
             if HAS_BIAS:

@@ -74,11 +74,10 @@ def fp8_linear(
     if x.is_cuda and scaled_mm_ok(m, k, n):
         xq, x_scale = _quantize_padded(x2, input_scale)  # [M rounded up to 16, K] e4m3
         gemv = _w8a8_gemv(m, n, k, x, weight_scale)
-        per_row = weight_scale.numel() > 1
         if gemv is not None:  # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
-            y = gemv.gemv(xq[:m], weight, weight_scale.reshape(-1 if per_row else 1),
-                          x_scale=x_scale, out_dtype=x.dtype)
-        elif per_row:  # scaled per tensor by x's scale, then by each row's scale
+            y = gemv.gemv(xq[:m], weight, weight_scale.reshape(-1), x_scale=x_scale,
+                          out_dtype=x.dtype)
+        elif weight_scale.numel() > 1:  # x's scale per tensor, then each row's scale
             y = (torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
                                   scale_b=torch.ones((), device=x.device),
                                   out_dtype=torch.float32)[:m]

@@ -148,12 +148,11 @@ class LlamaModel:
                 qkv, h = linear_residual_norm_linear(
                     gate_up, h, w, p + "down", w[nxt + "input_norm.weight"], eps, nxt + "qkv",
                     silu_and_mul=True)
-            elif FUSED_ENDS:  # the last add, the logit rows and the final norm: one kernel
-                y = linear(gate_up, w, p + "down", silu_and_mul=True)
-                h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
             else:
-                h = h + linear(gate_up, w, p + "down", silu_and_mul=True)
-                h = k_rms_norm(h.index_select(0, logit_rows), w["norm.weight"], eps)
-        if not FUSED_ENDS:
-            return linear(h, w, self.lm_head).float()
-        return linear(h, w, self.lm_head, float_out=True)
+                y = linear(gate_up, w, p + "down", silu_and_mul=True)
+                if FUSED_ENDS:  # the last add, the logit rows and the final norm: one kernel
+                    h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
+                else:
+                    h = k_rms_norm((h + y).index_select(0, logit_rows), w["norm.weight"], eps)
+        # float_out: the GEMV stores the float32 logits; .float() is then a no-op
+        return linear(h, w, self.lm_head, float_out=FUSED_ENDS).float()
