@@ -33,6 +33,7 @@ from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.pace import SpecPace
 from kiln.runtime.speculative.worker import DraftWorker
 from kiln.runtime.staging import StepStager
+from kiln.runtime.warmup import warm_eager_forward, warm_sampler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache budget on CPU when the size is not given (CPU memory is shared with everything).
@@ -191,11 +192,16 @@ class LLMEngine:
                     self.scheduler.max_num_tokens, tokens_per_step, config.max_graph_tokens)
                 graphs_s = self.runner.graphs.capture()
                 _report_capture_failures(self.runner)
+        self.sampler = Sampler()
+        t_warm = time.perf_counter()
+        if fused and self.device.type == "cuda":  # what the graphs did not compile
+            warm_eager_forward(self.model, self.cache, self.runner.stager, tokens_per_step)
+            warm_sampler(self.sampler, model_config.vocab_size, self.device)
         # Seconds from the constructor's start; from_engine_dir adds the weight loading.
         self.startup_times = {"place_weights_s": t_model - t_start,
                               "kv_cache_s": t_cache - t_model, "cuda_graphs_s": graphs_s,
+                              "warmup_s": time.perf_counter() - t_warm,
                               "total_s": time.perf_counter() - t_start}
-        self.sampler = Sampler()
         self.detokenizer = Detokenizer(tokenizer)
         eos = set(model_config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:

@@ -104,14 +104,14 @@ def cases():
     rot = {"QH_PAD": 32, "KH_PAD": 8, "HALF_PAD": 64, "PDL": True, "STAGED_EARLY": False}
     yield "rotary", rotary._rotary_kernel, rot, None, 4
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
-            "BLOCK_M": 16, "BLOCK_N": 64, "NUM_SPLITS": 16, "HAS_MASK": True, "KV_FP8": False,
+            "BLOCK_M": 16, "BLOCK_N": 64, "MULTI": True, "HAS_MASK": True, "KV_FP8": False,
             "IEEE": False, "PDL": True, "SKIP_EMPTY": True,
             "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention decode, K/V prefetch", paged_attention._paged_attn_kernel, dict(
         attn, HAS_MASK=False, STAGED_EARLY=True, KV_PREFETCH=2), None, 4
     yield "paged attention reduce", paged_attention._reduce_kernel, {
-        "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 16, "S_PAD": 16, "PDL": True}, None, 4
+        "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32"}
     yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, {
         "PER_ROW": True, "BLOCK": 2048, "PDL": True}, samp, 4

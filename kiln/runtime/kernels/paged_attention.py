@@ -9,9 +9,14 @@ j). Everything stays on the device: no loop over sequences on the host.
 
 Kernel layout (flash-decoding with GQA packing): a program owns BLOCK_Q queries of one
 sequence times the QPK query heads of one kv head (BLOCK_M = BLOCK_Q * QPK rows, so each K/V
-tile is read once per group) and one of NUM_SPLITS slices of the keys. Online softmax in
-float32 (exp2, scale folded in). With NUM_SPLITS > 1 each program writes an unnormalised
-partial (acc, max, sum) and ``_reduce_kernel`` merges them.
+tile is read once per group) and one of ``num_splits`` slices of the keys. Online softmax
+in float32 (exp2, scale folded in). With more than one split (``MULTI``) each program writes an
+unnormalised partial (acc, max, sum) and ``_reduce_kernel`` merges them.
+
+What a launch may vary without compiling a new kernel variant: the sequence count and the
+split count are plain runtime arguments, never specialised (an eager prefill's split count
+follows its length: as compile-time constants, the first prompts of new lengths each stalled
+the engine for ~1-1.9 s of JIT on the H200, notes/NOTES.md 2026-11-30 eleventh session).
 """
 
 from __future__ import annotations
@@ -129,16 +134,16 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, ctx_ptr, mask_ptr, mask_off_ptr,
-    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads,
+    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr, MULTI: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
     STAGED_EARLY: tl.constexpr, KV_PREFETCH: tl.constexpr,
     LINE: tl.constexpr, D_LINES: tl.constexpr,
@@ -165,7 +170,7 @@ def _paged_attn_kernel(
     kv_end = prefix + last_q
     if HAS_MASK:
         kv_end = tl.where(m_off >= 0, ctx, kv_end)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -188,10 +193,10 @@ def _paged_attn_kernel(
     row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
 
-    if SKIP_EMPTY and NUM_SPLITS > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
+    if SKIP_EMPTY and MULTI:  # noqa: SIM102 - a compile-time branch around a runtime one
         if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
             # split count allows): mark the partial empty for the reduce and stop
-            ph = (tok * num_heads + head) * NUM_SPLITS + split
+            ph = (tok * num_heads + head) * num_splits + split
             tl.store(part_ml_ptr + ph * 2, tl.full([BLOCK_M], float("-inf"), tl.float32),
                      mask=row_ok)
             tl.store(part_ml_ptr + ph * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
@@ -231,30 +236,29 @@ def _paged_attn_kernel(
         BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE)
 
     o_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not MULTI:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # partials: acc [T, H, S, D_PAD], (m, l) [T, H, S, 2], all float32
-        ph = (tok * num_heads + head) * NUM_SPLITS + split
+        ph = (tok * num_heads + head) * num_splits + split
         tl.store(part_acc_ptr + ph[:, None] * D_PAD + d[None, :], acc, mask=o_mask)
         tl.store(part_ml_ptr + ph * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + ph * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr, PDL: tl.constexpr,
+    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, S_PAD)
-    s_ok = sp < NUM_SPLITS
-    base = (t * num_heads + h) * NUM_SPLITS
+    s_ok = sp < num_splits
+    base = (t * num_heads + h) * num_splits
     m = tl.load(part_ml_ptr + (base + sp) * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
@@ -299,6 +303,16 @@ KV_PREFETCH_TILES = 2
 # their first BLOCK_Q queries were computed.
 
 
+MAX_SPLITS = 64  # the most key-splits choose_num_splits picks
+
+
+def reduce_width(num_splits: int) -> int:
+    """The split reduce's padded width (a compile-time constant): 16, 32 or 64 for up to
+    MAX_SPLITS splits, so the split counts of eager steps (which follow their lengths) share
+    three reduce variants; CUDA graphs' usual 16 splits keep their tight width."""
+    return max(16, next_pow2(num_splits))
+
+
 def choose_num_splits(
     num_programs: int, max_context_len: int, num_sms: int = 132, block_n: int = 64,
     tiles_per_split: int = 2,
@@ -310,7 +324,8 @@ def choose_num_splits(
     if num_programs >= 2 * num_sms:
         return 1
     want = triton.cdiv(4 * num_sms, num_programs)
-    return max(1, min(want, triton.cdiv(max_context_len, tiles_per_split * block_n), 64))
+    return max(1, min(want, triton.cdiv(max_context_len, tiles_per_split * block_n),
+                      MAX_SPLITS))
 
 
 def default_config(head_dim: int) -> dict:
@@ -478,12 +493,12 @@ def _launch(
         out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
         context_lens, mask if mask is not None else context_lens,
         mask_offsets if mask_offsets is not None else context_lens,
-        qk_scale, ks, vs, num_seqs, heads,
+        qk_scale, ks, vs, num_seqs, heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, MULTI=num_splits > 1,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
         SKIP_EMPTY=SKIP_EMPTY_SPLITS, STAGED_EARLY=early,
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
@@ -492,9 +507,9 @@ def _launch(
     )
     if num_splits > 1:
         _reduce_kernel[(t, heads)](
-            out, part_acc, part_ml, heads, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=next_pow2(num_splits), num_warps=4, **_pdl.launch_kwargs(),
+            out, part_acc, part_ml, heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, D_PAD=d_pad, S_PAD=reduce_width(num_splits), num_warps=4,
+            **_pdl.launch_kwargs(),
         )
 
 

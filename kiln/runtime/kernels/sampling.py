@@ -28,7 +28,9 @@ BLOCK = 2048  # vocabulary entries per program: 63 programs per row for a 128256
 MAX_PARTS = 1024  # BLOCK x MAX_PARTS = the largest vocabulary (2 M)
 
 
-@triton.jit
+# The seed changes every step: never a specialisation (a seed divisible by 16, as greedy's 0,
+# compiled another variant, a ~0.5 s stall at the first sampled request on the H200).
+@triton.jit(do_not_specialize=["seed"])
 def _sample_partial_kernel(
     logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, V, parts, stride_r, inv_temp, seed,
     PER_ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,

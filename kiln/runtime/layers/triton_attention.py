@@ -29,6 +29,9 @@ class TritonAttentionMetadata:
     mask_offsets: torch.Tensor | None = None  # [num_seqs] int32, -1 = causal
     # Set by kiln/runtime/staging.py, which passes this metadata straight to the model:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slot per token, -1 = skip
+    # None: paged_attention picks the key-split count from the bounds; the start-up warm-up
+    # (kiln/runtime/warmup.py) forces counts to compile each variant
+    num_splits: int | None = None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int,
@@ -139,6 +142,7 @@ class TritonAttention(AttentionBackend):
             q, kc, vc, dm.block_tables, dm.query_start_loc, dm.context_lens, scale,
             max_query_len=dm.max_query_len, max_context_len=dm.max_context_len,
             mask=dm.mask, mask_offsets=dm.mask_offsets, k_scale=k_scale, v_scale=v_scale,
+            num_splits=dm.num_splits,
         )
 
 

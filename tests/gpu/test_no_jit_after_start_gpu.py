@@ -1,0 +1,67 @@
+"""Once an engine is ready, serving compiles no Triton kernel variant: every variant a request
+can need was compiled (or loaded) at start-up, by graph capture or the warm-up
+(kiln/runtime/warmup.py). A variant compiled mid-serving stalls the engine thread 0.5-1.9 s
+on the H200 while every request waits (notes/NOTES.md, 2026-11-30 eleventh session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="compiled kernels, not the interpreter"),
+]
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 11 + salt) % 5000 + 100 for i in range(n)]
+
+
+@pytest.mark.parametrize("spec", [None, "lookahead"])
+def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
+    from triton import knobs
+
+    from kiln.builder import build_engine
+    from kiln.builder.speculative import SpeculativeConfig
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.runtime.sampling_params import SamplingParams
+
+    out = tmp_path / "e"
+    build_engine("random:smollm2-135m", out, dtype="bfloat16", max_seq_len=2048,
+                 max_num_tokens=2048, max_batch_size=16, progress=False,
+                 speculative=(SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
+                              if spec else None))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda"))
+    assert eng.startup_times["warmup_s"] > 0
+    compiled: list[str] = []
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *, fn, **_: compiled.append(fn.name)
+    try:
+        greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        for n in (1, 2, 5, 16, 17, 33, 64, 100, 255, 500, 777, 1000, 1900):
+            for t in (0.0, 0.8):
+                eng.generate([_prompt(n)], SamplingParams(max_tokens=3, temperature=t,
+                                                          ignore_eos=True))
+        mixed = [SamplingParams(max_tokens=8, temperature=t, ignore_eos=True)
+                 for t in (0.0, 0.8, 1.0, 0.5)]
+        eng.generate([_prompt(20, i) for i in range(4)], mixed)
+        for p in (SamplingParams(max_tokens=6, top_p=0.9), SamplingParams(max_tokens=6, top_k=5),
+                  SamplingParams(max_tokens=6, min_p=0.1), SamplingParams(max_tokens=6, seed=3),
+                  SamplingParams(max_tokens=6, logprobs=2),
+                  SamplingParams(max_tokens=6, repetition_penalty=1.2)):
+            eng.generate([_prompt(20)], p)
+        eng.generate([_prompt(n, n) for n in (5, 9, 40, 77, 130, 260, 511, 700)], greedy)
+        eng.generate([_prompt(30, i) for i in range(16)],
+                     SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
+        if spec:  # speculative steps at several batch sizes (masked graphs and eager)
+            code = _prompt(12) * 6
+            eng.generate([code] * 12, SamplingParams(max_tokens=24, temperature=0,
+                                                     ignore_eos=True, lookahead=(4, 3, 4)))
+    finally:
+        knobs.runtime.jit_cache_hook = old
+    assert compiled == [], f"kernel variants compiled after start-up: {compiled}"
+    eng.blocks.check_all_free()
