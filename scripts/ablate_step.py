@@ -27,7 +27,7 @@ from step_gap import steps_ms  # scripts/ is on sys.path when run as a script
 from kiln.builder import QuantConfig, build_engine
 from kiln.runtime import cuda_graph, staging
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
-from kiln.runtime.kernels import _pdl, gemv, paged_attention, rotary
+from kiln.runtime.kernels import _pdl, gemv, paged_attention, rms_norm, rotary
 from kiln.runtime.models import llama
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -70,6 +70,8 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "torch_ends": [(llama, "FUSED_ENDS", False)],  # F.embedding, add, index_select, .float()
     "upload_inline": [(staging, "UPLOAD_STREAM", False)],  # the upload in the compute stream
     "no_clone": [(cuda_graph.CudaGraphRunner, "replay", _replay_view)],  # logits not copied
+    # the layers' add + RMSNorm kernels (x and the residual passed on untouched)
+    "no_norm": [(rms_norm, "fused_add_rms_norm", lambda x, r, *a, **k: (x, r))],
 }
 
 

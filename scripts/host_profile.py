@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--source", default="random:smollm2-135m")
+    ap.add_argument("--seed", type=int, default=None, help="a per-request seed (host draws)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp()) / "e"
     build_engine(args.source, out, dtype="bfloat16", max_seq_len=2048, max_num_tokens=8192,
@@ -42,7 +43,7 @@ def main() -> None:
     eng.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     rows = []
     for t in (float(x) for x in args.temps.split(",")):
-        p = SamplingParams(max_tokens=256, temperature=t, ignore_eos=True)
+        p = SamplingParams(max_tokens=256, temperature=t, ignore_eos=True, seed=args.seed)
         for _ in range(2):
             steps, total = timed_steps(eng, PROMPT, p)
             rows.append(f"temperature {t}: {256 / total:.0f} tok/s, median step "
