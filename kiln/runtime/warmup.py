@@ -22,8 +22,10 @@ import dataclasses
 
 import torch
 
-from kiln.runtime.kernels.paged_attention import MAX_SPLITS, reduce_width
 from kiln.runtime.sampling_params import SamplingParams
+
+# The kernel modules are imported where used: importing one builds its kernels, compiled or
+# interpreted as TRITON_INTERPRET says at that moment (the engine imports this module).
 
 
 def eager_shapes(max_tokens: int, capacity: int, tokens_per_step: int = 1) -> list[tuple]:
@@ -31,6 +33,8 @@ def eager_shapes(max_tokens: int, capacity: int, tokens_per_step: int = 1) -> li
     (1, 2 and 64 tokens of one sequence) with one split and with two; one token with each
     wider reduce width a context within ``capacity`` can reach (32 keys per split at the
     least); for speculative engines the masked step with one split and two."""
+    from kiln.runtime.kernels.paged_attention import MAX_SPLITS, reduce_width
+
     shapes = [(t, s, False) for t in (1, 2, 64) if t <= max_tokens for s in (1, 2)]
     most = min(MAX_SPLITS, -(-capacity // 32))
     shapes += [(1, w, False) for w in sorted({reduce_width(s) for s in range(3, most + 1)})

@@ -60,3 +60,16 @@ def test_warm_eager_forward_writes_no_kv_and_changes_no_tokens(tiny_reference):
 def test_warm_sampler_runs_every_policy_on_cpu():
     # on CPU the kernels are not used (CUDA logits only); the torch paths all run
     warm_sampler(Sampler(), 320, torch.device("cpu"))
+
+
+def test_importing_the_engine_builds_no_kernel():
+    # a kernel module builds its kernels at import, compiled or interpreted as TRITON_INTERPRET
+    # says then: the engine (and this module, which it imports) must leave that to first use
+    import subprocess
+    import sys
+
+    code = ("import sys, kiln.runtime.engine, kiln.runtime.warmup; "
+            "print([m for m in sys.modules if m.startswith('kiln.runtime.kernels.')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert out.stdout.strip() == "[]", out.stdout
