@@ -21,7 +21,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention import get_backend
 from kiln.runtime.layers.linear import place_weights
-from kiln.runtime.layers.sampler import Sampler
+from kiln.runtime.layers.sampler import Sampler, kernels_enabled
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.outputs import RequestOutput, TokenLogprob
@@ -385,7 +385,9 @@ class LLMEngine:
         reqs = [r for r, _ in batch.items]
         return (all(r.draft is None and r.matcher is None for r in reqs)
                 and self.sampler.device_only([r.params for r in reqs],
-                                             [r.generator for r in reqs]))
+                                             [r.generator for r in reqs],
+                                             kernels=self.device.type == "cuda"
+                                             and kernels_enabled()))
 
     def _launch(self, batch: ScheduledBatch,
                 input_patch: torch.Tensor | None = None) -> LaunchedStep:

@@ -58,15 +58,18 @@ def warm_eager_forward(model, cache, stager, tokens_per_step: int = 1) -> int:
 
 
 def warm_sampler(sampler, vocab: int, device: torch.device) -> None:
-    """Every sampling path once on dummy logits: the kernels (greedy and temperature with one
-    temperature, then per-row temperatures) and the torch paths (top-k, top-p, min-p, seeded
-    rows, logprobs, repetition penalty)."""
+    """Every sampling path once on dummy logits: the kernels (one temperature or per-row
+    temperatures, each with the step's seed or with seeded rows' own keys) and the torch
+    paths (top-k, top-p, min-p, seeded rows drawn on the host, logprobs, repetition
+    penalty)."""
     logits = torch.linspace(-4.0, 4.0, vocab, device=device).repeat(2, 1)
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
-    none2 = [None, None]
-    for params in ([greedy, greedy], [hot, hot], [greedy, SamplingParams(temperature=0.7)]):
-        sampler.choose(logits, params, none2)
+    seeded = SamplingParams(temperature=1.0, seed=0)
     gen = torch.Generator().manual_seed(0)
+    for params, gens in (([greedy, greedy], [None, None]), ([hot, hot], [None, None]),
+                         ([greedy, SamplingParams(temperature=0.7)], [None, None]),
+                         ([seeded, seeded], [gen, gen]), ([seeded, greedy], [gen, None])):
+        sampler.choose(logits, params, gens)
     rows = [SamplingParams(top_k=50, top_p=0.9, min_p=0.05, logprobs=2,
                            repetition_penalty=1.1),
             SamplingParams(seed=0, temperature=0.8)]

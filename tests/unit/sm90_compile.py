@@ -112,9 +112,12 @@ def cases():
         attn, HAS_MASK=False, STAGED_EARLY=True, KV_PREFETCH=2), None, 4
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4
-    samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32"}
+    samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32",
+            "key_ptr": "*i64"}
     yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, {
-        "PER_ROW": True, "BLOCK": 2048, "PDL": True}, samp, 4
+        "PER_ROW": True, "ROW_KEYS": False, "BLOCK": 2048, "PDL": True}, samp, 4
+    yield "sampling partial (per-row Philox keys)", sampling._sample_partial_kernel, {
+        "PER_ROW": False, "ROW_KEYS": True, "BLOCK": 2048, "PDL": True}, samp, 4
     yield "sampling final", sampling._sample_final_kernel, {"BLOCK_P": 64, "PDL": True}, dict(
         samp, out_ptr="*i64"), 1
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4

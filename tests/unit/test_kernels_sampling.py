@@ -85,6 +85,28 @@ def test_sampled_frequencies_match_softmax_and_masked_tokens_never_win():
     assert ((freq - p).abs() <= 4.5 * se + 1e-12).all(), (freq.tolist(), p.tolist())
 
 
+def test_per_row_keys_make_a_row_draw_depend_on_its_key_alone():
+    """Seeded requests: with int64 per-row Philox keys a row's token depends on its key and
+    logits only (not its row, the batch or other keys), and draws over many keys follow
+    softmax(logits * inv_temp)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 40, generator=g).expand(6, -1).contiguous()
+    keys = torch.tensor([11, 2**40 + 5, 11, 7, 11, 2**61], dtype=torch.int64)
+    a = sampling.sample_tokens(x, 1.0, keys)
+    assert a[0] == a[2] == a[4]  # one key, one draw, wherever the row sits
+    b = sampling.sample_tokens(x[:2], 1.0, torch.tensor([7, 11], dtype=torch.int64))
+    assert b.tolist() == [a[3], a[0]]  # the batch around it changes nothing
+    assert sampling.sample_tokens(x[:1], 0.0, keys[:1]) == x[0].argmax()  # greedy ignores it
+    logits = torch.tensor([2.0, 1.0, 0.5, float("-inf"), -1.0, 0.0])
+    rows, inv_t = 1000, 0.8
+    out = sampling.sample_tokens(logits.expand(rows, -1).contiguous(), inv_t,
+                                 torch.arange(rows, dtype=torch.int64) * 7919 + 2**33)
+    freq = torch.bincount(out, minlength=6).double() / rows
+    p = torch.softmax(logits.double() * inv_t, -1)
+    assert freq[3] == 0
+    assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / rows).sqrt() + 1e-12).all(), freq
+
+
 def test_bad_arguments_name_the_value():
     x = torch.randn(2, 10)
     with pytest.raises(ValueError, match="inv_temp=-1"):
@@ -97,6 +119,8 @@ def test_bad_arguments_name_the_value():
         sampling.sample_tokens(x, torch.ones(3), seed=0)
     with pytest.raises(ValueError, match="contiguous"):
         sampling.sample_tokens(torch.randn(10, 2).t(), 1.0, seed=0)
+    with pytest.raises(ValueError, match="3 keys for 2 rows"):
+        sampling.sample_tokens(x, 1.0, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="dtype"):
         sampling.sample_tokens(x.long(), 1.0, seed=0)
     assert sampling.sample_tokens(torch.empty(0, 10), 1.0, seed=0).shape == (0,)

@@ -111,9 +111,9 @@ def test_race_draws_follow_the_probabilities_and_never_pick_zero_mass():
 
 
 def test_the_sampling_kernels_take_greedy_seeded_and_temperature_only_rows():
-    """kernel_inv_temps: which rows the CUDA sampling kernels may draw (1 / temperature; 0
-    for greedy rows and for seeded rows, which __call__ redraws on the host), and None as
-    soon as one row needs top-k, top-p or min-p."""
+    """kernel_inv_temps: which rows the CUDA sampling kernels may draw (1 / temperature, also
+    for seeded rows, which draw with a key from their generator; 0 for greedy rows), and
+    None as soon as one row needs top-k, top-p or min-p."""
     from kiln.runtime.layers.sampler import kernel_inv_temps
 
     g = torch.Generator().manual_seed(0)
@@ -121,11 +121,11 @@ def test_the_sampling_kernels_take_greedy_seeded_and_temperature_only_rows():
             SamplingParams(temperature=2.0, seed=1), SamplingParams(top_k=1),
             SamplingParams(top_k=100)]  # top_k >= vocab warps nothing
     assert kernel_inv_temps(rows, [None, None, g, None, None], vocab=100) == [
-        0.0, 2.0, 0.0, 0.0, 1.0]
+        0.0, 2.0, 0.5, 0.0, 1.0]
     for warped in (SamplingParams(top_k=5), SamplingParams(top_p=0.9),
                    SamplingParams(min_p=0.1)):
         assert kernel_inv_temps(rows[:2] + [warped], [None] * 3, vocab=100) is None
-        assert kernel_inv_temps([warped], [g], vocab=100) == [0.0]  # seeded: host redraws
+        assert kernel_inv_temps([warped], [g], vocab=100) is None  # seeded: host redraws
     assert kernel_inv_temps([], [], vocab=100) is None
 
 
@@ -146,3 +146,18 @@ def test_nan_logits_never_raise_and_stay_in_the_vocabulary():
     assert all(0 <= t < v for t in toks), toks
     assert toks[0] == 5  # greedy: the NaN logit
     assert toks[5] == toks[6] == 0  # a softmax with a NaN is NaN everywhere: the first one
+
+
+def test_seeded_rows_leave_tokens_on_the_device_only_on_the_kernel_path():
+    """device_only: a step may keep its tokens on the device (async scheduling) with seeded
+    rows only where the sampling kernels draw them (CUDA logits, no top-k / top-p / min-p in
+    the batch); elsewhere their generator draws on the host."""
+    g = torch.Generator().manual_seed(0)
+    seeded, plain = SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8)
+    assert Sampler.device_only([plain, SamplingParams(temperature=0)], [None, None])
+    assert not Sampler.device_only([seeded], [g])  # no kernels (CPU logits)
+    assert Sampler.device_only([seeded, plain], [g, None], kernels=True)
+    assert not Sampler.device_only([seeded, SamplingParams(top_p=0.9)], [g, None],
+                                   kernels=True)
+    assert not Sampler.device_only([SamplingParams(seed=1, top_k=5)], [g], kernels=True)
+    assert not Sampler.device_only([SamplingParams(logprobs=1)], [None], kernels=True)

@@ -32,8 +32,8 @@ MAX_PARTS = 1024  # BLOCK x MAX_PARTS = the largest vocabulary (2 M)
 # compiled another variant, a ~0.5 s stall at the first sampled request on the H200).
 @triton.jit(do_not_specialize=["seed"])
 def _sample_partial_kernel(
-    logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, V, parts, stride_r, inv_temp, seed,
-    PER_ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, inv_temp_ptr, key_ptr, val_ptr, idx_ptr, V, parts, stride_r, inv_temp, seed,
+    PER_ROW: tl.constexpr, ROW_KEYS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)  # rows x V may pass 2**31
@@ -49,8 +49,13 @@ def _sample_partial_kernel(
     if PER_ROW:
         inv_temp = tl.load(inv_temp_ptr + row)
     if inv_temp > 0:
-        # [0, 1), one Philox stream per (seed, row); u == 0 gives G = -inf: never wins
-        u = tl.rand(seed + (row << 32), offs)
+        # [0, 1), one Philox stream per row: its own key, or (seed, row); u == 0 gives
+        # G = -inf: never wins
+        if ROW_KEYS:
+            key = tl.load(key_ptr + row)
+        else:
+            key = seed + (row << 32)
+        u = tl.rand(key, offs)
         x = x * inv_temp - tl.log(-tl.log(u))
     # one reduction for both (tl.argmax is this call, keeping only the index)
     best, arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -71,10 +76,13 @@ def _sample_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr
 
 
 def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
-                  seed: int) -> torch.Tensor:
+                  seed: int | torch.Tensor) -> torch.Tensor:
     """logits [R, V] (float32/bf16/fp16, rows contiguous); ``inv_temp``: one value for every
     row or float32 [R] on logits' device (0: greedy, else 1 / temperature); ``seed``: the
-    Philox seed of the sampled rows' noise (a non-negative int32). Returns int64 [R]."""
+    Philox seed of the sampled rows' noise (a non-negative int32; row r draws with key
+    seed + r * 2**32), or int64 [R] on logits' device: each row's own Philox key (a seeded
+    request's draw then depends on its key alone, not on its row or the batch). Returns
+    int64 [R]."""
     check_tensor("logits", logits, ndim=2,
                  dtypes=(torch.float32, torch.bfloat16, torch.float16))
     rows, vocab = logits.shape
@@ -89,7 +97,12 @@ def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
             raise ValueError(f"inv_temp has {inv_temp.shape[0]} values for {rows} rows")
     elif not inv_temp >= 0:  # also refuses NaN
         raise ValueError(f"inv_temp={inv_temp!r} must be >= 0 (0: greedy)")
-    if not 0 <= seed < 2**31:
+    row_keys = isinstance(seed, torch.Tensor)
+    if row_keys:
+        check_tensor("seed", seed, ndim=1, dtypes=(torch.int64,), device=logits.device)
+        if seed.shape[0] != rows:
+            raise ValueError(f"seed has {seed.shape[0]} keys for {rows} rows")
+    elif not 0 <= seed < 2**31:
         raise ValueError(f"seed={seed} must be in [0, 2**31)")
     parts = triton.cdiv(vocab, BLOCK)
     if parts > MAX_PARTS:
@@ -100,9 +113,9 @@ def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
     vals = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
     _sample_partial_kernel[(rows, parts)](
-        logits, inv_temp if per_row else vals, vals, idx, vocab, parts, logits.stride(0),
-        0.0 if per_row else float(inv_temp), seed, PER_ROW=per_row, BLOCK=BLOCK, num_warps=4,
-        **_pdl.launch_kwargs())
+        logits, inv_temp if per_row else vals, seed if row_keys else out, vals, idx, vocab,
+        parts, logits.stride(0), 0.0 if per_row else float(inv_temp), 0 if row_keys else seed,
+        PER_ROW=per_row, ROW_KEYS=row_keys, BLOCK=BLOCK, num_warps=4, **_pdl.launch_kwargs())
     _sample_final_kernel[(rows,)](vals, idx, out, parts,
                                   BLOCK_P=max(16, triton.next_power_of_2(parts)), num_warps=1,
                                   **_pdl.launch_kwargs())

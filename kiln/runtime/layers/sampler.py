@@ -89,18 +89,31 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def kernel_inv_temps(params: list[SamplingParams], generators: list[torch.Generator | None],
                      vocab: int) -> list[float] | None:
-    """1 / temperature per row for the sampling kernels (0: greedy rows, and seeded rows,
-    which ``Sampler.__call__`` redraws on the host), or None when some row needs top-k,
-    top-p or min-p (those warp the distribution: the torch path)."""
+    """1 / temperature per row for the sampling kernels (0: greedy rows; seeded rows too get
+    theirs: they draw with a Philox key from their own generator, see ``Sampler``), or None
+    when some row needs top-k, top-p or min-p (those warp the distribution: the torch path,
+    where seeded rows are redrawn on the host)."""
+    del generators  # seeded or not, a row's draw is the same rule; kept for the callers
     inv = []
-    for p, g in zip(params, generators):
-        if p.greedy or g is not None:
+    for p in params:
+        if p.greedy:
             inv.append(0.0)
         elif 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0:
             return None
         else:
             inv.append(1.0 / p.temperature)
     return inv or None
+
+
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a host sync: ``torch.tensor(values,
+    device=cuda)`` copies from pageable memory and waits for the stream, which stalled async
+    scheduling behind the step in flight (seeded rows: 0.77 vs 0.52 ms per smollm2 step on
+    the H200); a pinned copy does not (torch's host allocator keeps it until the copy ran)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 KERNELS = True  # False: the torch path on CUDA too (scripts/step_gap.py A/Bs the two)
@@ -120,27 +133,40 @@ def _triton_available() -> bool:
 
 
 class Sampler:
-    """Picks one token per row. Greedy rows share one argmax; unseeded sampled rows are
-    warped and drawn together on the device (one exponential race, no per-row host sync);
-    seeded rows draw from their own CPU generator, row by row, so a seed reproduces across
-    batches."""
+    """Picks one token per row. Greedy rows share one argmax; sampled rows are warped and
+    drawn together on the device (no per-row host sync). A seeded row's draw depends on its
+    own generator only, so a seed reproduces across batches: on CUDA, where no row of the
+    batch needs top-k / top-p / min-p, the sampling kernels draw it with a Philox key taken
+    from its generator (one per token); otherwise its generator draws on the host (a host
+    sync and a CPU multinomial per token: 2 ms at a 49152 vocabulary on the H200 host, which
+    made seeded requests 5x slower, notes/NOTES.md 2026-11-30 eleventh session)."""
 
     @staticmethod
-    def device_only(params: list[SamplingParams],
-                    generators: list[torch.Generator | None]) -> bool:
-        """Whether ``choose`` alone picks these rows' tokens: no penalties, no logprobs, no
-        seeded draws (those need the host), so a step can leave its tokens on the device."""
-        return all(p.repetition_penalty == 1.0 and p.logprobs is None
-                   and (p.greedy or g is None) for p, g in zip(params, generators))
+    def device_only(params: list[SamplingParams], generators: list[torch.Generator | None],
+                    kernels: bool = False) -> bool:
+        """Whether ``choose`` alone picks these rows' tokens, so a step can leave its tokens
+        on the device: no penalties, no logprobs, and seeded rows only where ``kernels`` (the
+        logits are on CUDA and ``kernels_enabled()``) and the batch takes the kernel path."""
+        if not all(p.repetition_penalty == 1.0 and p.logprobs is None for p in params):
+            return False
+        if all(p.greedy or g is None for p, g in zip(params, generators)):
+            return True
+        # any top-k counts as warping here (no vocabulary to compare with): the host path
+        return kernels and kernel_inv_temps(params, generators, vocab=2**62) is not None
 
     def choose(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Greedy rows' argmax and unseeded sampled rows' draws: token ids [rows] on the
-        device, no host sync. Seeded rows get their argmax here (``__call__`` redraws them).
+        """Every row's token id [rows] on the device, no host sync, except seeded rows off
+        the kernel path: those get their argmax here (``__call__`` redraws them).
 
         On CUDA, when no row needs top-k, top-p or min-p, two Triton kernels do it all
         (kiln/runtime/kernels/sampling.py: the same distribution, without torch's one-block
         argmax and softmax over the vocabulary)."""
+        return self._choose(logits, params, generators)[0]
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, bool]:
+        """``choose``'s tokens, and whether seeded rows were drawn (the kernel path)."""
         inv = (kernel_inv_temps(params, generators, logits.shape[-1])
                if logits.is_cuda and logits.stride(-1) == 1 and kernels_enabled() else None)
         if inv is not None:
@@ -149,18 +175,25 @@ class Sampler:
             one = inv[0] if len(set(inv)) == 1 else None
             # greedy-only steps need no noise: no seed drawn (and torch's CPU RNG untouched)
             seed = int(torch.randint(0, 2**31 - 1, ())) if max(inv) > 0 else 0
+            seeded = [i for i, (t, g) in enumerate(zip(inv, generators))
+                      if t > 0 and g is not None]
+            if seeded:  # one Philox key per row: a seeded row's from its own generator
+                keys = [seed + (i << 32) for i in range(len(inv))]
+                for i in seeded:
+                    keys[i] = int(torch.randint(0, 2**62, (), generator=generators[i]))
+                seed = _upload(keys, torch.int64, logits.device)
             return sampling.sample_tokens(
-                logits, one if one is not None else torch.tensor(inv, device=logits.device),
-                seed)
+                logits, one if one is not None else _upload(inv, torch.float32, logits.device),
+                seed), True
         batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
         if len(batch) == len(params) and batch:  # every row samples: no argmax, no gather
-            return race(warp_batch(logits, params))
+            return race(warp_batch(logits, params)), False
         chosen = logits.argmax(-1)  # [rows], on the device
         if batch:
             idx = torch.tensor(batch, device=logits.device)
             probs = warp_batch(logits.index_select(0, idx), [params[i] for i in batch])
             chosen = chosen.index_copy(0, idx, race(probs))
-        return chosen
+        return chosen, False
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]],
@@ -174,10 +207,10 @@ class Sampler:
             for i in penalized:
                 processed[i] = apply_repetition_penalty(logits[i], seen[i],
                                                         params[i].repetition_penalty)
-        chosen = self.choose(processed, params, generators)
+        chosen, seeded_drawn = self._choose(processed, params, generators)
         tokens = chosen.tolist()  # the step's one host sync
         for i, p in enumerate(params):
-            if not p.greedy and generators[i] is not None:
+            if not seeded_drawn and not p.greedy and generators[i] is not None:
                 tokens[i] = sample_row(warp(processed[i], p), generators[i])
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
