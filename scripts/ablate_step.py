@@ -72,6 +72,7 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_clone": [(cuda_graph.CudaGraphRunner, "replay", _replay_view)],  # logits not copied
     # the layers' add + RMSNorm kernels (x and the residual passed on untouched)
     "no_norm": [(rms_norm, "fused_add_rms_norm", lambda x, r, *a, **k: (x, r))],
+    "norm_w_late": [(rms_norm, "WEIGHT_EARLY", False)],  # the norm weight after the wait
 }
 
 

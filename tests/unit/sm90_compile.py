@@ -85,7 +85,7 @@ def cases():
               "BLOCK": 1024, "PDL": True}
     yield "gemv split-K reduce", gemv._splitk_reduce_kernel, reduce, None, 4
     norm = {"HAS_RESIDUAL": True, "GATHER": False, "WRITE_RES": True, "BLOCK": 4096,
-            "PDL": True}
+            "PDL": True, "STAGED_EARLY": True}
     yield "add+rmsnorm", rms_norm._rms_norm_kernel, norm, None, 8
     yield "embedding + rmsnorm", rms_norm._rms_norm_kernel, dict(
         norm, HAS_RESIDUAL=False, GATHER=True), {"rows_ptr": "*i64"}, 8

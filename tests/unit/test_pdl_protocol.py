@@ -67,14 +67,14 @@ def test_every_launched_kernel_waits_before_touching_memory():
                 staged += 1
             checked += 1
     assert checked >= 9
-    assert staged >= 3  # attention, rotary, rotary + KV write
+    assert staged >= 4  # attention, rotary, rotary + KV write, rms_norm
 
 
 # _pdl.STAGED_EARLY: what a kernel may read before its wait besides weights: the step's
 # metadata that the host uploads before the step's kernels and no kernel writes, and
 # constant tables. Loads go through these pointers (directly, or through these helpers).
 STAGED_POINTERS = {"qsl_ptr", "ctx_ptr", "mask_off_ptr", "pos_ptr", "cache_ptr", "slot_ptr",
-                   "bt_ptr"}
+                   "bt_ptr", "w_ptr"}  # w_ptr: the norm kernel's weight (read-only)
 STAGED_HELPERS = {"_find_seq", "_cos_sin"}
 # L2 prefetches are safe on any address (L2 is the point of coherence): these helpers may be
 # given any pointer, and themselves load only the block table (bt_row = bt_ptr + ...)

@@ -32,11 +32,17 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rows_ptr, num_src, hidden, eps,
     stride_xt, stride_rt, stride_ot, stride_rot,
     HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, WRITE_RES: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr, STAGED_EARLY: tl.constexpr,
 ):
-    pdl_begin(PDL)
-    t = tl.program_id(0)
+    if not STAGED_EARLY:
+        pdl_begin(PDL)
     offs = tl.arange(0, BLOCK)
+    # the norm weight is read-only: with STAGED_EARLY loaded before the PDL wait, while the
+    # kernel before this one still runs
+    w = tl.load(w_ptr + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+    if STAGED_EARLY:
+        pdl_begin(PDL)
+    t = tl.program_id(0)
     m = offs < hidden
     src = t.to(tl.int64)
     if GATHER:  # output row t is input row rows[t]; rows outside [0, num_src) read zeros
@@ -52,9 +58,12 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs, (normed * w).to(out_ptr.dtype.element_ty),
              mask=offs < hidden)
+
+
+# The norm weight loaded before the PDL wait (an A/B switch; measured in the notes).
+WEIGHT_EARLY = True
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -79,7 +88,8 @@ def _launch(x, res, weight, out, res_out, eps, rows: torch.Tensor | None = None)
         res.stride(0) if res is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
         HAS_RESIDUAL=res is not None, GATHER=rows is not None, WRITE_RES=res_out is not None,
-        BLOCK=block, num_warps=warps, **_pdl.launch_kwargs(),
+        BLOCK=block, STAGED_EARLY=WEIGHT_EARLY and _pdl.staged_early(), num_warps=warps,
+        **_pdl.launch_kwargs(),
     )
 
 
