@@ -26,6 +26,8 @@
 #    smollm2 bench with its sanity row (carry .carry/b + .whl). t3 then t2: the final targets;
 #    t5: the per-row FP8 lm_head's GPU tests and latency. (Calls 1-2 and 7-8 of that session
 #    ran t1 / t2 / t3 under the names g1 / g2 / g3, which shadowed the seventh session's.)
+# u1 then u2 (eleventh session): 8B FP8 latency (default and --quantize-lm-head) with carry
+#    .carry/a + .whl, then the real-GGUF correctness tests with carry .carry/b + .whl.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -89,6 +91,19 @@ elif [ "$phase" = t3 ]; then  # tenth session, final call 1 (carry .carry/a + .w
   timeout 170 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
     --output-len 256 --json "$OUT/tput.json" > "$OUT/tput.log" 2>&1
   tail -12 "$OUT/tput.log"
+elif [ "$phase" = u1 ]; then  # eleventh session, final call 1 (carry .carry/a + .whl); u2 after
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  LAT_VARIANTS="fp8 fp8-lmh" latency_8b
+  for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
+elif [ "$phase" = u2 ]; then  # right after u1 (carry .carry/b + .whl): correctness, real GGUF
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 280 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+    > "$OUT/correctness.log" 2>&1
+  tail -3 "$OUT/correctness.log"
 elif [ "$phase" = t5 ]; then  # tenth session: the per-row FP8 lm_head (tests, latency)
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py \
