@@ -87,13 +87,11 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
-def kernel_inv_temps(params: list[SamplingParams], generators: list[torch.Generator | None],
-                     vocab: int) -> list[float] | None:
+def kernel_inv_temps(params: list[SamplingParams], vocab: int) -> list[float] | None:
     """1 / temperature per row for the sampling kernels (0: greedy rows; seeded rows too get
     theirs: they draw with a Philox key from their own generator, see ``Sampler``), or None
     when some row needs top-k, top-p or min-p (those warp the distribution: the torch path,
     where seeded rows are redrawn on the host)."""
-    del generators  # seeded or not, a row's draw is the same rule; kept for the callers
     inv = []
     for p in params:
         if p.greedy:
@@ -152,7 +150,7 @@ class Sampler:
         if all(p.greedy or g is None for p, g in zip(params, generators)):
             return True
         # any top-k counts as warping here (no vocabulary to compare with): the host path
-        return kernels and kernel_inv_temps(params, generators, vocab=2**62) is not None
+        return kernels and kernel_inv_temps(params, vocab=2**62) is not None
 
     def choose(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -167,8 +165,8 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> tuple[torch.Tensor, bool]:
         """``choose``'s tokens, and whether seeded rows were drawn (the kernel path)."""
-        inv = (kernel_inv_temps(params, generators, logits.shape[-1])
-               if logits.is_cuda and logits.stride(-1) == 1 and kernels_enabled() else None)
+        inv = (kernel_inv_temps(params, logits.shape[-1])
+               if logits.is_cuda and kernels_enabled() else None)
         if inv is not None:
             from kiln.runtime.kernels import sampling
 
@@ -183,7 +181,8 @@ class Sampler:
                     keys[i] = int(torch.randint(0, 2**62, (), generator=generators[i]))
                 seed = _upload(keys, torch.int64, logits.device)
             return sampling.sample_tokens(
-                logits, one if one is not None else _upload(inv, torch.float32, logits.device),
+                logits.contiguous(),  # a view of whole rows, as graph steps give: no copy
+                one if one is not None else _upload(inv, torch.float32, logits.device),
                 seed), True
         batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
         if len(batch) == len(params) and batch:  # every row samples: no argmax, no gather
