@@ -18,6 +18,7 @@ from kiln.builder.speculative import SpeculativeConfig, validate_request_window
 from kiln.config import ModelConfig
 from kiln.runtime.cuda_graph import CudaGraphRunner
 from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention import get_backend
 from kiln.runtime.layers.linear import place_weights
@@ -431,7 +432,7 @@ class LLMEngine:
         if len(cont) != len(cur.reqs):
             kept = set(cont)
             keep = [i for i, r in enumerate(cur.reqs) if r in kept]
-            patch = cur.tokens[torch.tensor(keep, device=cur.tokens.device)]
+            patch = cur.tokens[to_device(keep, torch.long, cur.tokens.device)]
         return self._launch(ScheduledBatch([(r, 1) for r in cont]), patch)
 
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
