@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from step_gap import cuda_events  # scripts/ is on sys.path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from kiln.builder import QuantConfig, build_engine
@@ -54,8 +55,7 @@ def main() -> None:
         torch.cuda.synchronize()
     while eng.has_unfinished_requests():
         eng.step()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    ev.sort(key=lambda e: e.time_range.start)
+    ev = cuda_events(prof)
     by = defaultdict(list)
     for e in ev:
         by[e.name[:80]].append(e.time_range.end - e.time_range.start)

@@ -39,12 +39,20 @@ def steps_ms(eng: LLMEngine, params: SamplingParams,
     return statistics.median(times[8:]) * 1e3, params.max_tokens / total
 
 
-def outside_kernels(eng: LLMEngine, params: SamplingParams, n: int = 24) -> dict:
-    """Profile ``n`` engine steps mid-request: per step, the GPU's busy and idle time and the
-    kernels that are not Triton kernels of the model (sampling, copies, clones)."""
-    eng.add_request(PROMPT, SamplingParams(max_tokens=n + 40, temperature=params.temperature,
+def cuda_events(prof) -> list:
+    """A torch.profiler run's GPU events, by start time."""
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ev.sort(key=lambda e: e.time_range.start)
+    return ev
+
+
+def profiled_steps(eng: LLMEngine, temperature: float, n: int, warm: int = 12,
+                   prompt: list[int] = PROMPT) -> list:
+    """The GPU events of ``n`` engine steps of one request after ``warm`` steps (the request
+    then runs to its end)."""
+    eng.add_request(prompt, SamplingParams(max_tokens=n + warm + 40, temperature=temperature,
                                            ignore_eos=True))
-    for _ in range(12):
+    for _ in range(warm):
         eng.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -53,8 +61,13 @@ def outside_kernels(eng: LLMEngine, params: SamplingParams, n: int = 24) -> dict
         torch.cuda.synchronize()
     while eng.has_unfinished_requests():
         eng.step()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    ev.sort(key=lambda e: e.time_range.start)
+    return cuda_events(prof)
+
+
+def outside_kernels(eng: LLMEngine, params: SamplingParams, n: int = 24) -> dict:
+    """Profile ``n`` engine steps mid-request: per step, the GPU's busy and idle time and the
+    kernels that are not Triton kernels of the model (sampling, copies, clones)."""
+    ev = profiled_steps(eng, params.temperature, n)
     if not ev:
         return {"busy_us": 0.0, "idle_us": 0.0, "span_us": 0.0, "kernels_per_step": 0.0,
                 "outside": []}

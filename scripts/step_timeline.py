@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from step_gap import profiled_steps  # scripts/ is on sys.path when run as a script
 
 from kiln.builder.spec import QuantConfig
 from kiln.builder.writer import build_engine
@@ -46,24 +46,6 @@ def engine_dir(tmp: Path, which: str) -> Path:
                                               "fp8-lmh" else "none")
                      if which.startswith("fp8") else None)
     return out
-
-
-def window(eng: LLMEngine, temp: float, n: int = 20) -> list:
-    prompt = list(range(1000, 1128))
-    eng.add_request(prompt, SamplingParams(max_tokens=n + 60, temperature=temp,
-                                           ignore_eos=True))
-    for _ in range(20):
-        eng.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            eng.step()
-        torch.cuda.synchronize()
-    while eng.has_unfinished_requests():
-        eng.step()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    ev.sort(key=lambda e: e.time_range.start)
-    return ev
 
 
 def analyse(ev: list, label: str) -> str:
@@ -122,7 +104,7 @@ def main() -> None:
         eng.generate([list(range(1000, 1128))],
                      SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         for t in args.temps.split(","):
-            report.append(analyse(window(eng, float(t)), f"{which} temperature {t}"))
+            report.append(analyse(profiled_steps(eng, float(t), n=20, warm=20), f"{which} temperature {t}"))
             print(report[-1], flush=True)
         del eng
         torch.cuda.empty_cache()
