@@ -56,6 +56,15 @@ join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carri
   cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
     > /tmp/kcache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 }
+correctness_gguf() {  # the real-GGUF correctness tests (carry .carry/b + .whl, after a call
+  # that left the first half in /tmp/parts)
+  install_wheels || return 1
+  join_gguf || return 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 280 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
+    > "$OUT/correctness.log" 2>&1
+  tail -3 "$OUT/correctness.log"
+}
 if [ "$phase" = ab ]; then  # kernel ablation / A/B at real contexts (scripts/ablate_step.py)
   export PYTHONPATH=.:scripts
   for q in ${AB_QUANTS:-fp8}; do
@@ -98,12 +107,7 @@ elif [ "$phase" = u1 ]; then  # eleventh session, final call 1 (carry .carry/a +
   LAT_VARIANTS="fp8 fp8-lmh" latency_8b
   for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
 elif [ "$phase" = u2 ]; then  # right after u1 (carry .carry/b + .whl): correctness, real GGUF
-  install_wheels || exit 1
-  join_gguf || exit 1
-  export PYTHONPATH=/tmp/site:.:scripts
-  timeout 280 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
-    > "$OUT/correctness.log" 2>&1
-  tail -3 "$OUT/correctness.log"
+  correctness_gguf || exit 1
 elif [ "$phase" = t5 ]; then  # tenth session: the per-row FP8 lm_head (tests, latency)
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py \
@@ -112,12 +116,7 @@ elif [ "$phase" = t5 ]; then  # tenth session: the per-row FP8 lm_head (tests, l
   LAT_VARIANTS="fp8-lmh" latency_8b
   grep -i "tok/s\|TPOT" "$OUT"/lat-fp8-lmh.log | head -4
 elif [ "$phase" = t2 ]; then  # right after t1 or t3 (carry .carry/b + .whl)
-  install_wheels || exit 1
-  join_gguf || exit 1
-  export PYTHONPATH=/tmp/site:.:scripts
-  timeout 280 python3 -m pytest -q tests/gpu/test_cuda_correctness.py -k "not eager and not torch" \
-    > "$OUT/correctness.log" 2>&1
-  tail -3 "$OUT/correctness.log"
+  correctness_gguf || exit 1
   timeout 200 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
   tail -30 "$OUT/smol.log"
