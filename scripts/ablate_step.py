@@ -67,6 +67,7 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
     "kv_prefetch_split": [(paged_attention, "KV_PREFETCH_TILES", 64)],  # the whole split
     "no_res_fusion": [(gemv, "RESIDUAL_FUSION", False)],  # GEMV, norm kernel, GEMV
+    "no_norm_epi": [(gemv, "NORM_EPILOGUE", False)],  # 8B: GEMV, norm kernel, GEMV
     "torch_ends": [(llama, "FUSED_ENDS", False)],  # F.embedding, add, index_select, .float()
     "upload_inline": [(staging, "UPLOAD_STREAM", False)],  # the upload in the compute stream
     "no_clone": [(cuda_graph.CudaGraphRunner, "replay", _replay_view)],  # logits not copied

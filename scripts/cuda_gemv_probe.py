@@ -346,13 +346,13 @@ def main() -> None:
         act = name == "down"
         xin = gu if act else x
         nbytes = LAYERS * n * k
-        t = shape_chain(name, lambda w, s: gemv.gemv(xin, w, s, silu_and_mul=act))
+        t = shape_chain(name, lambda w, s, xin=xin, act=act: gemv.gemv(xin, w, s, silu_and_mul=act))
         rows.append(f"| {name} x32 | triton | {t:.3f} | {nbytes / t / 1e9:.2f} |")
         print(rows[-1], flush=True)
         res["shape_ms"][f"{name} triton"] = t
         for v in variants:
             kf = kern[(v, act, True)]
-            t = shape_chain(name, lambda w, s: kf(xin, w, s))
+            t = shape_chain(name, lambda w, s, kf=kf, xin=xin: kf(xin, w, s))
             rows.append(f"| {name} x32 | cuda {v} | {t:.3f} | {nbytes / t / 1e9:.2f} |")
             print(rows[-1], flush=True)
             res["shape_ms"][f"{name} {v}"] = t

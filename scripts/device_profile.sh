@@ -28,6 +28,8 @@
 #    ran t1 / t2 / t3 under the names g1 / g2 / g3, which shadowed the seventh session's.)
 # u1 then u2 (eleventh session): 8B FP8 latency (default and --quantize-lm-head) with carry
 #    .carry/a + .whl, then the real-GGUF correctness tests with carry .carry/b + .whl.
+# v1 then v2 (twelfth session): the epilogue norm form's GPU tests and 8B latency (FP8, FP8
+#    lm_head, bf16; carry .carry/a + .whl), then correctness incl. smollm2 on that form.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -106,8 +108,18 @@ elif [ "$phase" = u1 ]; then  # eleventh session, final call 1 (carry .carry/a +
   export PYTHONPATH=/tmp/site:.:scripts
   LAT_VARIANTS="fp8 fp8-lmh" latency_8b
   for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
-elif [ "$phase" = u2 ]; then  # right after u1 (carry .carry/b + .whl): correctness, real GGUF
+elif [ "$phase" = u2 ] || [ "$phase" = v2 ]; then  # right after u1 / v1 (carry .carry/b +
+  # .whl): correctness, real GGUF (v2: also smollm2 forced onto the epilogue norm form)
   correctness_gguf || exit 1
+elif [ "$phase" = v1 ]; then  # twelfth session, final call 1 (carry .carry/a + .whl); v2 after
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py \
+    -k "residual_norm_linear or (real_shapes and not mid_m)" > "$OUT/gpu_gemv.log" 2>&1
+  tail -2 "$OUT/gpu_gemv.log"
+  LAT_VARIANTS="fp8 fp8-lmh none" latency_8b
+  for f in "$OUT"/lat-*.log; do echo "== $f"; grep -i "tok/s\|TPOT\|start-up" "$f" | head -6; done
 elif [ "$phase" = t5 ]; then  # tenth session: the per-row FP8 lm_head (tests, latency)
   export PYTHONPATH=/tmp/site:.:scripts
   timeout 120 python3 -m pytest -q tests/gpu/test_gemv_gpu.py \

@@ -306,10 +306,12 @@ PAIRS = {  # first GEMV (K, hidden), second GEMV (hidden, N), SiLU-and-mul into 
 
 @pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_linear_residual_norm_linear_real_shapes(pair, fp8, monkeypatch):
+@pytest.mark.parametrize("form", ["prologue", "epilogue"])
+def test_linear_residual_norm_linear_real_shapes(pair, fp8, form, monkeypatch):
     """The residual add and the statistics in the first GEMV's epilogue, the norm in the
-    second's loads == linear, fused_add_rms_norm, linear (the new residual bit for bit),
-    eager and replayed from a CUDA graph; the fused path really ran (two GEMV launches)."""
+    second's loads (prologue form) or its epilogue (1 / rms times the GEMV of h * g) ==
+    linear, fused_add_rms_norm, linear (the new residual bit for bit), eager and replayed
+    from a CUDA graph; the fused path really ran (two GEMV launches)."""
     from kiln.runtime.kernels import gemv
     from kiln.runtime.layers.linear import linear_residual_norm_linear
 
@@ -323,18 +325,21 @@ def test_linear_residual_norm_linear_real_shapes(pair, fp8, monkeypatch):
     r = torch.randn(1, hidden, device=DEV).to(BF16)
     g = (torch.rand(hidden, device=DEV) + 0.5).to(BF16)
 
-    monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20)  # 8B shapes too
+    # every shape takes the form under test (8B's hidden the prologue, smollm2's the epilogue)
+    monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20 if form == "prologue" else 0)
+    switch = "RESIDUAL_FUSION" if form == "prologue" else "NORM_EPILOGUE"
+    second = "gemv_prenormed" if form == "prologue" else "gemv_rms_scaled"
 
     def run(fused: bool):
-        monkeypatch.setattr(gemv, "RESIDUAL_FUSION", fused)
+        monkeypatch.setattr(gemv, switch, fused)
         return linear_residual_norm_linear(x, r, w, "a", g, 1e-5, "b", silu_and_mul=silu)
 
-    assert gemv.residual_fusion_applies(1, hidden, k, n, w["a.weight"].dtype,
-                                        w["b.weight"].dtype)
+    assert gemv.residual_fusion_form(1, hidden, k, n, w["a.weight"].dtype,
+                                     w["b.weight"].dtype) == form
     y_ref, h_ref = run(False)
     calls = []
-    monkeypatch.setattr(gemv, "gemv_prenormed", lambda *a, _f=gemv.gemv_prenormed, **kw: (
-        calls.append(1), _f(*a, **kw))[1])
+    orig = getattr(gemv, second)
+    monkeypatch.setattr(gemv, second, lambda *a, **kw: (calls.append(1), orig(*a, **kw))[1])
     y, h = run(True)
     assert calls and torch.equal(h, h_ref) and _rel(y, y_ref) < TOL
     graph = torch.cuda.CUDAGraph()
@@ -344,6 +349,11 @@ def test_linear_residual_norm_linear_real_shapes(pair, fp8, monkeypatch):
     graph.replay()
     y_ref, h_ref = run(False)
     assert torch.equal(hg, h_ref) and _rel(yg, y_ref) < TOL
+    if form == "epilogue":  # h * g is h * g rounded once (round to nearest even)
+        a_scale = w.get("a.weight_scale")
+        h2, hg2, _ = gemv.gemv_add_residual_weighted(x, w["a.weight"], a_scale, None, r, g,
+                                                     silu_and_mul=silu)
+        assert torch.equal(hg2, (h2.float() * g.float()).to(BF16))
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 300])

@@ -60,7 +60,7 @@ def cases():
     g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
          "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
          "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-         "HINT": 128, "W_EVICT": "evict_first", "RES_EPI": False, "PRENORM": False,
+         "HINT": 128, "W_EVICT": "evict_first", "RES_EPI": 0, "PRENORM": 0,
          "NPART_PAD": 1}
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
@@ -69,9 +69,13 @@ def cases():
     yield "gemv W8A16 M=1 add+rmsnorm", gemv._gemv_kernel, dict(g, NORM=True, K_PAD=4096), \
         fp8w, 8
     yield "gemv W8A16 M=1 residual epilogue, silu", gemv._gemv_kernel, dict(
-        g, RES_EPI=True, ACT=True), fp8w, 8
-    yield "gemv W8A16 M=1 pre-normed", gemv._gemv_kernel, dict(g, PRENORM=True, NPART_PAD=512), \
+        g, RES_EPI=1, ACT=True), fp8w, 8
+    yield "gemv W8A16 M=1 pre-normed", gemv._gemv_kernel, dict(g, PRENORM=1, NPART_PAD=512), \
         fp8w, 8
+    yield "gemv W8A16 M=1 residual epilogue, h * g out", gemv._gemv_kernel, dict(
+        g, RES_EPI=2, ACT=True, BLOCK_K=1024), fp8w, 8
+    yield "gemv W8A16 M=1 1/rms epilogue", gemv._gemv_kernel, dict(
+        g, PRENORM=2, NPART_PAD=512), fp8w, 4
     yield "gemv bf16 M=4 silu split", gemv._gemv_kernel, dict(
         g, BLOCK_M=4, ACT=True, SPLIT=True, HAS_SCALE=False, PREFETCH=False, ESIZE=2), None, 8
     yield "gemv bf16 tensor cores", gemv._gemv_kernel, dict(

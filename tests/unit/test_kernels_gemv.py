@@ -452,6 +452,44 @@ def test_gemv_add_residual_then_prenormed_equals_gemv_norm_gemv(wdtype, silu, k)
         gemv.gemv_ref(x_eager, wa, sa, ba), res, g, 1e-5)[0], wb, sb, bb)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("wdtype", ["same", "fp8"])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("k", [96, 80])  # even and ragged K tiles of the first GEMV
+def test_gemv_add_residual_weighted_then_rms_scaled(wdtype, silu, k):
+    """The epilogue form: gemv_add_residual_weighted -> gemv_rms_scaled == gemv ->
+    fused_add_rms_norm -> gemv within bf16 rounding (one rounding of h * g instead of two),
+    with the new residual bit for bit."""
+    from kiln.runtime.kernels.activation import silu_and_mul
+    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
+
+    dtype = torch.bfloat16
+    hidden, n_out = 44, 40  # ragged BLOCK_N tiles in both GEMVs
+    wa, sa = _w(hidden, k, FP8 if wdtype == "fp8" else dtype)
+    wb, sb = _w(n_out, hidden, FP8 if wdtype == "fp8" else dtype)
+    x = torch.randn(1, 2 * k if silu else k).to(dtype)
+    res = torch.randn(1, hidden).to(dtype)
+    g = (torch.rand(hidden) + 0.5).to(dtype)
+    ba, bb = torch.randn(hidden).to(dtype), torch.randn(n_out).to(dtype)
+    h, hg, ss = gemv.gemv_add_residual_weighted(x, wa, sa, ba, res, g, silu_and_mul=silu,
+                                                config=CUDA_CORE)
+    assert ss.shape == (6,) and ss.dtype == torch.float32  # cdiv(44, BLOCK_N 8) tiles
+    y = gemv.gemv_rms_scaled(hg, ss, 1e-5, wb, sb, bb, config=CUDA_CORE)
+    a = gemv.gemv(x, wa, sa, ba, silu_and_mul=silu, config=CUDA_CORE)
+    xn, h_ref = fused_add_rms_norm(a, res, g, 1e-5)
+    assert torch.equal(h, h_ref)
+    # h * g rounded once (within one bf16 step: the interpreter's casts truncate)
+    assert torch.allclose(hg.float(), h_ref.float() * g.float(), rtol=2**-7, atol=0)
+    assert torch.allclose(ss.sum(), h_ref.float().pow(2).sum(), rtol=1e-5)
+    assert rel_err(y, gemv.gemv(xn, wb, sb, bb, config=CUDA_CORE)) < 1e-2
+    x_eager = silu_and_mul(x) if silu else x
+    assert rel_err(y, gemv.gemv_ref(fused_add_rms_norm(
+        gemv.gemv_ref(x_eager, wa, sa, ba), res, g, 1e-5)[0], wb, sb, bb)) < TOL[dtype]
+    # the statistics really come from ss: other partials, another scale
+    y2 = gemv.gemv_rms_scaled(hg, ss * 4, 1e-5, wb, sb, None, config=CUDA_CORE)
+    y1 = gemv.gemv_rms_scaled(hg, ss, 1e-5, wb, sb, None, config=CUDA_CORE)
+    assert rel_err(y2 * 2, y1) < 1e-2
+
+
 def test_gemv_add_residual_and_prenormed_errors():
     bf = torch.bfloat16
     x, r, g = torch.randn(1, 32, dtype=bf), torch.randn(1, 16, dtype=bf), torch.ones(16, dtype=bf)
@@ -475,6 +513,16 @@ def test_gemv_add_residual_and_prenormed_errors():
     ]:
         with pytest.raises(ValueError, match=msg):
             gemv.gemv_prenormed(*args, **kw)
+    for args, kw, msg in [
+        ((r, ss.double(), 1e-5, w2), {}, "ss has dtype"),
+        ((r, torch.ones(0), 1e-5, w2), {}, "0 partials"),
+        ((torch.randn(2, 16, dtype=bf), ss, 1e-5, w2), {}, "hg has 2 rows"),
+        ((r, ss, 1e-5, w2), {"config": TENSOR_CORE}, "CUDA-core tiles only"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            gemv.gemv_rms_scaled(*args, **kw)
+    with pytest.raises(ValueError, match="norm_weight has shape"):
+        gemv.gemv_add_residual_weighted(x, w, None, None, r, torch.ones(15, dtype=bf))
 
 
 def test_residual_fusion_rule(monkeypatch):
@@ -494,6 +542,20 @@ def test_residual_fusion_rule(monkeypatch):
     assert not gemv.residual_fusion_applies(1, 256, 4096, 1024, bf, bf)  # split-K
     monkeypatch.setattr(gemv, "RESIDUAL_FUSION", False)
     assert not gemv.residual_fusion_applies(1, 576, 576, 3072, bf, bf)
+
+
+def test_residual_fusion_form_rule(monkeypatch):
+    """smollm2's hidden size takes the prologue form, llama-3-8b's the epilogue form (its
+    consumer keeps the plain loop's registers); one row only; each behind its switch."""
+    bf = torch.bfloat16
+    for dt in (bf, FP8):
+        assert gemv.residual_fusion_form(1, 576, 576, 3072, dt, dt) == "prologue"
+        assert gemv.residual_fusion_form(1, 4096, 4096, 28672, dt, dt) == "epilogue"
+        assert gemv.residual_fusion_form(1, 4096, 14336, 6144, dt, dt) == "epilogue"
+        assert gemv.residual_fusion_form(2, 4096, 4096, 28672, dt, dt) is None
+    monkeypatch.setattr(gemv, "NORM_EPILOGUE", False)
+    assert gemv.residual_fusion_form(1, 4096, 4096, 28672, bf, bf) is None
+    assert gemv.residual_fusion_form(1, 576, 576, 3072, bf, bf) == "prologue"
 
 
 def test_norm_prologue_rule(monkeypatch):

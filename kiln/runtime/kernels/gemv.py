@@ -165,10 +165,12 @@ def _prenorm_tile(x_ptrs, g_ptrs, k_ok, inv, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _store_residual(v, res_tile, pid_n, offs_n, rows_n, N, res_out_ptr, ss_ptr, scale_ptr,
-                    bias_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    bias_ptr, g_ptr, hg_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HG: tl.constexpr):
     """One row: h = y + residual on this program's output tile, in fused_add_rms_norm's
     rounding (y rounded, the sum rounded), stored as the new residual; and sum(h^2) over the
-    tile, the partial the next GEMV's PRENORM prologue sums."""
+    tile, the partial the next GEMV's PRENORM sums. With ``HG``, also h * g (the next
+    RMSNorm's weight, rounded once): the input of the epilogue-normed GEMV (PRENORM == 2)."""
     n_ok = offs_n < N
     v = _scaled(v, scale_ptr, rows_n, HAS_SCALE)
     if HAS_BIAS:
@@ -178,6 +180,9 @@ def _store_residual(v, res_tile, pid_n, offs_n, rows_n, N, res_out_ptr, ss_ptr, 
     tl.store(res_out_ptr + offs_n, h, mask=n_ok)
     hf = tl.where(n_ok, h.to(tl.float32), 0.0)
     tl.store(ss_ptr + pid_n, tl.sum(hf * hf, axis=0))
+    if HG:
+        gv = tl.load(g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(hg_ptr + offs_n, (hf * gv).to(dt), mask=n_ok)
 
 
 @triton.jit
@@ -214,7 +219,8 @@ def _gemv_kernel(
     ACT: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
     K_PAD: tl.constexpr, HINT: tl.constexpr, W_EVICT: tl.constexpr,
-    ss_ptr, n_part, RES_EPI: tl.constexpr, PRENORM: tl.constexpr, NPART_PAD: tl.constexpr,
+    ss_ptr, hg_ptr, n_part, RES_EPI: tl.constexpr, PRENORM: tl.constexpr,
+    NPART_PAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -281,13 +287,13 @@ def _gemv_kernel(
             inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
             r_ptrs = res_ptr + offs_k
             g_ptrs = g_ptr + offs_k
-        if PRENORM:  # one row: x is the new residual h, the input is rms_norm(h) * g, with
-            # sum(h^2) from the partial sums the producing GEMV wrote (ss_ptr, n_part)
+        if PRENORM == 1:  # one row: x is the new residual h, the input is rms_norm(h) * g,
+            # with sum(h^2) from the partial sums the producing GEMV wrote (ss_ptr, n_part)
             pp = tl.arange(0, NPART_PAD)
             ss = tl.sum(tl.load(ss_ptr + pp, mask=pp < n_part, other=0.0), axis=0)
             inv = 1.0 / tl.sqrt(ss / K + eps)
             g_ptrs = g_ptr + offs_k
-        if RES_EPI:  # one row: the residual tile this program adds to its outputs
+        if RES_EPI == 1:  # one row: the residual tile this program adds to its outputs
             res_tile = tl.load(res_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if BLOCK_M > 1:
@@ -316,7 +322,7 @@ def _gemv_kernel(
                 acc0 += w * xv.to(tl.float32)[None, :]
                 r_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
-            elif PRENORM:
+            elif PRENORM == 1:
                 xv = _prenorm_tile(x_ptrs, g_ptrs, k_ok, inv, EVEN_K)
                 acc0 += w * xv.to(tl.float32)[None, :]
                 g_ptrs += BLOCK_K
@@ -339,9 +345,19 @@ def _gemv_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         v0 = tl.sum(acc0, axis=1)
+        if PRENORM == 2:  # one row: x is h * g, the product is scaled by 1 / rms(h) here,
+            # sum(h^2) from the producing GEMV's partials, read after the loop (no register
+            # is held across it: the loop is the plain GEMV's)
+            pp = tl.arange(0, NPART_PAD)
+            ss = tl.sum(tl.load(ss_ptr + pp, mask=pp < n_part, other=0.0), axis=0)
+            v0 = v0 * (1.0 / tl.sqrt(ss / K + eps))
+        if RES_EPI == 2:  # loaded after the loop: held across it, the tile cost 8B's
+            # 8-warp producers 64 -> 78 registers (4 -> 3 programs per SM)
+            res_tile = tl.load(res_ptr + offs_n, mask=offs_n < N, other=0.0)
         if RES_EPI:
-            _store_residual(v0, res_tile, pid_n, offs_n, rows_n, N,
-                            res_out_ptr, ss_ptr, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS)
+            _store_residual(v0, res_tile, pid_n, offs_n, rows_n, N, res_out_ptr, ss_ptr,
+                            scale_ptr, bias_ptr, g_ptr, hg_ptr, HAS_SCALE, HAS_BIAS,
+                            RES_EPI == 2)
         else:
             _store_row(v0, 0, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr,
                        scale_ptr, bias_ptr, stride_ym, SPLIT, HAS_SCALE, HAS_BIAS,
@@ -689,8 +705,10 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
             prenorm: tuple | None = None) -> None:
     """The kernel (and the split-K reduce) for checked arguments and a checked config;
     ``norm`` = (residual, norm weight, residual out, eps) for ``gemv_add_rms_norm``;
-    ``res_epi`` = (residual, sum-of-squares partials out) for ``gemv_add_residual`` (y is
-    the new residual); ``prenorm`` = (partials, norm weight, eps) for ``gemv_prenormed``."""
+    ``res_epi`` = (residual, sum-of-squares partials out, next norm weight or None, h * g
+    out or None) for ``gemv_add_residual`` (y is the new residual); ``prenorm`` = (partials,
+    norm weight, eps) for ``gemv_prenormed``, or (partials, None, eps) for
+    ``gemv_rms_scaled`` (the norm in the epilogue)."""
     m, n, k = y.shape[0], y.shape[1], weight.shape[1]
     bn, bk, dot = cfg["BLOCK_N"], cfg["BLOCK_K"], bool(cfg["USE_DOT"])
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
@@ -735,15 +753,18 @@ def _residual_args(res_epi: tuple | None, prenorm: tuple | None,
                    y: torch.Tensor) -> dict:
     """The kernel's residual epilogue / pre-normed prologue arguments (``y`` fills unused
     pointers; res_ptr / res_out_ptr / g_ptr / eps come from ``_norm_args`` unless set here)."""
-    out = {"ss_ptr": y, "n_part": 0, "RES_EPI": res_epi is not None,
-           "PRENORM": prenorm is not None, "NPART_PAD": 1}
+    out = {"ss_ptr": y, "hg_ptr": y, "n_part": 0, "RES_EPI": 0, "PRENORM": 0, "NPART_PAD": 1}
     if res_epi is not None:
-        residual, ss = res_epi
-        out.update(res_ptr=residual, res_out_ptr=y, ss_ptr=ss)
+        residual, ss, g, hg = res_epi
+        out.update(res_ptr=residual, res_out_ptr=y, ss_ptr=ss, RES_EPI=1)
+        if hg is not None:
+            out.update(g_ptr=g, hg_ptr=hg, RES_EPI=2)
     if prenorm is not None:
         ss, g, eps = prenorm
-        out.update(ss_ptr=ss, n_part=ss.shape[0], g_ptr=g, eps=float(eps),
+        out.update(ss_ptr=ss, n_part=ss.shape[0], eps=float(eps), PRENORM=2,
                    NPART_PAD=triton.next_power_of_2(ss.shape[0]))
+        if g is not None:
+            out.update(g_ptr=g, PRENORM=1)
     return out
 
 
@@ -836,6 +857,28 @@ def gemv_add_residual(
     x: [1, K] (or [1, 2K] with ``silu_and_mul``); residual [1, N] in x's dtype; weight /
     weight_scale / bias as in ``gemv``. CUDA-core configs without split-K only (the default
     at M = 1 except the smallest N). Returns (h [1, N], ss)."""
+    h, ss, _ = _add_residual(x, weight, weight_scale, bias, residual, silu_and_mul, config,
+                             None)
+    return h, ss
+
+
+def gemv_add_residual_weighted(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, *,
+    silu_and_mul: bool = False, config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gemv_add_residual`` that also stores ``hg = h * norm_weight`` (the next RMSNorm's
+    weight [N], x's dtype; rounded once), the input of ``gemv_rms_scaled``. Returns
+    (h [1, N], hg [1, N], ss)."""
+    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=x.device)
+    check_shape("norm_weight", norm_weight, (residual.shape[-1],))
+    h, ss, hg = _add_residual(x, weight, weight_scale, bias, residual, silu_and_mul, config,
+                              norm_weight)
+    return h, hg, ss
+
+
+def _add_residual(x, weight, weight_scale, bias, residual, silu_and_mul, config,
+                  norm_weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     m, k = _check_x(x, silu_and_mul)
     if m != 1:
         raise ValueError(f"x has {m} rows; gemv_add_residual takes one (use gemv, then "
@@ -852,10 +895,39 @@ def gemv_add_residual(
         raise ValueError(f"config {config}: the residual epilogue runs on CUDA-core tiles "
                          "without split-K only (USE_DOT=False, SPLIT_K=1)")
     h = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    hg = torch.empty_like(h) if norm_weight is not None else None
     ss = torch.empty(triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32, device=x.device)
     _launch(x, weight, weight_scale if fp8 else None, bias, h, None, config, silu_and_mul,
-            res_epi=(residual, ss))
-    return h, ss
+            res_epi=(residual, ss, norm_weight, hg))
+    return h, ss, hg
+
+
+def gemv_rms_scaled(
+    hg: torch.Tensor, ss: torch.Tensor, eps: float, weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``gemv(rms_norm(h) * g, weight, ...)`` computed as ``gemv(hg) / rms(h)`` for one row:
+    hg = h * g and the partial sums of h^2 from ``gemv_add_residual_weighted``; the loop is
+    the plain GEMV's and each program scales its outputs by 1 / rms(h) in the epilogue (it
+    sums the partials there, in a fixed order: deterministic). One rounding of the input
+    (h * g) instead of rms_norm's two (h / rms, then * g), so not bit-equal to rms_norm then
+    gemv; the same within bf16 rounding. CUDA-core configs only."""
+    check_tensor("hg", hg, ndim=2, dtypes=GEMV_DTYPES)
+    check_tensor("ss", ss, ndim=1, dtypes=(torch.float32,), device=hg.device)
+    m, k = hg.shape
+    if m != 1:
+        raise ValueError(f"hg has {m} rows; gemv_rms_scaled takes one")
+    if hg.stride(-1) != 1:
+        raise ValueError("hg needs a contiguous last dimension")
+    if not 1 <= ss.shape[0] <= PRENORM_MAX_PARTS:
+        raise ValueError(f"ss has {ss.shape[0]} partials; 1 to {PRENORM_MAX_PARTS} allowed")
+    n, fp8, config = _one_row_config(hg, weight, weight_scale, bias, k, config,
+                                     "the epilogue-normed GEMV")
+    y = torch.empty(1, n, dtype=hg.dtype, device=hg.device)
+    _launch(hg, weight, weight_scale if fp8 else None, bias, y, None, config, False,
+            prenorm=(ss, None, eps))
+    return y
 
 
 def gemv_prenormed(
@@ -887,22 +959,40 @@ def gemv_prenormed(
     return y
 
 
-def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
-                            in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Whether ``linear -> + residual -> RMSNorm -> linear`` runs as gemv_add_residual then
-    gemv_prenormed: one row, hidden at most RESIDUAL_FUSION_MAX_HIDDEN, both GEMVs taken by
-    ``gemv`` on CUDA-core tiles, the first without split-K (its partials are the
-    statistics). ``in_dtype`` / ``out_dtype``: the
-    two weights' dtypes; the first weight is [hidden, k_in], the second [n_out, hidden]."""
-    if not (RESIDUAL_FUSION and m == 1 and hidden <= RESIDUAL_FUSION_MAX_HIDDEN):
-        return False
+def residual_fusion_form(m: int, hidden: int, k_in: int, n_out: int,
+                         in_dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    """How ``linear -> + residual -> RMSNorm -> linear`` runs at this shape, or None (GEMV,
+    norm kernel, GEMV):
+
+    - ``"prologue"``: gemv_add_residual then gemv_prenormed (normalised as x is loaded),
+      hidden at most RESIDUAL_FUSION_MAX_HIDDEN (``RESIDUAL_FUSION``);
+    - ``"epilogue"``: gemv_add_residual_weighted then gemv_rms_scaled (the plain loop on
+      h * g, 1 / rms in the epilogue), larger hidden (``NORM_EPILOGUE``).
+
+    Both need one row, both GEMVs taken by ``gemv`` on CUDA-core tiles, the first without
+    split-K (its partials are the statistics). ``in_dtype`` / ``out_dtype``: the two
+    weights' dtypes; the first weight is [hidden, k_in], the second [n_out, hidden]."""
+    if m != 1:
+        return None
+    small = hidden <= RESIDUAL_FUSION_MAX_HIDDEN
+    form = ("prologue" if RESIDUAL_FUSION else None) if small else (
+        "epilogue" if NORM_EPILOGUE else None)
+    if form is None:
+        return None
     fp8_a, fp8_b = in_dtype in FP8_DTYPES, out_dtype in FP8_DTYPES
     if not (gemv_wins(1, hidden, k_in, fp8_a) and gemv_wins(1, n_out, hidden, fp8_b)):
-        return False
+        return None
     a = _config(None, 1, hidden, k_in, in_dtype)
     b = _config(None, 1, n_out, hidden, out_dtype)
-    return (not a["USE_DOT"] and a["SPLIT_K"] == 1 and not b["USE_DOT"]
-            and triton.cdiv(hidden, a["BLOCK_N"]) <= PRENORM_MAX_PARTS)
+    ok = (not a["USE_DOT"] and a["SPLIT_K"] == 1 and not b["USE_DOT"]
+          and triton.cdiv(hidden, a["BLOCK_N"]) <= PRENORM_MAX_PARTS)
+    return form if ok else None
+
+
+def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
+                            in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``residual_fusion_form`` is the prologue form (gemv_prenormed)."""
+    return residual_fusion_form(m, hidden, k_in, n_out, in_dtype, out_dtype) == "prologue"
 
 
 # Whether the model runs each ``linear -> + residual -> RMSNorm -> linear`` of a batch-1 step
@@ -917,6 +1007,11 @@ def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
 RESIDUAL_FUSION = True
 RESIDUAL_FUSION_MAX_HIDDEN = 2048
 PRENORM_MAX_PARTS = 4096
+# Above RESIDUAL_FUSION_MAX_HIDDEN: the epilogue form. The first GEMV also stores h * g (g:
+# the norm's weight), the second runs the plain GEMV loop on it (72 registers, as without
+# the fusion) and scales its outputs by 1 / rms(h) after the loop. Measured: see
+# notes/NOTES.md, 2026-11-30 twelfth session.
+NORM_EPILOGUE = True
 
 
 def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> bool:

@@ -232,9 +232,10 @@ def linear_residual_norm_linear(
     residual: a projection, the residual add and the RMSNorm before the next projection
     (o_proj -> post-attention norm -> gate_up; down -> next layer's input norm -> qkv).
 
-    At batch 1 on CUDA, where ``gemv.residual_fusion_applies``, two kernels: the first GEMV
-    adds the residual and writes per-tile sums of squares in its epilogue, the second
-    normalises as it loads (no norm kernel between them). Else linear, then
+    At batch 1 on CUDA, where ``gemv.residual_fusion_form`` says so, two kernels: the first
+    GEMV adds the residual and writes per-tile sums of squares in its epilogue, the second
+    normalises as it loads (``"prologue"``) or runs on h * g and scales by 1 / rms(h) in
+    its epilogue (``"epilogue"``); no norm kernel between them. Else linear, then
     ``linear_add_rms_norm``."""
     wa, wb = w[prefix + ".weight"], w[next_prefix + ".weight"]
     k_in = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
@@ -242,8 +243,9 @@ def linear_residual_norm_linear(
             and _triton() and residual.shape == (x.shape[0], wa.shape[0])):
         from kiln.runtime.kernels import gemv
 
-        if gemv.residual_fusion_applies(x.shape[0], wa.shape[0], k_in, wb.shape[0], wa.dtype,
-                                        wb.dtype):
+        form = gemv.residual_fusion_form(x.shape[0], wa.shape[0], k_in, wb.shape[0],
+                                         wa.dtype, wb.dtype)
+        if form is not None:
             if silu_and_mul and not _silu_fusion_applies(x, wa):
                 x, silu_and_mul = _silu_and_mul(x), False  # the activation kernel first
             ba, bb = w.get(prefix + ".bias"), w.get(next_prefix + ".bias")
@@ -251,6 +253,10 @@ def linear_residual_norm_linear(
             ok_b, sb = _kernel_operands(residual, wb, w, next_prefix, bb, wa.shape[0])
             if (ok_a and ok_b and x.stride(-1) == 1 and residual.stride(-1) == 1
                     and norm_weight.dtype == x.dtype):
+                if form == "epilogue":
+                    h, hg, ss = gemv.gemv_add_residual_weighted(
+                        x, wa, sa, ba, residual, norm_weight, silu_and_mul=silu_and_mul)
+                    return gemv.gemv_rms_scaled(hg, ss, eps, wb, sb, bb), h
                 h, ss = gemv.gemv_add_residual(x, wa, sa, ba, residual,
                                                silu_and_mul=silu_and_mul)
                 return gemv.gemv_prenormed(h, ss, norm_weight, eps, wb, sb, bb), h
