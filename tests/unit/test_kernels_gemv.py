@@ -421,6 +421,21 @@ def test_gemv_add_rms_norm_errors():
             gemv.gemv_add_rms_norm(*args, **kw)
 
 
+def _residual_pair(wdtype: str, silu: bool, k: int):
+    """x, the two GEMVs' weights and scales, the residual, the norm weight and the biases of
+    a projection -> + residual -> RMSNorm -> projection at hidden 44, N 40 (ragged BLOCK_N
+    tiles in both GEMVs)."""
+    dtype = torch.bfloat16
+    hidden, n_out = 44, 40
+    wa, sa = _w(hidden, k, FP8 if wdtype == "fp8" else dtype)
+    wb, sb = _w(n_out, hidden, FP8 if wdtype == "fp8" else dtype)
+    x = torch.randn(1, 2 * k if silu else k).to(dtype)
+    res = torch.randn(1, hidden).to(dtype)
+    g = (torch.rand(hidden) + 0.5).to(dtype)
+    ba, bb = torch.randn(hidden).to(dtype), torch.randn(n_out).to(dtype)
+    return x, wa, sa, wb, sb, res, g, ba, bb
+
+
 @pytest.mark.parametrize("wdtype", ["same", "fp8"])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("k", [96, 80])  # even and ragged K tiles of the first GEMV
@@ -432,13 +447,7 @@ def test_gemv_add_residual_then_prenormed_equals_gemv_norm_gemv(wdtype, silu, k)
     from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
 
     dtype = torch.bfloat16
-    hidden, n_out = 44, 40  # ragged BLOCK_N tiles in both GEMVs
-    wa, sa = _w(hidden, k, FP8 if wdtype == "fp8" else dtype)
-    wb, sb = _w(n_out, hidden, FP8 if wdtype == "fp8" else dtype)
-    x = torch.randn(1, 2 * k if silu else k).to(dtype)
-    res = torch.randn(1, hidden).to(dtype)
-    g = (torch.rand(hidden) + 0.5).to(dtype)
-    ba, bb = torch.randn(hidden).to(dtype), torch.randn(n_out).to(dtype)
+    x, wa, sa, wb, sb, res, g, ba, bb = _residual_pair(wdtype, silu, k)
     h, ss = gemv.gemv_add_residual(x, wa, sa, ba, res, silu_and_mul=silu, config=CUDA_CORE)
     assert ss.shape == (6,) and ss.dtype == torch.float32  # cdiv(44, BLOCK_N 8) tiles
     y = gemv.gemv_prenormed(h, ss, g, 1e-5, wb, sb, bb, config=CUDA_CORE)
@@ -463,13 +472,7 @@ def test_gemv_add_residual_weighted_then_rms_scaled(wdtype, silu, k):
     from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
 
     dtype = torch.bfloat16
-    hidden, n_out = 44, 40  # ragged BLOCK_N tiles in both GEMVs
-    wa, sa = _w(hidden, k, FP8 if wdtype == "fp8" else dtype)
-    wb, sb = _w(n_out, hidden, FP8 if wdtype == "fp8" else dtype)
-    x = torch.randn(1, 2 * k if silu else k).to(dtype)
-    res = torch.randn(1, hidden).to(dtype)
-    g = (torch.rand(hidden) + 0.5).to(dtype)
-    ba, bb = torch.randn(hidden).to(dtype), torch.randn(n_out).to(dtype)
+    x, wa, sa, wb, sb, res, g, ba, bb = _residual_pair(wdtype, silu, k)
     h, hg, ss = gemv.gemv_add_residual_weighted(x, wa, sa, ba, res, g, silu_and_mul=silu,
                                                 config=CUDA_CORE)
     assert ss.shape == (6,) and ss.dtype == torch.float32  # cdiv(44, BLOCK_N 8) tiles

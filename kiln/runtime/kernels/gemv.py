@@ -913,21 +913,8 @@ def gemv_rms_scaled(
     sums the partials there, in a fixed order: deterministic). One rounding of the input
     (h * g) instead of rms_norm's two (h / rms, then * g), so not bit-equal to rms_norm then
     gemv; the same within bf16 rounding. CUDA-core configs only."""
-    check_tensor("hg", hg, ndim=2, dtypes=GEMV_DTYPES)
-    check_tensor("ss", ss, ndim=1, dtypes=(torch.float32,), device=hg.device)
-    m, k = hg.shape
-    if m != 1:
-        raise ValueError(f"hg has {m} rows; gemv_rms_scaled takes one")
-    if hg.stride(-1) != 1:
-        raise ValueError("hg needs a contiguous last dimension")
-    if not 1 <= ss.shape[0] <= PRENORM_MAX_PARTS:
-        raise ValueError(f"ss has {ss.shape[0]} partials; 1 to {PRENORM_MAX_PARTS} allowed")
-    n, fp8, config = _one_row_config(hg, weight, weight_scale, bias, k, config,
-                                     "the epilogue-normed GEMV")
-    y = torch.empty(1, n, dtype=hg.dtype, device=hg.device)
-    _launch(hg, weight, weight_scale if fp8 else None, bias, y, None, config, False,
-            prenorm=(ss, None, eps))
-    return y
+    return _statistics_gemv("hg", hg, ss, None, eps, weight, weight_scale, bias, config,
+                            "gemv_rms_scaled", "the epilogue-normed GEMV")
 
 
 def gemv_prenormed(
@@ -940,21 +927,29 @@ def gemv_prenormed(
     (a fixed order: deterministic) and normalises each x tile as it loads it. Same rounding
     points as rms_norm then gemv; the float32 sum of squares may differ in its last bits
     (another reduction order). CUDA-core configs only."""
-    check_tensor("h", h, ndim=2, dtypes=GEMV_DTYPES)
-    check_tensor("ss", ss, ndim=1, dtypes=(torch.float32,), device=h.device)
-    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(h.dtype,), device=h.device)
-    m, k = h.shape
+    return _statistics_gemv("h", h, ss, norm_weight, eps, weight, weight_scale, bias, config,
+                            "gemv_prenormed", "the pre-normed prologue")
+
+
+def _statistics_gemv(name: str, x: torch.Tensor, ss: torch.Tensor, norm_weight, eps: float,
+                     weight, weight_scale, bias, config, fn: str, what: str) -> torch.Tensor:
+    """gemv_prenormed (``norm_weight`` given) / gemv_rms_scaled (None): checks, launch."""
+    check_tensor(name, x, ndim=2, dtypes=GEMV_DTYPES)
+    check_tensor("ss", ss, ndim=1, dtypes=(torch.float32,), device=x.device)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=x.device)
+    m, k = x.shape
     if m != 1:
-        raise ValueError(f"h has {m} rows; gemv_prenormed takes one")
-    check_shape("norm_weight", norm_weight, (k,))
-    if h.stride(-1) != 1:
-        raise ValueError("h needs a contiguous last dimension")
+        raise ValueError(f"{name} has {m} rows; {fn} takes one")
+    if norm_weight is not None:
+        check_shape("norm_weight", norm_weight, (k,))
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dimension")
     if not 1 <= ss.shape[0] <= PRENORM_MAX_PARTS:
         raise ValueError(f"ss has {ss.shape[0]} partials; 1 to {PRENORM_MAX_PARTS} allowed")
-    n, fp8, config = _one_row_config(h, weight, weight_scale, bias, k, config,
-                                     "the pre-normed prologue")
-    y = torch.empty(1, n, dtype=h.dtype, device=h.device)
-    _launch(h, weight, weight_scale if fp8 else None, bias, y, None, config, False,
+    n, fp8, config = _one_row_config(x, weight, weight_scale, bias, k, config, what)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _launch(x, weight, weight_scale if fp8 else None, bias, y, None, config, False,
             prenorm=(ss, norm_weight, eps))
     return y
 
