@@ -50,6 +50,16 @@ def _no_gemv(x, w, *a, **k):
     return torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
 
 
+def _no_residual_gemv(x, w, scale, bias, residual, *a, **k):
+    """gemv_add_residual_weighted without its kernel: (h, h * g, ss) of the right shapes."""
+    h = torch.empty_like(residual)
+    return h, torch.empty_like(h), torch.ones(1, device=x.device)
+
+
+def _no_scaled_gemv(hg, ss, eps, w, *a, **k):
+    return _no_gemv(hg, w)
+
+
 PATCHES = {  # variant: [(module, attribute, replacement)]
     "base": [],
     "no_rotary_kv": [(rotary, "rotary_and_cache_", lambda *a, **k: None)],
@@ -61,7 +71,9 @@ PATCHES = {  # variant: [(module, attribute, replacement)]
     **{f"noskip_splits{n}": [(paged_attention, "SKIP_EMPTY_SPLITS", False),
                              (paged_attention, "choose_num_splits", _splits(n))]
        for n in (4, 8, 32)},
-    "no_gemv": [(gemv, "gemv", _no_gemv)],
+    "no_gemv": [(gemv, "gemv", _no_gemv),  # and the batch-1 fused pairs (not re-run since)
+                (gemv, "gemv_add_residual_weighted", _no_residual_gemv),
+                (gemv, "gemv_rms_scaled", _no_scaled_gemv)],
     "norm4096": [(gemv, "NORM_PROLOGUE_MAX_K", 4096)],  # add + RMSNorm into qkv / gate_up
     "no_staged_early": [(_pdl, "STAGED_EARLY", False)],  # metadata read after the wait
     "no_kv_prefetch": [(paged_attention, "KV_PREFETCH_TILES", 0)],
