@@ -30,6 +30,8 @@
 #    .carry/a + .whl, then the real-GGUF correctness tests with carry .carry/b + .whl.
 # v1 then v2 (twelfth session): the epilogue norm form's GPU tests and 8B latency (FP8, FP8
 #    lm_head, bf16; carry .carry/a + .whl), then correctness incl. smollm2 on that form.
+# x1 then x2 (twelfth session): 8B serve -> first answer (carry .carry/a + .whl), then the
+#    smollm2 bench on the real GGUF (carry .carry/b + .whl).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -111,6 +113,20 @@ elif [ "$phase" = u1 ]; then  # eleventh session, final call 1 (carry .carry/a +
 elif [ "$phase" = u2 ] || [ "$phase" = v2 ]; then  # right after u1 / v1 (carry .carry/b +
   # .whl): correctness, real GGUF (v2: also smollm2 forced onto the epilogue norm form)
   correctness_gguf || exit 1
+elif [ "$phase" = x1 ]; then  # twelfth session (carry .carry/a + .whl): serve -> first answer, 8B
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 150 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
+    > "$OUT/serve.log" 2>&1
+  tail -6 "$OUT/serve.log"
+elif [ "$phase" = x2 ]; then  # right after x1 (carry .carry/b + .whl): smollm2 b1 + lookahead
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 200 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
+    --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
+  tail -16 "$OUT/smol.log"
 elif [ "$phase" = v1 ]; then  # twelfth session, final call 1 (carry .carry/a + .whl); v2 after
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
