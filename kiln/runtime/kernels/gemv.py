@@ -996,16 +996,17 @@ def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
 # prologue, which recomputes the row's statistics in every program), and up to which hidden
 # size it pays. H200 (notes/NOTES.md, 2026-11-30 ninth session): smollm2 (hidden 576) decode
 # replay 0.503 -> 0.493 ms (against the norm prologue); llama-3-8b (hidden 4096) engine step
-# FP8 2.650 -> 3.028 ms, bf16 4.108-4.113 -> 4.163-4.166 (the second GEMV's normalising
-# loads cost gate_up and qkv registers, 72 -> 77-80, and every program reads the partials
-# before its first tile).
+# FP8 2.650 -> 3.028 ms, bf16 4.108-4.113 -> 4.163-4.166. The twelfth session found the
+# cause of that loss (scripts/norm_fusion_probe.py): the first GEMV holding its residual tile
+# across its loop (8B's 8-warp FP8 producer, 64 -> 78 registers, 4 -> 3 programs per SM).
 RESIDUAL_FUSION = True
 RESIDUAL_FUSION_MAX_HIDDEN = 2048
 PRENORM_MAX_PARTS = 4096
-# Above RESIDUAL_FUSION_MAX_HIDDEN: the epilogue form. The first GEMV also stores h * g (g:
-# the norm's weight), the second runs the plain GEMV loop on it (72 registers, as without
-# the fusion) and scales its outputs by 1 / rms(h) after the loop. Measured: see
-# notes/NOTES.md, 2026-11-30 twelfth session.
+# Above RESIDUAL_FUSION_MAX_HIDDEN: the epilogue form. The first GEMV loads its residual
+# tile after its loop and also stores h * g (g: the norm's weight); the second runs the plain
+# GEMV loop on h * g (its registers unchanged) and scales its outputs by 1 / rms(h) after
+# the loop. H200, llama-3-8b engine step, same call (notes/NOTES.md, 2026-11-30 twelfth
+# session): FP8 2.603-2.604 -> 2.590-2.591 ms, bf16 4.057-4.063 -> 4.002-4.003.
 NORM_EPILOGUE = True
 
 
