@@ -60,6 +60,19 @@ __device__ __forceinline__ uint4 ldw(const unsigned char* p, unsigned long long 
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
     return v;
 }
+// a += the 16 e4m3 weights of v times xf[0..15], in order (float32 FMAs)
+__device__ __forceinline__ float dot16(uint4 v, const float* xf, float a) {
+    float f[16];
+    e4m3x4(v.x, f); e4m3x4(v.y, f + 4); e4m3x4(v.z, f + 8); e4m3x4(v.w, f + 12);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) a = fmaf(f[i], xf[i], a);
+    return a;
+}
+__device__ __forceinline__ float warp_sum(float a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    return a;
+}
 __device__ __forceinline__ void load_x16(const bf16_t* x, int k, int K, float* xf) {
     const uint4* p = reinterpret_cast<const uint4*>(x + k);
     uint4 a = __ldg(p), b = __ldg(p + 1);
@@ -121,12 +134,7 @@ kiln_gemv_fp8(const bf16_t* __restrict__ x, const unsigned char* __restrict__ w,
                 for (int r = 0; r < ROWS_W; ++r) {
                     uint4 v = buf[u][r];
                     if (s + u + AHEAD < nsteps) buf[u][r] = ldw(wp[r] + (s + u + AHEAD) * 512, pol);
-                    float f[16];
-                    e4m3x4(v.x, f); e4m3x4(v.y, f + 4); e4m3x4(v.z, f + 8); e4m3x4(v.w, f + 12);
-                    float a = acc[r];
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) a = fmaf(f[i], xf[i], a);
-                    acc[r] = a;
+                    acc[r] = dot16(v, xf, acc[r]);
                 }
             }
         }
@@ -134,9 +142,7 @@ kiln_gemv_fp8(const bf16_t* __restrict__ x, const unsigned char* __restrict__ w,
     const float sc = *scale;
 #pragma unroll
     for (int r = 0; r < ROWS_W; ++r) {
-        float a = acc[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        const float a = warp_sum(acc[r]);
         if (lane == 0 && row0 + r < N) y[row0 + r] = f2bf(a * sc);
     }
 }
@@ -190,20 +196,13 @@ kiln_gemv_fp8_stream(const bf16_t* __restrict__ x, const unsigned char* __restri
                     uint4 v = buf[u][r];
                     if (more)
                         buf[u][r] = ldw(w + (size_t)min(lg * ROWS_W + r, N - 1) * K + lst * 512 + lane * 16, pol);
-                    float f[16];
-                    e4m3x4(v.x, f); e4m3x4(v.y, f + 4); e4m3x4(v.z, f + 8); e4m3x4(v.w, f + 12);
-                    float a = acc[r];
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) a = fmaf(f[i], xf[i], a);
-                    acc[r] = a;
+                    acc[r] = dot16(v, xf, acc[r]);
                 }
                 if (++lst == nsteps) { lst = 0; lg += nwarps; }
                 if (++st == nsteps) {  // the row group is done: reduce, store, restart
 #pragma unroll
                     for (int r = 0; r < ROWS_W; ++r) {
-                        float a = acc[r];
-#pragma unroll
-                        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+                        const float a = warp_sum(acc[r]);
                         if (lane == 0 && g * ROWS_W + r < N) y[g * ROWS_W + r] = f2bf(a * sc);
                         acc[r] = 0.0f;
                     }

@@ -29,10 +29,7 @@ from triton.compiler import ASTSource
 
 from kiln.runtime.kernels import gemv
 
-BASE = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
-        "SPLIT": False, "HAS_SCALE": 1, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
-        "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-        "HINT": 128, "W_EVICT": "evict_first", "RES_EPI": 0, "PRENORM": 0, "NPART_PAD": 1}
+BASE = dict(sc.GEMV_ONE_ROW, HAS_SCALE=1)
 CASES = {  # name: (constexprs over BASE, warps, FP8 weights)
     "FP8 qkv 8x512": ({}, 4, True),
     "FP8 gate_up 16x256": ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, True),

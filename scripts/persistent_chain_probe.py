@@ -99,21 +99,14 @@ kiln_persistent_chain(const Op* __restrict__ ops, int nops, const float* __restr
                             if (s + u + AHEAD < nsteps)
                                 buf[u][r] = ldw(o.w + (size_t)min(row0 + r, o.N - 1) * o.K
                                                 + (s + u + AHEAD) * 512 + lane * 16, pol);
-                            float f[16];
-                            e4m3x4(v.x, f); e4m3x4(v.y, f + 4); e4m3x4(v.z, f + 8); e4m3x4(v.w, f + 12);
-                            float a = acc[r];
-#pragma unroll
-                            for (int i = 0; i < 16; ++i) a = fmaf(f[i], xf[i], a);
-                            acc[r] = a;
+                            acc[r] = dot16(v, xf, acc[r]);
                         }
                     }
                 }
             }
 #pragma unroll
             for (int r = 0; r < ROWS_W; ++r) {
-                float a = acc[r];
-#pragma unroll
-                for (int sh = 16; sh > 0; sh >>= 1) a += __shfl_xor_sync(0xffffffffu, a, sh);
+                const float a = warp_sum(acc[r]);
                 if (lane == 0 && row0 + r < o.N) o.y[row0 + r] = f2bf(a * sc);
             }
         }

@@ -45,6 +45,15 @@ def signature(fn, constexprs: dict, ptr_types: dict | None = None):
     return sig, const
 
 
+# The one-row FP8 CUDA-core GEMV's constexprs (8 x 512 tiles, PDL and its prefetch, no
+# fusion); cases and scripts/kernel_registers.py vary them.
+GEMV_ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
+                "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False,
+                "ACT": False, "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1,
+                "NORM": False, "K_PAD": 1, "HINT": 128, "W_EVICT": "evict_first",
+                "RES_EPI": 0, "PRENORM": 0, "NPART_PAD": 1}
+
+
 def cases():
     from kiln.runtime.kernels import (
         activation,
@@ -57,11 +66,7 @@ def cases():
         sampling,
     )
 
-    g = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
-         "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False, "ACT": False,
-         "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1, "NORM": False, "K_PAD": 1,
-         "HINT": 128, "W_EVICT": "evict_first", "RES_EPI": 0, "PRENORM": 0,
-         "NPART_PAD": 1}
+    g = GEMV_ONE_ROW
     fp8w = {"w_ptr": "*fp8e4nv"}
     yield "gemv W8A16 M=1 prefetch", gemv._gemv_kernel, g, fp8w, 8
     yield "gemv W8A16 M=1 sector hints", gemv._gemv_kernel, dict(g, HINT=32), fp8w, 8
