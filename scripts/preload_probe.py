@@ -37,6 +37,10 @@ DEV = "cuda"
 LAYERS = 32
 HELPERS = SOURCE[:SOURCE.index('extern "C"')]
 KERNELS = HELPERS + r"""
+#ifndef ROWS
+#define ROWS 8
+#define NWARPS 4
+#endif
 extern "C" __global__ void standin(int* sink, long long spin) {
     extern __shared__ unsigned char att_smem[];
 #if PDL
