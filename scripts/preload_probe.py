@@ -120,7 +120,7 @@ class Kernel:
         self.k = torch.cuda._compile_kernel(KERNELS, name, nvcc_options=opts)
         self.smem, self.threads = smem, threads
         if smem > 48 << 10:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            rc = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(self.k.func), 8, smem)
+            rc = _libcuda().cuFuncSetAttribute(self.k.func, 8, smem)
             if rc:
                 raise RuntimeError(f"cuFuncSetAttribute({smem}) failed: {rc}")
         self.attr = _LaunchAttr()
@@ -135,7 +135,7 @@ class Kernel:
         cfg = _LaunchConfig(grid, 1, 1, self.threads, 1, 1, self.smem,
                             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                             ctypes.pointer(self.attr), 1)
-        rc = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(self.k.func),
+        rc = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), self.k.func,
                                          argv, None)
         if rc:
             raise RuntimeError(f"cuLaunchKernelEx failed: {rc}")
