@@ -52,7 +52,7 @@ GEMV_ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "E
                 "ACT": False, "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1,
                 "NORM": False, "K_PAD": 1, "HINT": 128, "W_EVICT": "evict_first",
                 "RES_EPI": 0, "PRENORM": 0, "NPART_PAD": 1,
-                "ALU_WIDEN": False}
+                "ALU_WIDEN": 0}
 
 
 def cases():

@@ -118,10 +118,28 @@ def _e4m3_to_f32_alu(w):
 
 
 @triton.jit
+def _e4m3_to_f32_mixed(w):
+    """``_e4m3_to_f32_alu`` for bytes 2 and 3 of each four, the conversion instructions for
+    bytes 0 and 1: half the widening on each pipe."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 h, t2, t3; .reg .b16 lo; .reg .f16 a, b;"
+        " cvt.u16.u32 lo, $4; cvt.rn.f16x2.e4m3x2 h, lo; mov.b32 {a, b}, h;"
+        " cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
+        " shl.b32 t2, $4, 8; shr.s32 t2, t2, 4; and.b32 t2, t2, 0x87F00000;"
+        " shr.s32 t3, $4, 4; and.b32 t3, t3, 0x87F00000;"
+        " mul.f32 $2, t2, 0f7B800000; mul.f32 $3, t3, 0f7B800000; }",
+        constraints="=f,=f,=f,=f,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float32,
+        is_pure=True, pack=4)
+
+
+@triton.jit
 def _widen(w, ALU_WIDEN: tl.constexpr):
-    """A W tile in float32: FP8 through ``_e4m3_to_f32_alu`` where ``ALU_WIDEN``."""
-    if ALU_WIDEN:
+    """A W tile in float32: FP8 through ``_e4m3_to_f32_alu`` where ``ALU_WIDEN`` is 1,
+    ``_e4m3_to_f32_mixed`` where 2."""
+    if ALU_WIDEN == 1:
         return _e4m3_to_f32_alu(w)
+    if ALU_WIDEN == 2:
+        return _e4m3_to_f32_mixed(w)
     return w.to(tl.float32)
 
 
@@ -757,7 +775,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
         HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT,
-        ALU_WIDEN=bool(FP8_ALU_WIDEN) and fp8 and not dot and not _interpreting(),
+        ALU_WIDEN=int(FP8_ALU_WIDEN) if fp8 and not dot and not _interpreting() else 0,
         **_norm_args(norm, k, y) | _residual_args(res_epi, prenorm, y),
         **_pdl.launch_kwargs(),
     )
