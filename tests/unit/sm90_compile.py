@@ -51,8 +51,7 @@ GEMV_ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "E
                 "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False,
                 "ACT": False, "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1,
                 "NORM": False, "K_PAD": 1, "HINT": 128, "W_EVICT": "evict_first",
-                "RES_EPI": 0, "PRENORM": 0, "NPART_PAD": 1,
-                "ALU_WIDEN": 0}
+                "RES_EPI": 0, "PRENORM": 0, "NPART_PAD": 1}
 
 
 def cases():

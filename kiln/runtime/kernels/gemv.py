@@ -98,52 +98,6 @@ def _scaled(v, scale_ptr, rows, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_to_f32_alu(w):
-    """e4m3 (float8_e4m3fn) -> float32 on the integer ALUs, four bytes per instance: byte b
-    becomes the float32 bits (b & 0x80) << 24 | (b & 0x7F) << 20 (the value times 2^-120,
-    exact for normals and subnormals alike), then one multiply by 2^120 (no flush: exact).
-    Same values as ``w.to(tl.float32)`` except NaN (0x7F / 0xFF give 480): FP8 weights are
-    saturated, never NaN. Why: cvt.rn.f16x2.e4m3x2 + cvt.f32.f16 run on the conversion
-    pipe (16 lanes per SM per clock), which caps the FP8 GEMV near 4.2 TB/s."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t0, t1, t2, t3;"
-        " shl.b32 t0, $4, 24; shr.s32 t0, t0, 4; and.b32 t0, t0, 0x87F00000;"
-        " shl.b32 t1, $4, 16; shr.s32 t1, t1, 4; and.b32 t1, t1, 0x87F00000;"
-        " shl.b32 t2, $4, 8; shr.s32 t2, t2, 4; and.b32 t2, t2, 0x87F00000;"
-        " shr.s32 t3, $4, 4; and.b32 t3, t3, 0x87F00000;"
-        " mul.f32 $0, t0, 0f7B800000; mul.f32 $1, t1, 0f7B800000;"
-        " mul.f32 $2, t2, 0f7B800000; mul.f32 $3, t3, 0f7B800000; }",
-        constraints="=f,=f,=f,=f,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float32,
-        is_pure=True, pack=4)
-
-
-@triton.jit
-def _e4m3_to_f32_mixed(w):
-    """``_e4m3_to_f32_alu`` for bytes 2 and 3 of each four, the conversion instructions for
-    bytes 0 and 1: half the widening on each pipe."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 h, t2, t3; .reg .b16 lo; .reg .f16 a, b;"
-        " cvt.u16.u32 lo, $4; cvt.rn.f16x2.e4m3x2 h, lo; mov.b32 {a, b}, h;"
-        " cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
-        " shl.b32 t2, $4, 8; shr.s32 t2, t2, 4; and.b32 t2, t2, 0x87F00000;"
-        " shr.s32 t3, $4, 4; and.b32 t3, t3, 0x87F00000;"
-        " mul.f32 $2, t2, 0f7B800000; mul.f32 $3, t3, 0f7B800000; }",
-        constraints="=f,=f,=f,=f,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float32,
-        is_pure=True, pack=4)
-
-
-@triton.jit
-def _widen(w, ALU_WIDEN: tl.constexpr):
-    """A W tile in float32: FP8 through ``_e4m3_to_f32_alu`` where ``ALU_WIDEN`` is 1,
-    ``_e4m3_to_f32_mixed`` where 2."""
-    if ALU_WIDEN == 1:
-        return _e4m3_to_f32_alu(w)
-    if ALU_WIDEN == 2:
-        return _e4m3_to_f32_mixed(w)
-    return w.to(tl.float32)
-
-
-@triton.jit
 def _store_row(
     v, row, pid_k, offs_n, rows_n, M, N, y_ptr, part_ptr, scale_ptr, bias_ptr, stride_ym,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, RND: tl.constexpr,
@@ -266,7 +220,7 @@ def _gemv_kernel(
     ESIZE: tl.constexpr, res_ptr, g_ptr, res_out_ptr, eps, NORM: tl.constexpr,
     K_PAD: tl.constexpr, HINT: tl.constexpr, W_EVICT: tl.constexpr,
     ss_ptr, hg_ptr, n_part, RES_EPI: tl.constexpr, PRENORM: tl.constexpr,
-    NPART_PAD: tl.constexpr, ALU_WIDEN: tl.constexpr,
+    NPART_PAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -359,10 +313,10 @@ def _gemv_kernel(
         for kk in range(0, K_SPLIT, BLOCK_K):
             k_ok = offs_k + kk < K
             if EVEN_K:
-                w = _widen(tl.load(w_ptrs, eviction_policy=W_EVICT), ALU_WIDEN)
+                w = tl.load(w_ptrs, eviction_policy=W_EVICT).to(tl.float32)
             else:
-                w = _widen(tl.load(w_ptrs, mask=k_ok[None, :], other=0.0,
-                                   eviction_policy=W_EVICT), ALU_WIDEN)
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0,
+                            eviction_policy=W_EVICT).to(tl.float32)
             if NORM:
                 xv = _norm_tile(x_ptrs, r_ptrs, g_ptrs, k_ok, inv, EVEN_K)
                 acc0 += w * xv.to(tl.float32)[None, :]
@@ -775,7 +729,6 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
         HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT,
-        ALU_WIDEN=int(FP8_ALU_WIDEN) if fp8 and not dot and not _interpreting() else 0,
         **_norm_args(norm, k, y) | _residual_args(res_epi, prenorm, y),
         **_pdl.launch_kwargs(),
     )
@@ -794,9 +747,6 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
 # scripts/ablate_step.py, 8B FP8 batch 1, same process): engine step 2.753 -> 2.674 ms at
 # contexts 129-256, 2.884 -> 2.793 at 1793-1920. ("" = normal priority.)
 WEIGHT_EVICT = "evict_first"
-# Whether the CUDA-core GEMV widens e4m3 weights on the integer ALUs (``_e4m3_to_f32_alu``)
-# instead of the conversion instructions (an A/B switch while it is measured).
-FP8_ALU_WIDEN = 0
 
 
 def _residual_args(res_epi: tuple | None, prenorm: tuple | None,
