@@ -32,6 +32,8 @@
 #    lm_head, bf16; carry .carry/a + .whl), then correctness incl. smollm2 on that form.
 # x1 then x2 (twelfth session): 8B serve -> first answer (carry .carry/a + .whl), then the
 #    smollm2 bench on the real GGUF (carry .carry/b + .whl).
+# r1 then r2 (thirteenth session): the same-run transformers ratios, 8B bf16 batch 1 and
+#    1024 requests 512 / 256.
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -127,6 +129,24 @@ elif [ "$phase" = x2 ]; then  # right after x1 (carry .carry/b + .whl): smollm2 
   timeout 200 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
   tail -16 "$OUT/smol.log"
+elif [ "$phase" = r1 ]; then  # thirteenth session: 8B bf16 batch-1 latency with transformers
+  # (static cache + torch.compile) in the same run (carry nothing extra)
+  python3 -m kiln build random:llama-3-8b -o /tmp/l3-none --dtype bfloat16 --max-seq-len 2048 \
+    --max-num-tokens 8192 --max-batch-size 256 --no-tune --no-precompile-kernels --force \
+    > "$OUT/build-none.log" 2>&1 || tail -3 "$OUT/build-none.log"
+  timeout 420 python3 -m kiln bench latency /tmp/l3-none --batch-size 1 --input-len 128 \
+    --output-len 128 --num-iters 5 --warmup 1 --baseline hf --json "$OUT/lat-hf.json" \
+    > "$OUT/lat-hf.log" 2>&1
+  tail -25 "$OUT/lat-hf.log"
+elif [ "$phase" = r2 ]; then  # right after r1 (the engine in /tmp/l3-none): 1024 requests
+  # 512 / 256 with transformers' generate_batch on 256 of them in the same run
+  [ -d /tmp/l3-none ] || python3 -m kiln build random:llama-3-8b -o /tmp/l3-none \
+    --dtype bfloat16 --max-seq-len 2048 --max-num-tokens 8192 --max-batch-size 256 --no-tune \
+    --no-precompile-kernels --force > "$OUT/build-none.log" 2>&1
+  timeout 560 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
+    --output-len 256 --baseline hf --baseline-num-prompts 256 --json "$OUT/tput-hf.json" \
+    > "$OUT/tput-hf.log" 2>&1
+  tail -25 "$OUT/tput-hf.log"
 elif [ "$phase" = v1 ]; then  # twelfth session, final call 1 (carry .carry/a + .whl); v2 after
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
