@@ -33,7 +33,8 @@
 # x1 then x2 (twelfth session): 8B serve -> first answer (carry .carry/a + .whl), then the
 #    smollm2 bench on the real GGUF (carry .carry/b + .whl).
 # r1 then r2 (thirteenth session): the same-run transformers ratios, 8B bf16 batch 1 and
-#    1024 requests 512 / 256.
+#    1024 requests 512 / 256; r3 then r4: serve (8B), then smollm2 with transformers in the
+#    same run and the smollm2 bench (the GGUF halves: carry .carry/a, then .carry/b).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -147,6 +148,27 @@ elif [ "$phase" = r2 ]; then  # right after r1 (the engine in /tmp/l3-none): 102
     --output-len 256 --baseline hf --baseline-num-prompts 256 --json "$OUT/tput-hf.json" \
     > "$OUT/tput-hf.log" 2>&1
   tail -25 "$OUT/tput-hf.log"
+elif [ "$phase" = r3 ]; then  # after r2 (carry .carry/a + .whl): serve -> first answer (8B)
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  install_wheels || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  timeout 150 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
+    > "$OUT/serve.log" 2>&1
+  tail -6 "$OUT/serve.log"
+elif [ "$phase" = r4 ]; then  # right after r3 (carry .carry/b + .whl): smollm2 batch 1 with
+  # transformers (static cache + compile) in the same run, then the smollm2 bench (lookahead)
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  python3 -m kiln build smollm2-135m -o /tmp/smol-bf16 --dtype bfloat16 --no-tune --force \
+    > "$OUT/build-smol.log" 2>&1 || tail -3 "$OUT/build-smol.log"
+  timeout 240 python3 -m kiln bench latency /tmp/smol-bf16 --batch-size 1 --input-len 128 \
+    --output-len 256 --num-iters 5 --warmup 1 --baseline hf --json "$OUT/lat-smol-hf.json" \
+    > "$OUT/lat-smol-hf.log" 2>&1
+  tail -12 "$OUT/lat-smol-hf.log"
+  timeout 220 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
+    --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
+  tail -16 "$OUT/smol.log"
 elif [ "$phase" = v1 ]; then  # twelfth session, final call 1 (carry .carry/a + .whl); v2 after
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
