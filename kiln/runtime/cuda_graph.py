@@ -42,6 +42,10 @@ class Bucket:
     # the launch config's hint (1 for decode buckets), not a bound: find_bucket also places
     # short prefills here (any step of at most num_seqs sequences and num_tokens tokens)
     max_query_len: int
+    # logit rows the graph computes: every token's in decode (T == S) and masked buckets,
+    # one per sequence in prefill buckets (a step's rows: one per sequence that finishes its
+    # prompt or decodes, all of a draft's tokens)
+    num_rows: int
 
 
 def seq_buckets(max_num_seqs: int) -> list[int]:
@@ -51,17 +55,37 @@ def seq_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out + [max_num_seqs]))
 
 
+def prefill_tokens(max_decode_tokens: int, limit: int) -> list[int]:
+    """Token counts of the prefill buckets: powers of two past the largest decode bucket,
+    then ``limit`` itself (the engine's token budget or ``max_graph_tokens``)."""
+    out, t = [], 1 << max(max_decode_tokens, 1).bit_length()
+    while t < limit:
+        out.append(t)
+        t *= 2
+    return out + [limit] if limit > max_decode_tokens else out
+
+
 def plan_buckets(max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
                  max_graph_tokens: int, max_spec_seqs: int = 8) -> list[Bucket]:
-    """Decode buckets (T == S, causal) and, for speculative engines, masked buckets with
-    T = S * tokens_per_step (capped by the engine's token budget and ``max_graph_tokens``)."""
-    buckets = [Bucket(s, s, False, 1) for s in seq_buckets(max_num_seqs)
+    """Decode buckets (T == S, causal); prefill buckets (S = the engine's sequences, T past the
+    largest decode bucket up to the token budget and ``max_graph_tokens``: a prompt, or a
+    prompt chunk with the running decodes, one logit row per sequence); and, for speculative
+    engines, masked buckets with T = S * tokens_per_step (capped likewise).
+
+    Without prefill buckets every prompt longer than the largest decode bucket (64 tokens at
+    the default batch size) ran eagerly: one Python launch per kernel, host-bound (H200,
+    notes/NOTES.md 2026-11-30 thirteenth session: smollm2-135m, 128-token prompt, TTFT 29 ms).
+    """
+    buckets = [Bucket(s, s, False, 1, s) for s in seq_buckets(max_num_seqs)
                if s <= max_num_tokens]
+    top = max((b.num_tokens for b in buckets), default=0)
+    buckets += [Bucket(max_num_seqs, t, False, t, max_num_seqs)
+                for t in prefill_tokens(top, min(max_num_tokens, max_graph_tokens))]
     if tokens_per_step > 1:
         for s in seq_buckets(min(max_num_seqs, max_spec_seqs)):
             t = s * tokens_per_step
             if t <= min(max_num_tokens, max_graph_tokens):
-                buckets.append(Bucket(s, t, True, tokens_per_step))
+                buckets.append(Bucket(s, t, True, tokens_per_step, t))
     return buckets
 
 
@@ -92,6 +116,7 @@ class CudaGraphRunner:
         self.failed: dict[Bucket, str] = {}  # buckets whose capture raised -> the error
         self.capture_s = 0.0
         self.num_replays = 0
+        self.replays: dict[Bucket, int] = {}  # replays per bucket
 
     # -- capture -----------------------------------------------------------------------------
     def _forward(self, b: Bucket) -> torch.Tensor:
@@ -101,7 +126,7 @@ class CudaGraphRunner:
         meta = self.stager.metadata(b.num_seqs + 1, t, b.max_query_len, self.max_context_len,
                                     b.masked)
         return self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache, meta,
-                                  d["logit_rows"][:t])
+                                  d["logit_rows"][: b.num_rows])
 
     def capture(self, progress=None) -> float:
         """Capture every bucket (largest first, one shared memory pool); returns seconds.
@@ -160,15 +185,20 @@ class CudaGraphRunner:
         return sorted(times)[len(times) // 2]
 
     # -- a step ------------------------------------------------------------------------------
-    def find_bucket(self, num_seqs: int, num_tokens: int, masked: bool) -> Bucket | None:
+    def find_bucket(self, num_seqs: int, num_tokens: int, masked: bool,
+                    num_rows: int | None = None) -> Bucket | None:
+        """The smallest ready bucket for a step of ``num_seqs`` sequences, ``num_tokens``
+        tokens and at most ``num_rows`` logit rows (None: one per token)."""
+        rows = num_tokens if num_rows is None else num_rows
         fits = [b for b in self.buckets
                 if b.num_seqs >= num_seqs and b.num_tokens >= num_tokens
-                and (b.masked or not masked) and b in self.ready]
+                and b.num_rows >= rows and (b.masked or not masked) and b in self.ready]
         return min(fits, key=lambda b: (b.num_tokens, b.masked, b.num_seqs), default=None)
 
     def replay(self, b: Bucket, num_rows: int) -> torch.Tensor:
         """Run bucket ``b`` over the staged inputs; float32 logits [num_rows, vocab]."""
         self.num_replays += 1
+        self.replays[b] = self.replays.get(b, 0) + 1
         graph = self.graphs.get(b)
         if graph is None:
             return self._forward(b)[:num_rows].clone()

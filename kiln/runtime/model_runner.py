@@ -108,7 +108,9 @@ class ModelRunner:
         out = ForwardOutput(torch.empty(0))
         plans = stager.plans(batch)
         masked = any(p is not None and p.step_mask is not None for p in plans)
-        bucket = (self.graphs.find_bucket(len(batch.items), batch.num_tokens, masked)
+        # logit rows at most: one per plain item, every token of a draft
+        rows = sum(n if p is not None else 1 for (_, n), p in zip(batch.items, plans))
+        bucket = (self.graphs.find_bucket(len(batch.items), batch.num_tokens, masked, rows)
                   if self.graphs is not None else None)
         pad = (bucket.num_seqs, bucket.num_tokens) if bucket is not None else None
         st = stager.stage(batch, plans, out, pad)

@@ -94,7 +94,8 @@ def test_buckets_that_fail_to_capture_run_eagerly(tiny_reference, monkeypatch, c
     cfg = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64, "cuda_graphs": True}
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(attention_backend="triton", **cfg))
     err = capsys.readouterr().err
-    assert "warning: 2 of 3 CUDA graph buckets could not be captured" in err
+    n = len(eng.runner.graphs.buckets)  # decode 1, 2, 4 and the prefill buckets (4 seqs)
+    assert n > 3 and f"warning: {n - 1} of {n} CUDA graph buckets could not be captured" in err
     assert "out of resources" in err and "more lines" not in err
     got = [o.token_ids for o in eng.generate(prompts, params)]
     ref = LLMEngine.from_engine_dir(out, RuntimeConfig(attention_backend="torch", **cfg))
@@ -125,3 +126,35 @@ def test_short_prompt_prefilled_in_a_decode_graph_bucket(tiny_reference):
     assert g.find_bucket(1, 12, False) == next(b for b in g.buckets
                                                 if b.num_seqs == 16 and not b.masked)
     assert g.num_replays > 0
+
+
+def test_prompt_past_the_decode_buckets_prefilled_in_a_prefill_bucket(tiny_reference):
+    """A 20-token prompt is longer than the largest decode bucket (4 sequences, 4 tokens): it
+    runs in the 32-token prefill bucket (one logit row per sequence), and a mixed step (its
+    prefill beside another request's decode) too; the Triton staged path must give the
+    torch backend's tokens. Before prefill buckets such prompts ran eagerly."""
+    from kiln.runtime.cuda_graph import Bucket
+
+    _, out = tiny_reference("llama", max_seq_len=64, max_num_tokens=64, max_batch_size=4)
+    prompts = [mixed_prompts()[2][:20], mixed_prompts()[1][:3] * 9]  # 20 and 27 tokens
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
+
+    def run(backend):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", block_size=4, num_kv_blocks=48, max_num_tokens=24,
+            attention_backend=backend, cuda_graphs=backend == "triton"))
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_all_free()
+        return eng, [o.token_ids for o in outs]
+
+    _, ref = run("torch")
+    eng, got = run("triton")
+    assert got == ref
+    g = eng.runner.graphs
+    prefill = [b for b in g.buckets if not b.masked and b.num_tokens > b.num_seqs]
+    assert [(b.num_seqs, b.num_tokens, b.num_rows) for b in prefill] == [(4, 8, 4), (4, 16, 4),
+                                                                          (4, 24, 4)]
+    assert g.find_bucket(1, 20, False, num_rows=1) == Bucket(4, 24, False, 24, 4)
+    assert g.find_bucket(1, 20, False) is None  # 20 logit rows: no prefill bucket has them
+    assert sum(n for b, n in g.replays.items() if b in prefill) >= 2  # prompts, chunks
