@@ -66,7 +66,8 @@ def prefill_tokens(max_decode_tokens: int, limit: int) -> list[int]:
 
 
 def plan_buckets(max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
-                 max_graph_tokens: int, max_spec_seqs: int = 8) -> list[Bucket]:
+                 max_graph_tokens: int, max_spec_seqs: int = 8,
+                 prefill: bool = True) -> list[Bucket]:
     """Decode buckets (T == S, causal); prefill buckets (S = the engine's sequences, T past the
     largest decode bucket up to the token budget and ``max_graph_tokens``: a prompt, or a
     prompt chunk with the running decodes, one logit row per sequence); and, for speculative
@@ -79,8 +80,9 @@ def plan_buckets(max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
     buckets = [Bucket(s, s, False, 1, s) for s in seq_buckets(max_num_seqs)
                if s <= max_num_tokens]
     top = max((b.num_tokens for b in buckets), default=0)
-    buckets += [Bucket(max_num_seqs, t, False, t, max_num_seqs)
-                for t in prefill_tokens(top, min(max_num_tokens, max_graph_tokens))]
+    if prefill:
+        buckets += [Bucket(max_num_seqs, t, False, t, max_num_seqs)
+                    for t in prefill_tokens(top, min(max_num_tokens, max_graph_tokens))]
     if tokens_per_step > 1:
         for s in seq_buckets(min(max_num_seqs, max_spec_seqs)):
             t = s * tokens_per_step
@@ -99,7 +101,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: LlamaModel, cache: KVCache, stager: StepStager,
                  max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
-                 max_graph_tokens: int = 1024):
+                 max_graph_tokens: int = 1024, prefill: bool = True):
         self.model = model
         self.cache = cache
         self.stager = stager
@@ -107,7 +109,7 @@ class CudaGraphRunner:
         cap = stager.max_blocks * stager.block_size
         self.max_context_len = cap
         self.buckets = [b for b in plan_buckets(max_num_seqs, max_num_tokens, tokens_per_step,
-                                                min(max_graph_tokens, cap))
+                                                min(max_graph_tokens, cap), prefill=prefill)
                         if b.num_seqs <= stager.max_seqs and b.num_tokens <= stager.max_tokens]
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}

@@ -67,6 +67,11 @@ class RuntimeConfig:
         default_factory=lambda: os.environ.get("KILN_CUDA_GRAPHS", "1") not in ("0", ""))
     # Steps of at most this many tokens may run as graphs (larger ones run eagerly).
     max_graph_tokens: int = 1024
+    # Graphs for steps with more tokens than the decode buckets hold (prompts, prompt chunks
+    # beside decodes; kiln/runtime/cuda_graph.py). KILN_PREFILL_GRAPHS=0 turns them off
+    # (shorter start-up; such steps then run eagerly).
+    prefill_graphs: bool = field(
+        default_factory=lambda: os.environ.get("KILN_PREFILL_GRAPHS", "1") not in ("0", ""))
     # Schedule and launch the next decode step before reading this step's tokens (host work
     # overlaps the GPU; see LLMEngine.step). KILN_ASYNC_SCHEDULING=0 turns it off.
     async_scheduling: bool = field(
@@ -190,7 +195,8 @@ class LLMEngine:
             if config.cuda_graphs:
                 self.runner.graphs = CudaGraphRunner(
                     self.model, self.cache, self.runner.stager, max_seqs,
-                    self.scheduler.max_num_tokens, tokens_per_step, config.max_graph_tokens)
+                    self.scheduler.max_num_tokens, tokens_per_step, config.max_graph_tokens,
+                    prefill=config.prefill_graphs)
                 graphs_s = self.runner.graphs.capture()
                 _report_capture_failures(self.runner)
         self.sampler = Sampler()

@@ -83,6 +83,30 @@ def test_smollm2_first_32_greedy_tokens_match_transformers_on_cuda(smollm2_gguf,
     eng.blocks.check_all_free()
 
 
+def test_smollm2_long_prompt_prefilled_in_a_prefill_graph_matches_transformers(smollm2_gguf,
+                                                                                smol32):
+    """A ~160-token prompt is longer than the engine's largest decode bucket (32): its
+    prefill replays a graph (a prefill bucket, cuda_graph.plan_buckets, or a masked bucket
+    of this lookahead engine, whichever holds it in fewer tokens), and the first 32 greedy
+    tokens equal transformers' in float32."""
+    from transformers import AutoModelForCausalLM
+
+    eng = LLMEngine.from_engine_dir(smol32, runtime("triton"))
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).to("cuda").eval()
+    text = " ".join(CHAT_PROMPTS * 2) + " Answer the first question only."
+    prompt = eng.apply_chat_template([{"role": "user", "content": text}])
+    assert 64 < len(prompt) <= 512, len(prompt)
+    out = eng.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                                lookahead=(1, 1, 0)))[0]
+    g = eng.runner.graphs
+    assert any(b.num_tokens >= len(prompt) for b in g.replays), g.replays
+    assert any(not b.masked and b.num_tokens > b.num_seqs for b in g.buckets)
+    assert out.token_ids == hf_greedy(hf, prompt, 32)
+    eng.blocks.check_all_free()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smollm2_lookahead_equals_plain_greedy_on_cuda(smol32, backend):
     """4 prompts x 128 tokens, every window, one continuous batch, float32."""
