@@ -35,6 +35,8 @@
 # r1 then r2 (thirteenth session): the same-run transformers ratios, 8B bf16 batch 1 and
 #    1024 requests 512 / 256; r3 then r4: serve (8B), then smollm2 with transformers in the
 #    same run and the smollm2 bench (the GGUF halves: carry .carry/a, then .carry/b).
+# pf1 then pf2 (thirteenth session): prefill graphs on / off (KILN_PREFILL_GRAPHS), 8B and
+#    smollm2, and the real-GGUF correctness tests (carry .carry/a + .whl, then .carry/b + .whl).
 # n: the fusion switches A/B (NORM_PROLOGUE, SILU_FUSION_MAX_K on 8B; measured 2026-11-30 fifth session).
 set -uo pipefail
 phase=${1:?usage: device_profile.sh a|b}
@@ -169,6 +171,46 @@ elif [ "$phase" = r4 ]; then  # right after r3 (carry .carry/b + .whl): smollm2 
   timeout 220 python3 scripts/bench_fast_path.py --only smol --smol-configs fast \
     --out "$OUT/smol.json" > "$OUT/smol.log" 2>&1
   tail -16 "$OUT/smol.log"
+elif [ "$phase" = pf1 ]; then  # thirteenth session: prefill graphs A/B on 8B bf16 (carry
+  # .carry/a + .whl): batch-1 latency on a default-sized engine (max batch 64: prompts past
+  # 64 tokens used to prefill eagerly), then 1024 requests on the max-batch-256 engine
+  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
+  python3 -m kiln build random:llama-3-8b -o /tmp/l3-b64 --dtype bfloat16 --max-seq-len 2048 \
+    --no-tune --no-precompile-kernels --force > "$OUT/build-b64.log" 2>&1 \
+    || tail -3 "$OUT/build-b64.log"
+  for pg in 0 1; do
+    KILN_PREFILL_GRAPHS=$pg timeout 150 python3 -m kiln bench latency /tmp/l3-b64 \
+      --batch-size 1 --input-len 128 --output-len 128 --num-iters 5 --warmup 1 \
+      --json "$OUT/lat-b64-pg$pg.json" > "$OUT/lat-b64-pg$pg.log" 2>&1
+    echo "== 8B max batch 64, KILN_PREFILL_GRAPHS=$pg"
+    grep -i "TTFT\|TPOT\|tokens/s\|start-up\|graphs\|warning" "$OUT/lat-b64-pg$pg.log" | head -8
+  done
+  [ -d /tmp/l3-none ] || python3 -m kiln build random:llama-3-8b -o /tmp/l3-none \
+    --dtype bfloat16 --max-seq-len 2048 --max-num-tokens 8192 --max-batch-size 256 --no-tune \
+    --no-precompile-kernels --force > "$OUT/build-none.log" 2>&1
+  for pg in 0 1; do
+    KILN_PREFILL_GRAPHS=$pg timeout 150 python3 -m kiln bench throughput /tmp/l3-none \
+      --num-prompts 1024 --input-len 512 --output-len 256 --json "$OUT/tput-pg$pg.json" \
+      > "$OUT/tput-pg$pg.log" 2>&1
+    echo "== 8B 1024 x 512/256, KILN_PREFILL_GRAPHS=$pg"
+    grep -i "output tokens/s\|elapsed\|start-up\|graphs\|warning" "$OUT/tput-pg$pg.log" | head -6
+  done
+elif [ "$phase" = pf2 ]; then  # right after pf1 (carry .carry/b + .whl): smollm2 A/B, tests
+  install_wheels || exit 1
+  join_gguf || exit 1
+  export PYTHONPATH=/tmp/site:.:scripts
+  python3 -m kiln build smollm2-135m -o /tmp/smol-bf16 --dtype bfloat16 --no-tune --force \
+    > "$OUT/build-smol.log" 2>&1 || tail -3 "$OUT/build-smol.log"
+  for pg in 0 1; do
+    KILN_PREFILL_GRAPHS=$pg timeout 100 python3 -m kiln bench latency /tmp/smol-bf16 \
+      --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --warmup 1 \
+      --json "$OUT/lat-smol-pg$pg.json" > "$OUT/lat-smol-pg$pg.log" 2>&1
+    echo "== smollm2 bf16 (max batch 64), KILN_PREFILL_GRAPHS=$pg"
+    grep -i "TTFT\|TPOT\|tokens/s\|start-up\|graphs\|warning" "$OUT/lat-smol-pg$pg.log" | head -8
+  done
+  timeout 240 python3 -m pytest -q tests/gpu/test_cuda_correctness.py \
+    -k "not eager and not torch" > "$OUT/correctness.log" 2>&1
+  tail -3 "$OUT/correctness.log"
 elif [ "$phase" = v1 ]; then  # twelfth session, final call 1 (carry .carry/a + .whl); v2 after
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
