@@ -60,6 +60,21 @@ latency_8b() {  # kiln bench latency, 8B bf16 and FP8 engines (max batch 256), 1
       --output-len 128 --num-iters 5 --warmup 1 --json "$OUT/lat-$v.json" > "$OUT/lat-$v.log" 2>&1
   done
 }
+build_l3_none() {  # the 8B bf16 bench engine (max batch 256) in /tmp/l3-none
+  python3 -m kiln build random:llama-3-8b -o /tmp/l3-none --dtype bfloat16 --max-seq-len 2048 \
+    --max-num-tokens 8192 --max-batch-size 256 --no-tune --no-precompile-kernels --force \
+    > "$OUT/build-none.log" 2>&1 || tail -3 "$OUT/build-none.log"
+}
+prefill_graphs_latency() {  # ENGINE NAME OUTPUT_LEN: batch-1 latency, 128-token prompts,
+  # prefill graphs off then on (KILN_PREFILL_GRAPHS)
+  for pg in 0 1; do
+    KILN_PREFILL_GRAPHS=$pg timeout 150 python3 -m kiln bench latency "$1" --batch-size 1 \
+      --input-len 128 --output-len "$3" --num-iters 5 --warmup 1 \
+      --json "$OUT/lat-$2-pg$pg.json" > "$OUT/lat-$2-pg$pg.log" 2>&1
+    echo "== $2, KILN_PREFILL_GRAPHS=$pg"
+    grep -i "TTFT\|TPOT\|tokens/s\|start-up\|graphs\|warning" "$OUT/lat-$2-pg$pg.log" | head -8
+  done
+}
 join_gguf() {  # the smollm2 GGUF from the half left in /tmp/parts and the carried .carry/b
   mkdir -p /tmp/kcache/smollm2-135m
   cat /tmp/parts/smolpart.aa .carry/b/smolpart.ab \
@@ -118,7 +133,8 @@ elif [ "$phase" = u1 ]; then  # eleventh session, final call 1 (carry .carry/a +
 elif [ "$phase" = u2 ] || [ "$phase" = v2 ]; then  # right after u1 / v1 (carry .carry/b +
   # .whl): correctness, real GGUF (v2: also smollm2 forced onto the epilogue norm form)
   correctness_gguf || exit 1
-elif [ "$phase" = x1 ]; then  # twelfth session (carry .carry/a + .whl): serve -> first answer, 8B
+elif [ "$phase" = x1 ] || [ "$phase" = r3 ]; then  # twelfth session (carry .carry/a +
+  # .whl): serve -> first answer, 8B (r3: the same, thirteenth session)
   mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
   install_wheels || exit 1
   export PYTHONPATH=/tmp/site:.:scripts
@@ -134,29 +150,18 @@ elif [ "$phase" = x2 ]; then  # right after x1 (carry .carry/b + .whl): smollm2 
   tail -16 "$OUT/smol.log"
 elif [ "$phase" = r1 ]; then  # thirteenth session: 8B bf16 batch-1 latency with transformers
   # (static cache + torch.compile) in the same run (carry nothing extra)
-  python3 -m kiln build random:llama-3-8b -o /tmp/l3-none --dtype bfloat16 --max-seq-len 2048 \
-    --max-num-tokens 8192 --max-batch-size 256 --no-tune --no-precompile-kernels --force \
-    > "$OUT/build-none.log" 2>&1 || tail -3 "$OUT/build-none.log"
+  build_l3_none
   timeout 420 python3 -m kiln bench latency /tmp/l3-none --batch-size 1 --input-len 128 \
     --output-len 128 --num-iters 5 --warmup 1 --baseline hf --json "$OUT/lat-hf.json" \
     > "$OUT/lat-hf.log" 2>&1
   tail -25 "$OUT/lat-hf.log"
 elif [ "$phase" = r2 ]; then  # right after r1 (the engine in /tmp/l3-none): 1024 requests
   # 512 / 256 with transformers' generate_batch on 256 of them in the same run
-  [ -d /tmp/l3-none ] || python3 -m kiln build random:llama-3-8b -o /tmp/l3-none \
-    --dtype bfloat16 --max-seq-len 2048 --max-num-tokens 8192 --max-batch-size 256 --no-tune \
-    --no-precompile-kernels --force > "$OUT/build-none.log" 2>&1
+  [ -d /tmp/l3-none ] || build_l3_none
   timeout 560 python3 -m kiln bench throughput /tmp/l3-none --num-prompts 1024 --input-len 512 \
     --output-len 256 --baseline hf --baseline-num-prompts 256 --json "$OUT/tput-hf.json" \
     > "$OUT/tput-hf.log" 2>&1
   tail -25 "$OUT/tput-hf.log"
-elif [ "$phase" = r3 ]; then  # after r2 (carry .carry/a + .whl): serve -> first answer (8B)
-  mkdir -p /tmp/parts && cp .carry/a/smolpart.aa /tmp/parts/
-  install_wheels || exit 1
-  export PYTHONPATH=/tmp/site:.:scripts
-  timeout 150 python3 scripts/bench_fast_path.py --only serve --out "$OUT/serve.json" \
-    > "$OUT/serve.log" 2>&1
-  tail -6 "$OUT/serve.log"
 elif [ "$phase" = r4 ]; then  # right after r3 (carry .carry/b + .whl): smollm2 batch 1 with
   # transformers (static cache + compile) in the same run, then the smollm2 bench (lookahead)
   install_wheels || exit 1
@@ -178,16 +183,8 @@ elif [ "$phase" = pf1 ]; then  # thirteenth session: prefill graphs A/B on 8B bf
   python3 -m kiln build random:llama-3-8b -o /tmp/l3-b64 --dtype bfloat16 --max-seq-len 2048 \
     --no-tune --no-precompile-kernels --force > "$OUT/build-b64.log" 2>&1 \
     || tail -3 "$OUT/build-b64.log"
-  for pg in 0 1; do
-    KILN_PREFILL_GRAPHS=$pg timeout 150 python3 -m kiln bench latency /tmp/l3-b64 \
-      --batch-size 1 --input-len 128 --output-len 128 --num-iters 5 --warmup 1 \
-      --json "$OUT/lat-b64-pg$pg.json" > "$OUT/lat-b64-pg$pg.log" 2>&1
-    echo "== 8B max batch 64, KILN_PREFILL_GRAPHS=$pg"
-    grep -i "TTFT\|TPOT\|tokens/s\|start-up\|graphs\|warning" "$OUT/lat-b64-pg$pg.log" | head -8
-  done
-  [ -d /tmp/l3-none ] || python3 -m kiln build random:llama-3-8b -o /tmp/l3-none \
-    --dtype bfloat16 --max-seq-len 2048 --max-num-tokens 8192 --max-batch-size 256 --no-tune \
-    --no-precompile-kernels --force > "$OUT/build-none.log" 2>&1
+  prefill_graphs_latency /tmp/l3-b64 b64 128
+  [ -d /tmp/l3-none ] || build_l3_none
   for pg in 0 1; do
     KILN_PREFILL_GRAPHS=$pg timeout 150 python3 -m kiln bench throughput /tmp/l3-none \
       --num-prompts 1024 --input-len 512 --output-len 256 --json "$OUT/tput-pg$pg.json" \
@@ -201,13 +198,7 @@ elif [ "$phase" = pf2 ]; then  # right after pf1 (carry .carry/b + .whl): smollm
   export PYTHONPATH=/tmp/site:.:scripts
   python3 -m kiln build smollm2-135m -o /tmp/smol-bf16 --dtype bfloat16 --no-tune --force \
     > "$OUT/build-smol.log" 2>&1 || tail -3 "$OUT/build-smol.log"
-  for pg in 0 1; do
-    KILN_PREFILL_GRAPHS=$pg timeout 100 python3 -m kiln bench latency /tmp/smol-bf16 \
-      --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --warmup 1 \
-      --json "$OUT/lat-smol-pg$pg.json" > "$OUT/lat-smol-pg$pg.log" 2>&1
-    echo "== smollm2 bf16 (max batch 64), KILN_PREFILL_GRAPHS=$pg"
-    grep -i "TTFT\|TPOT\|tokens/s\|start-up\|graphs\|warning" "$OUT/lat-smol-pg$pg.log" | head -8
-  done
+  prefill_graphs_latency /tmp/smol-bf16 smol 256
   timeout 240 python3 -m pytest -q tests/gpu/test_cuda_correctness.py \
     -k "not eager and not torch" > "$OUT/correctness.log" 2>&1
   tail -3 "$OUT/correctness.log"

@@ -47,6 +47,11 @@ class Bucket:
     # prompt or decodes, all of a draft's tokens)
     num_rows: int
 
+    @property
+    def prefill(self) -> bool:
+        """A prefill bucket: unmasked, more tokens than sequences."""
+        return not self.masked and self.num_tokens > self.num_seqs
+
 
 def seq_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to ``max_num_seqs`` (which is always included)."""
@@ -131,7 +136,9 @@ class CudaGraphRunner:
                                   d["logit_rows"][: b.num_rows])
 
     def capture(self, progress=None) -> float:
-        """Capture every bucket (largest first, one shared memory pool); returns seconds.
+        """Capture every bucket (largest first, one shared memory pool; the decode and masked
+        buckets before the prefill ones, so that running out of memory on a large prefill
+        bucket never costs a decode graph); returns seconds.
 
         Off CUDA (tests under TRITON_INTERPRET) nothing is captured: ``replay`` runs the
         same static-buffer forward eagerly, so the staging logic is tested everywhere.
@@ -141,13 +148,15 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:
             self.pool = torch.cuda.graph_pool_handle()
-        for b in sorted(self.buckets, key=lambda b: (b.num_tokens, b.num_seqs), reverse=True):
+        for b in sorted(self.buckets, key=lambda b: (not b.prefill, b.num_tokens, b.num_seqs),
+                        reverse=True):
             try:
                 self._capture_one(b, stream)
             except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured runs eager
                 self.failed[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     break  # smaller buckets would fail the same way; keep what was captured
+                    # (the decode buckets come first: what runs out here is a prefill one)
             if progress is not None:
                 progress()
         if cuda:

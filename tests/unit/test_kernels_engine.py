@@ -152,7 +152,7 @@ def test_prompt_past_the_decode_buckets_prefilled_in_a_prefill_bucket(tiny_refer
     eng, got = run("triton")
     assert got == ref
     g = eng.runner.graphs
-    prefill = [b for b in g.buckets if not b.masked and b.num_tokens > b.num_seqs]
+    prefill = [b for b in g.buckets if b.prefill]
     assert [(b.num_seqs, b.num_tokens, b.num_rows) for b in prefill] == [(4, 8, 4), (4, 16, 4),
                                                                           (4, 24, 4)]
     assert g.find_bucket(1, 20, False, num_rows=1) == Bucket(4, 24, False, 24, 4)
