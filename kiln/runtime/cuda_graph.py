@@ -155,8 +155,9 @@ class CudaGraphRunner:
             except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured runs eager
                 self.failed[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if isinstance(e, torch.cuda.OutOfMemoryError):
-                    break  # smaller buckets would fail the same way; keep what was captured
-                    # (the decode buckets come first: what runs out here is a prefill one)
+                    # smaller buckets would fail the same way; keep what was captured (the
+                    # decode buckets come first: what runs out here is a prefill one)
+                    break
             if progress is not None:
                 progress()
         if cuda:
