@@ -156,7 +156,8 @@ class CudaGraphRunner:
                 self.failed[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     # smaller buckets would fail the same way; keep what was captured (the
-                    # decode buckets come first: what runs out here is a prefill one)
+                    # decode and masked buckets come first: a prefill bucket that runs out
+                    # costs none of them)
                     break
             if progress is not None:
                 progress()
