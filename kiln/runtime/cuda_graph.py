@@ -60,10 +60,17 @@ def seq_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out + [max_num_seqs]))
 
 
+# The smallest prefill bucket. Up to a few hundred tokens a step's GEMMs cost what reading
+# the weights costs, so padding a short prompt to 128 tokens is free, and engines with small
+# batches do not capture a ladder of tiny buckets (2, 4, 8, ... tokens).
+PREFILL_MIN_TOKENS = 128
+
+
 def prefill_tokens(max_decode_tokens: int, limit: int) -> list[int]:
-    """Token counts of the prefill buckets: powers of two past the largest decode bucket,
-    then ``limit`` itself (the engine's token budget or ``max_graph_tokens``)."""
-    out, t = [], 1 << max(max_decode_tokens, 1).bit_length()
+    """Token counts of the prefill buckets: powers of two past the largest decode bucket (at
+    least ``PREFILL_MIN_TOKENS``), then ``limit`` itself (the engine's token budget or
+    ``max_graph_tokens``)."""
+    out, t = [], max(PREFILL_MIN_TOKENS, 1 << max(max_decode_tokens, 1).bit_length())
     while t < limit:
         out.append(t)
         t *= 2

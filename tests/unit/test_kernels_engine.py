@@ -130,9 +130,10 @@ def test_short_prompt_prefilled_in_a_decode_graph_bucket(tiny_reference):
 
 def test_prompt_past_the_decode_buckets_prefilled_in_a_prefill_bucket(tiny_reference):
     """A 20-token prompt is longer than the largest decode bucket (4 sequences, 4 tokens): it
-    runs in the 32-token prefill bucket (one logit row per sequence), and a mixed step (its
-    prefill beside another request's decode) too; the Triton staged path must give the
-    torch backend's tokens. Before prefill buckets such prompts ran eagerly."""
+    runs in the prefill bucket (here the token budget, 24: under PREFILL_MIN_TOKENS there
+    is one; one logit row per sequence), and so do a 24-token chunk of a longer prompt and a
+    mixed step; the Triton staged path must give the torch backend's tokens. Before prefill
+    buckets such prompts ran eagerly."""
     from kiln.runtime.cuda_graph import Bucket
 
     _, out = tiny_reference("llama", max_seq_len=64, max_num_tokens=64, max_batch_size=4)
@@ -153,8 +154,24 @@ def test_prompt_past_the_decode_buckets_prefilled_in_a_prefill_bucket(tiny_refer
     assert got == ref
     g = eng.runner.graphs
     prefill = [b for b in g.buckets if b.prefill]
-    assert [(b.num_seqs, b.num_tokens, b.num_rows) for b in prefill] == [(4, 8, 4), (4, 16, 4),
-                                                                          (4, 24, 4)]
+    assert [(b.num_seqs, b.num_tokens, b.num_rows) for b in prefill] == [(4, 24, 4)]
     assert g.find_bucket(1, 20, False, num_rows=1) == Bucket(4, 24, False, 24, 4)
     assert g.find_bucket(1, 20, False) is None  # 20 logit rows: no prefill bucket has them
     assert sum(n for b, n in g.replays.items() if b in prefill) >= 2  # prompts, chunks
+
+
+def test_prefill_bucket_ladder():
+    """Powers of two past the largest decode bucket, at least PREFILL_MIN_TOKENS, then the
+    limit; none where the decode buckets already reach the limit."""
+    from kiln.runtime.cuda_graph import plan_buckets, prefill_tokens
+
+    assert prefill_tokens(64, 1024) == [128, 256, 512, 1024]
+    assert prefill_tokens(256, 1024) == [512, 1024]
+    assert prefill_tokens(1, 1024) == [128, 256, 512, 1024]
+    assert prefill_tokens(8, 40) == [40]
+    assert prefill_tokens(64, 64) == [] and prefill_tokens(64, 32) == []
+    assert prefill_tokens(64, 300) == [128, 256, 300]
+    b = plan_buckets(64, 2048, 1, 1024)
+    assert [x.num_tokens for x in b if x.prefill] == [128, 256, 512, 1024]
+    assert all(x.num_seqs == x.num_rows == 64 for x in b if x.prefill)
+    assert not any(x.prefill for x in plan_buckets(64, 2048, 1, 1024, prefill=False))
