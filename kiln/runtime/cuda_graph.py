@@ -89,16 +89,17 @@ def plan_buckets(max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
     the default batch size) ran eagerly: one Python launch per kernel, host-bound (H200,
     notes/NOTES.md 2026-11-30 thirteenth session: smollm2-135m, 128-token prompt, TTFT 29 ms).
     """
+    limit = min(max_num_tokens, max_graph_tokens)
     buckets = [Bucket(s, s, False, 1, s) for s in seq_buckets(max_num_seqs)
                if s <= max_num_tokens]
     top = max((b.num_tokens for b in buckets), default=0)
     if prefill:
         buckets += [Bucket(max_num_seqs, t, False, t, max_num_seqs)
-                    for t in prefill_tokens(top, min(max_num_tokens, max_graph_tokens))]
+                    for t in prefill_tokens(top, limit)]
     if tokens_per_step > 1:
         for s in seq_buckets(min(max_num_seqs, max_spec_seqs)):
             t = s * tokens_per_step
-            if t <= min(max_num_tokens, max_graph_tokens):
+            if t <= limit:
                 buckets.append(Bucket(s, t, True, tokens_per_step, t))
     return buckets
 
@@ -129,8 +130,11 @@ class CudaGraphRunner:
         self.ready: set[Bucket] = set()  # buckets that can run (captured, or eager off CUDA)
         self.failed: dict[Bucket, str] = {}  # buckets whose capture raised -> the error
         self.capture_s = 0.0
-        self.num_replays = 0
         self.replays: dict[Bucket, int] = {}  # replays per bucket
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays.values())
 
     # -- capture -----------------------------------------------------------------------------
     def _forward(self, b: Bucket) -> torch.Tensor:
@@ -217,7 +221,6 @@ class CudaGraphRunner:
 
     def replay(self, b: Bucket, num_rows: int) -> torch.Tensor:
         """Run bucket ``b`` over the staged inputs; float32 logits [num_rows, vocab]."""
-        self.num_replays += 1
         self.replays[b] = self.replays.get(b, 0) + 1
         graph = self.graphs.get(b)
         if graph is None:
