@@ -22,6 +22,12 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    # OpenAI's additive penalties: logit -= frequency_penalty * count + presence_penalty *
+    # (count > 0), counted over the generated tokens only (not the prompt).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # ((token_id, bias), ...) added to those tokens' logits before anything else.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -36,6 +42,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias",
+                           tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.lookahead is not None:
             if len(self.lookahead) != 3:
                 raise ValueError(f"lookahead={self.lookahead!r} must be three integers (w, n, g)")
