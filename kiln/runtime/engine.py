@@ -22,7 +22,7 @@ from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention import get_backend
 from kiln.runtime.layers.linear import place_weights
-from kiln.runtime.layers.sampler import Sampler, kernels_enabled
+from kiln.runtime.layers.sampler import INVALID_TOKEN, Sampler, describe_bad_row, kernels_enabled
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.outputs import RequestOutput, TokenLogprob
@@ -217,6 +217,8 @@ class LLMEngine:
         self.spec_worker = _make_worker(self.speculative)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
+        self._failed: list[Request] = []  # failed in the running step; reported with its outputs
+        self._step_reqs: list[Request] = []  # the requests the running step serves
         self._ids = itertools.count()
         self.num_steps = 0
         self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
@@ -312,6 +314,12 @@ class LLMEngine:
                 f"{self.limits.max_input_len} (max_input_len); shorten the prompt or rebuild "
                 "with a larger --max-input-len"
             )
+        for name, toks in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -348,20 +356,73 @@ class LLMEngine:
         device from this step's samples, stand-ins on the host), and only then are this
         step's tokens read and committed. The host's work of one step overlaps the GPU's
         work of the next; a request that stops on a token runs one discarded extra row.
+
+        Failures: what goes wrong for one request (its grammar, its sampling, a logits row
+        that is not finite, its speculative proposal or verification, its detokenization)
+        fails that request alone (``fail_request``: finish_reason "error" and a message in
+        its output). Any other exception fails the requests of the step it came from and the
+        engine goes on; only a device that no longer works raises out of ``step()``.
         """
+        self._step_reqs = []
+        try:
+            outputs = self._step()
+        except Exception as e:
+            if not self._step_reqs or self._device_broken():
+                raise
+            self._inflight = None
+            for req in self._step_reqs:
+                self.fail_request(req, "the engine step", e)
+            outputs = []
+        if self._failed:
+            outputs += [self._output(r) for r in self._failed]
+            self._failed.clear()
+        return outputs
+
+    def fail_request(self, req: Request, stage: str, cause: BaseException | str) -> None:
+        """Fail one request: it finishes with reason "error" and a message naming ``stage``
+        and the cause, its KV blocks are freed, its output goes out with this step's, and
+        every other request goes on. A finished request is left as it is."""
+        if req.is_finished:
+            return
+        if isinstance(cause, BaseException):
+            cause = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        req.error = f"{stage} failed: {cause}"
+        req.draft = None
+        self.scheduler.finish(req)
+        req.finish("error")
+        self._requests.pop(req.request_id, None)
+        self._failed.append(req)
+        print(f"warning: request {req.request_id} failed ({req.error}); the engine goes on",
+              file=sys.stderr, flush=True)
+
+    def _device_broken(self) -> bool:
+        """Whether the device still runs work after an exception (a CUDA fault is sticky:
+        every later call fails, so the engine cannot go on)."""
+        if self.device.type != "cuda":
+            return False
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - any failure here means the device is gone
+            return True
+        return False
+
+    def _step(self) -> list[RequestOutput]:
         launched = self._inflight
         if launched is not None and all(r.is_finished for r in launched.reqs):
             self._inflight = launched = None  # every request it ran has stopped or was aborted
         if launched is None:
             if self.spec_worker is not None:
-                self.spec_worker.propose_all(self.scheduler.running)
+                self.spec_worker.propose_all(list(self.scheduler.running), self.fail_request)
             batch = self.scheduler.schedule()
+            self._step_reqs = [r for r, _ in batch.items]
             if not batch:
                 if self.scheduler.waiting and not self.scheduler.running:
-                    raise RuntimeError(
-                        "no request fits the KV cache even alone; give the engine more KV "
-                        "blocks"
-                    )
+                    req = self.scheduler.waiting[0]
+                    self.fail_request(
+                        req, "scheduling",
+                        f"its {req.num_tokens} tokens do not fit the KV cache even alone "
+                        f"({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                        "tokens); give the engine more KV blocks")
                 return []
             if not self._can_launch(batch):
                 if self.spec_worker is not None and any(r.draft is not None
@@ -371,6 +432,8 @@ class LLMEngine:
                     result = self.forward_and_sample(batch)
                 return self._finish_step(batch, result)
             launched = self._launch(batch)
+        else:
+            self._step_reqs = list(launched.reqs)
         self._inflight = None
         try:
             self._inflight = self._launch_next(launched)
@@ -449,8 +512,11 @@ class LLMEngine:
         for r in launched.placeholders:
             r.all_token_ids.pop()
         result = StepResult()
-        for req, tok in zip(launched.reqs, tokens):
-            if not req.is_finished:  # aborted while in flight: its token is dropped
+        for i, (req, tok) in enumerate(zip(launched.reqs, tokens)):
+            if tok == INVALID_TOKEN:
+                self.fail_request(req, "sampling", "its logits row is not finite (NaN or inf "
+                                  "in the model's output)")
+            elif not req.is_finished:  # aborted while in flight: its token is dropped
                 result.tokens[req] = [tok]
         return self._finish_step(launched.batch, result, advanced=launched.advanced)
 
@@ -464,31 +530,44 @@ class LLMEngine:
         now = time.perf_counter()
         committed: dict[Request, int] = {}
         for req, toks in result.tokens.items():
-            committed[req] = self._commit(req, toks, result.logprobs.get(req), now)
+            try:
+                committed[req] = self._commit(req, toks, result.logprobs.get(req), now)
+            except Exception as e:  # noqa: BLE001 - this request's tokens, its failure
+                self.fail_request(req, "committing its tokens", e)
+                continue
             if req in result.advance:
                 result.advance[req] = min(result.advance[req], committed[req])
         if not advanced:
             self.scheduler.after_step(live, result.advance)
         outputs = []
-        for req in result.tokens:
-            if req in result.verified:  # a verified speculative step
-                req.metrics.spec_steps += 1
-                req.metrics.spec_tokens += committed[req]
-                self.spec_stats["steps"] += 1
-                self.spec_stats["accepted_tokens"] += committed[req]
-            if req.spec_state is not None and self.spec_worker is not None:
-                self.spec_worker.on_commit(req, committed[req])
-                if req.spec_pace is not None:
-                    if req in result.verified:
-                        req.spec_pace.on_spec_step(committed[req])
-                    elif req.num_computed_tokens == req.num_tokens - 1:  # a decode step
-                        req.spec_pace.on_plain_step()
-            self.detokenizer.update(req, final=req.is_finished)
+        for req, n in committed.items():
+            try:
+                self._after_commit(req, n, req in result.verified)
+            except Exception as e:  # noqa: BLE001
+                self.fail_request(req, "updating its state after the step", e)
+                continue
             if req.is_finished:
                 self.scheduler.finish(req)
                 self._requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _after_commit(self, req: Request, n: int, verified: bool) -> None:
+        """Speculation statistics and state, pacing, and detokenization after ``req``
+        committed ``n`` tokens (``verified``: in a verified speculative step)."""
+        if verified:
+            req.metrics.spec_steps += 1
+            req.metrics.spec_tokens += n
+            self.spec_stats["steps"] += 1
+            self.spec_stats["accepted_tokens"] += n
+        if req.spec_state is not None and self.spec_worker is not None:
+            self.spec_worker.on_commit(req, n)
+            if req.spec_pace is not None:
+                if verified:
+                    req.spec_pace.on_spec_step(n)
+                elif req.num_computed_tokens == req.num_tokens - 1:  # a decode step
+                    req.spec_pace.on_plain_step()
+        self.detokenizer.update(req, final=req.is_finished)
 
     def forward_and_sample(self, batch: ScheduledBatch) -> StepResult:
         """Run the model; sample one token for each request that reached its last token.
@@ -500,17 +579,42 @@ class LLMEngine:
         reqs, logits = _sample_logits(fwd)
         if reqs:
             logits = self._apply_guided(logits, reqs)
-            tokens, logprobs = self.sampler(
-                logits, [r.params for r in reqs], [r.all_token_ids for r in reqs],
-                [r.generator for r in reqs],
-            )
-            for req, tok, lp in zip(reqs, tokens, logprobs):
+            tokens, logprobs = self._sample(logits, reqs)
+            for i, (req, tok, lp) in enumerate(zip(reqs, tokens, logprobs)):
+                if tok == INVALID_TOKEN:
+                    self.fail_request(req, "sampling", describe_bad_row(logits[i]))
+                if req.is_finished:  # failed here or in its grammar mask
+                    continue
                 result.tokens[req] = [tok]
                 if lp is not None:
                     result.logprobs[req] = [lp]
         for req, (first, count) in fwd.draft_rows.items():
-            result.draft_logits[req] = fwd.logits[first : first + count]
+            if not req.is_finished:
+                result.draft_logits[req] = fwd.logits[first : first + count]
         return result
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The sampler over all rows at once; if that raises, each row alone, so the row
+        that raised fails its request (token INVALID_TOKEN) and the others are sampled."""
+        def run(rows: torch.Tensor, rs: list[Request]):
+            return self.sampler(rows, [r.params for r in rs], [r.all_token_ids for r in rs],
+                                [r.generator for r in rs], [r.num_prompt_tokens for r in rs])
+
+        try:
+            return run(logits, reqs)
+        except Exception:  # noqa: BLE001 - find the row it belongs to
+            tokens: list[int] = []
+            logprobs: list[TokenLogprob | None] = []
+            for i, req in enumerate(reqs):
+                try:
+                    (tok,), (lp,) = run(logits[i : i + 1], [req])
+                except Exception as e:  # noqa: BLE001
+                    self.fail_request(req, "sampling", e)
+                    tok, lp = INVALID_TOKEN, None
+                tokens.append(tok)
+                logprobs.append(lp)
+            return tokens, logprobs
 
     def _commit(self, req: Request, tokens: list[int], logprobs, now: float) -> int:
         """Append tokens until one finishes the request; returns how many were appended."""
@@ -526,10 +630,8 @@ class LLMEngine:
             req.check_stop_token(self.limits.max_seq_len)
             if req.matcher is not None and not req.is_finished:
                 if not req.matcher.accept(tok):
-                    raise RuntimeError(
-                        f"request {req.request_id}: grammar rejected token {tok} that its own "
-                        "mask allowed"
-                    )
+                    raise RuntimeError(f"the grammar rejected token {tok}, which its own mask "
+                                       "allowed")
                 if req.matcher.is_terminated():
                     req.finish("stop")
             if req.is_finished:
@@ -554,7 +656,7 @@ class LLMEngine:
         # structured output, the grammar); requests that need per-token state the verifier
         # does not replay decode plainly.
         if ((params.guided is not None and not params.greedy) or params.logprobs is not None
-                or params.repetition_penalty != 1.0):
+                or params.penalized):
             return None
         return (w, n, g)
 
@@ -574,7 +676,10 @@ class LLMEngine:
             return logits
         mask = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
         for j, i in enumerate(rows):
-            reqs[i].matcher.fill_mask(mask[j])
+            try:
+                reqs[i].matcher.fill_mask(mask[j])
+            except Exception as e:  # noqa: BLE001 - its row stays all masked, then dropped
+                self.fail_request(reqs[i], "structured output (the grammar's token mask)", e)
         idx = torch.tensor(rows, device=logits.device)
         allowed = mask.to(logits.device, non_blocking=True)
         logits = logits.clone()
@@ -603,6 +708,7 @@ class LLMEngine:
             metrics=req.metrics,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             stop_reason=req.stop_reason,
+            error=req.error,
         )
 
     # -- conveniences ----------------------------------------------------------------------

@@ -91,8 +91,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        if input_patch is not None:
-            ids[: len(input_patch)] = input_patch
+        if input_patch is not None:  # clamped: a failed row's INVALID_TOKEN (-1) stays valid
+            torch.clamp(input_patch, min=0, out=ids[: len(input_patch)])
         out.logits = self.model.forward(
             ids,
             torch.cat(positions).to(dev),
@@ -114,8 +114,9 @@ class ModelRunner:
                   if self.graphs is not None else None)
         pad = (bucket.num_seqs, bucket.num_tokens) if bucket is not None else None
         st = stager.stage(batch, plans, out, pad)
-        if input_patch is not None:  # after the upload, in stream order
-            stager.d["input_ids"][: len(input_patch)] = input_patch
+        if input_patch is not None:  # after the upload, in stream order; clamped: a failed
+            # row's INVALID_TOKEN (-1) must stay a valid embedding index (its output is dropped)
+            torch.clamp(input_patch, min=0, out=stager.d["input_ids"][: len(input_patch)])
         if bucket is not None:
             out.logits = self.graphs.replay(bucket, st.num_rows)
         else:

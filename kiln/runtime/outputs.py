@@ -40,7 +40,8 @@ class RequestOutput:
 
     ``token_ids``/``text`` hold everything generated so far; ``new_token_ids``/``new_text``
     only what this step added (for streaming). ``finish_reason`` is None while running, else
-    "stop" (eos, stop string or stop token), "length" (max_tokens or max_seq_len) or "abort".
+    "stop" (eos, stop string or stop token), "length" (max_tokens or max_seq_len), "abort",
+    or "error": serving this request failed (``error`` says why; the engine goes on).
     """
 
     request_id: str
@@ -54,3 +55,4 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None  # why the request failed (finish_reason "error")

@@ -40,6 +40,7 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set when serving it failed (finish_reason "error")
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kiln.runtime.guided import GuidedSpec
+
+# Temperatures below this are greedy (vLLM's rule): dividing logits by a smaller one
+# overflows float32 and the row's softmax turns into NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Bounds that keep every processed logit finite in float32: |logit| stays far below 3.4e38
+# for any model logit, penalty and bias inside them (the penalty ranges are OpenAI's).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+ADDITIVE_PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k. ``logprobs=k`` returns the
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) is greedy. ``top_k <= 0``
+    disables top-k. ``logprobs=k`` returns the
     chosen token's logprob and the ``k`` most likely alternatives per generated token.
     """
 
@@ -48,13 +60,30 @@ class SamplingParams:
             if len(self.lookahead) != 3:
                 raise ValueError(f"lookahead={self.lookahead!r} must be three integers (w, n, g)")
             object.__setattr__(self, "lookahead", tuple(int(v) for v in self.lookahead))
+        for name, value in self._floats().items():
+            if not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        rp_lo, rp_hi = REPETITION_PENALTY_RANGE
+        ap_lo, ap_hi = ADDITIVE_PENALTY_RANGE
+        lb_lo, lb_hi = LOGIT_BIAS_RANGE
         checks = [
             (self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"),
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-             "must be > 0 (1.0 disables it)"),
+            (rp_lo <= self.repetition_penalty <= rp_hi, "repetition_penalty",
+             self.repetition_penalty, f"must be in [{rp_lo}, {rp_hi:g}] (1.0 disables it)"),
+            (ap_lo <= self.frequency_penalty <= ap_hi, "frequency_penalty",
+             self.frequency_penalty, f"must be in [{ap_lo:g}, {ap_hi:g}] (0 disables it)"),
+            (ap_lo <= self.presence_penalty <= ap_hi, "presence_penalty",
+             self.presence_penalty, f"must be in [{ap_lo:g}, {ap_hi:g}] (0 disables it)"),
+            (all(t >= 0 and math.isfinite(b) and lb_lo <= b <= lb_hi
+                 for t, b in self.logit_bias), "logit_bias", dict(self.logit_bias),
+             f"must map token ids >= 0 to biases in [{lb_lo:g}, {lb_hi:g}]"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed",
+             self.seed, "must be a 64-bit integer, in [-2**63, 2**64 - 1]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+             "must be token ids >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
              "must be between 0 and 20"),
             (all(s for s in self.stop), "stop", self.stop, "must not contain empty strings"),
@@ -63,6 +92,19 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name}={value!r} {rule}")
 
+    def _floats(self) -> dict[str, float]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "presence_penalty": self.presence_penalty}
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far or on a bias (the sampler's
+        host-side processors run; speculation does not replay them)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0 or bool(self.logit_bias))

@@ -37,21 +37,26 @@ def test_greedy_rows_equal_torch_argmax_with_ties_and_masks(block, dtype):
     assert out.tolist()[1:3] == [30, 5]
 
 
-def test_nan_rows_give_token_ids_inside_the_vocabulary(block):
-    """NaN logits (a broken model or checkpoint) must not yield a token id past the
-    vocabulary (the next step's embedding lookup would be a device assert that ends the
-    server): NaN is the largest value, as in torch.argmax, greedy and sampled alike."""
+def test_rows_that_are_not_finite_give_invalid_token(block):
+    """NaN or +inf logits (a broken model or checkpoint) and rows where every token is masked
+    must not yield a token id that looks like a choice: -1 (the sampler's INVALID_TOKEN), so
+    the engine fails that request alone; greedy and sampled alike, rows beside them
+    unchanged."""
     v = 100
-    x = torch.randn(4, v)
+    x = torch.randn(6, v)
     x[0] = float("nan")  # every logit NaN
-    x[1, 40:] = float("nan")  # NaN from token 40 on: the first NaN wins a greedy row
+    x[1, 40:] = float("nan")  # NaN from token 40 on
     x[2, :] = float("-inf")
     x[2, 97] = float("nan")  # NaN among masked tokens
-    x[3, 63] = float("nan")
+    x[3, 63] = float("inf")
+    x[4, :] = float("-inf")  # a grammar that allows nothing
+    x[5, :50] = float("-inf")  # a normal masked row
     greedy = sampling.sample_tokens(x, 0.0, seed=1)
-    assert greedy.tolist() == x.argmax(-1).tolist() == [0, 40, 97, 63]
+    assert greedy.tolist() == [-1, -1, -1, -1, -1, int(x[5].argmax())]
     sampled = sampling.sample_tokens(x, 1.0, seed=1)
-    assert sampled.tolist() == [0, 40, 97, 63]  # +inf beats any finite noisy logit
+    assert sampled.tolist()[:5] == [-1] * 5 and sampled[5] >= 50
+    ref = sampling.sample_tokens_ref(x, 0.0, torch.zeros_like(x))
+    assert ref.tolist() == greedy.tolist()
 
 
 def test_sampled_rows_follow_the_gumbel_max_rule_and_are_seeded(block):

@@ -1,9 +1,19 @@
 """Sampler: greedy, penalties, top-k / top-p / min-p, seeds, logprobs."""
 
+import math
+
 import pytest
 import torch
 
-from kiln.runtime.layers.sampler import Sampler, apply_repetition_penalty, warp, warp_batch
+from kiln.runtime.layers.sampler import (
+    INVALID_TOKEN,
+    Sampler,
+    apply_penalties,
+    apply_repetition_penalty,
+    describe_bad_row,
+    warp,
+    warp_batch,
+)
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -128,23 +138,92 @@ def test_the_sampling_kernels_take_greedy_seeded_and_temperature_only_rows():
     assert kernel_inv_temps([], vocab=100) is None
 
 
-def test_nan_logits_never_raise_and_stay_in_the_vocabulary():
-    """A model that emits NaN logits must not take the engine down (an exception in a step
-    stops the server for everyone): every policy returns a token id inside the vocabulary,
-    NaN counting as the largest value (torch.argmax's rule)."""
+def test_rows_that_are_not_finite_give_invalid_token_and_never_raise():
+    """A model that emits NaN logits must neither take the engine down nor answer with an
+    arbitrary token (token 0 repeated): every policy marks the row INVALID_TOKEN, the
+    engine fails that request alone, and rows beside it are sampled as usual."""
     v = 16
-    logits = torch.randn(7, v)
-    logits[:, 5] = float("nan")
+    logits = torch.randn(8, v)
+    logits[:7, 5] = float("nan")
     logits[6] = float("nan")
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
               SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=1.0, top_p=0.5),
               SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0, seed=7),
-              SamplingParams(temperature=1.0, seed=8)]
-    gens = [None] * 5 + [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-    toks, _ = Sampler()(logits, params, [[]] * 7, gens)
-    assert all(0 <= t < v for t in toks), toks
-    assert toks[0] == 5  # greedy: the NaN logit
-    assert toks[5] == toks[6] == 0  # a softmax with a NaN is NaN everywhere: the first one
+              SamplingParams(temperature=1.0, seed=8, logprobs=2), SamplingParams(temperature=0)]
+    gens = [None] * 5 + [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8),
+                         None]
+    toks, lps = Sampler()(logits, params, [[]] * 8, gens)
+    assert toks[:7] == [INVALID_TOKEN] * 7 and lps[6] is None
+    assert toks[7] == int(logits[7].argmax())
+    assert "NaN" in describe_bad_row(logits[0])
+    masked = torch.full((v,), float("-inf"))
+    assert "grammar" in describe_bad_row(masked)
+
+
+@pytest.mark.parametrize("kw", [{"top_p": 5e-324}, {"top_p": 1e-300}, {"temperature": 1e-300},
+                                {"temperature": 5e-324, "top_p": 5e-324},
+                                {"repetition_penalty": 0.01}, {"repetition_penalty": 100.0}])
+def test_degenerate_values_still_pick_an_allowed_token(kw):
+    """The issue's crash: a tiny top_p (0 in float32) dropped every token, a tiny temperature
+    overflowed the logits, and with a grammar's -inf mask the row became NaN and token 0
+    (masked out) came back. Now the best allowed token always survives."""
+    v = 32
+    logits = torch.randn(2, v, generator=torch.Generator().manual_seed(0)) * 5
+    logits[:, :10] = float("-inf")  # a grammar allows tokens 10.. only
+    params = [SamplingParams(**kw), SamplingParams(**kw, seed=3)]
+    gens = [None, torch.Generator().manual_seed(3)]
+    toks, _ = Sampler()(logits, params, [[11, 12, 20], [11]], gens)
+    assert all(10 <= t < v for t in toks), toks
+
+
+def test_frequency_presence_penalties_and_logit_bias_follow_openai():
+    """logit -= frequency * count + presence * (count > 0) over the generated tokens only;
+    logit_bias adds to the named tokens; masked (-inf) tokens stay masked."""
+    row = torch.tensor([1.0, 2.0, 3.0, float("-inf"), 0.5])
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0,
+                       logit_bias=((0, 10.0), (3, 5.0)))
+    out = apply_penalties(row, p, seen=[2, 4, 1, 1, 2], generated=[1, 1, 2])
+    assert out.tolist() == [11.0, 2.0 - 1.0 - 1.0, 3.0 - 0.5 - 1.0, float("-inf"), 0.5]
+    assert row[0] == 1.0  # the input is not changed
+    # the prompt (seen but not generated) is not penalized by the additive penalties
+    toks, _ = Sampler()(row[None].clone(), [SamplingParams(temperature=0, presence_penalty=2.0)],
+                        [[2, 2]], [None], prompt_lens=[2])
+    assert toks == [2]
+    toks, _ = Sampler()(row[None].clone(), [SamplingParams(temperature=0, presence_penalty=2.0)],
+                        [[2, 2]], [None], prompt_lens=[1])
+    assert toks == [1]
+    toks, _ = Sampler()(row[None].clone(), [SamplingParams(temperature=0,
+                                                          logit_bias=((4, 100.0),))],
+                        [[]], [None])
+    assert toks == [4]
+
+
+def test_logprobs_never_report_masked_alternatives():
+    """Structured output with logprobs: tokens the grammar masked out (-inf) are not
+    alternatives (their -inf is not valid JSON either)."""
+    row = torch.full((1, 8), float("-inf"))
+    row[0, 2], row[0, 5] = 1.0, 0.0
+    toks, lps = Sampler()(row, [SamplingParams(temperature=0, logprobs=5)], [[]], [None])
+    assert toks == [2]
+    assert set(lps[0].top) == {2, 5}
+    assert all(math.isfinite(v) for v in lps[0].top.values())
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"repetition_penalty": 1.1e307}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"logit_bias": ((1, 101.0),)}, "logit_bias"), ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+])
+def test_out_of_range_values_are_rejected_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}="):
+        SamplingParams(**kw)
+    SamplingParams(seed=-5)  # any 64-bit integer is a seed
+    SamplingParams(seed=2**64 - 1)
 
 
 def test_seeded_rows_leave_tokens_on_the_device_only_on_the_kernel_path():

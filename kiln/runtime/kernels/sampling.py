@@ -5,8 +5,10 @@ token is ``argmax_v logits[r, v]`` where ``inv_temp[r] == 0`` (greedy: the first
 ``torch.argmax``), else ``argmax_v logits[r, v] * inv_temp[r] + G_rv`` with ``G_rv`` i.i.d.
 Gumbel(0, 1) from Philox(seed): the Gumbel-max form of ``Sampler``'s exponential race, so
 token v wins with probability ``softmax(logits[r] * inv_temp[r])_v`` and no softmax is
-computed. ``-inf`` logits (masked tokens) never win a sampled row. NaN counts as the largest
-value (``torch.argmax``'s rule), so a NaN row still yields a token id inside the vocabulary.
+computed. ``-inf`` logits (masked tokens) never win a sampled row. A row that holds NaN or
++inf, or only -inf, yields -1 (the sampler's ``INVALID_TOKEN``: the engine fails that request;
+the next step's input copy clamps it to a valid id): the check is one comparison in the final
+kernel, free beside its loads.
 
 Why: torch's argmax over one row of 128256 logits runs as one block (27 us on the H200) and
 its softmax as another (34 us); a batch-1 decode step of llama-3-8b is 2.8 ms (notes/NOTES.md,
@@ -70,9 +72,11 @@ def _sample_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_P)
     v = tl.load(val_ptr + row * parts + offs, mask=offs < parts, other=float("-inf"))
-    best = tl.argmax(v, axis=0, tie_break_left=True)
-    tok = tl.load(idx_ptr + row * parts + best)
-    tl.store(out_ptr + row, tok.to(tl.int64))
+    top, best = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tok = tl.load(idx_ptr + row * parts + best).to(tl.int64)
+    # NaN became +inf in the partial kernel; a finite row's best is finite (the noise is)
+    finite = (top < float("inf")) & (top > float("-inf"))
+    tl.store(out_ptr + row, tl.where(finite, tok, -1))
 
 
 def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
@@ -125,9 +129,11 @@ def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
 def sample_tokens_ref(logits: torch.Tensor, inv_temp: float | torch.Tensor,
                       gumbel: torch.Tensor) -> torch.Tensor:
     """The same rule in torch with the noise given (``gumbel`` [R, V] float32): greedy rows'
-    first argmax, sampled rows' argmax of logits * inv_temp + gumbel."""
+    first argmax, sampled rows' argmax of logits * inv_temp + gumbel; -1 for rows that are
+    not finite."""
     x = logits.float()
     inv = (inv_temp if isinstance(inv_temp, torch.Tensor)
            else torch.full((x.shape[0],), float(inv_temp), device=x.device))[:, None]
     noisy = torch.where(x == float("-inf"), x, x * inv + gumbel.to(x.device))
-    return torch.where(inv[:, 0] > 0, noisy.argmax(-1), x.argmax(-1))
+    tok = torch.where(inv[:, 0] > 0, noisy.argmax(-1), x.argmax(-1))
+    return tok.masked_fill(~torch.isfinite(x.amax(-1)), -1)

@@ -1,4 +1,9 @@
-"""Token selection: penalties, temperature, top-k, top-p, min-p, seeded sampling, logprobs."""
+"""Token selection: penalties, temperature, top-k, top-p, min-p, seeded sampling, logprobs.
+
+A row whose logits are not finite (NaN or +inf from the model, or all -inf: a grammar that
+allows no token) gets the token ``INVALID_TOKEN`` instead of an arbitrary id; the engine fails
+that request alone with a message (``describe_bad_row`` says which case it was).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,18 @@ import torch
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
+
+
+INVALID_TOKEN = -1
+
+
+def describe_bad_row(logits: torch.Tensor) -> str:
+    """Why one row [V] got ``INVALID_TOKEN`` (for the request's error message)."""
+    if bool(torch.isnan(logits).any()):
+        return "the model's logits are NaN"
+    if bool(torch.isposinf(logits).any()):
+        return "the model's logits are +inf"
+    return "no token is allowed (every logit is -inf: the grammar allows nothing here)"
 
 
 def apply_repetition_penalty(
@@ -24,6 +41,27 @@ def apply_repetition_penalty(
     vals = torch.where(vals > 0, vals / penalty, vals * penalty)
     logits = logits.clone()
     logits.index_copy_(-1, idx, vals)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, seen: list[int],
+                    generated: list[int]) -> torch.Tensor:
+    """Every history- or bias-dependent rule on one row [V] (a new tensor when any applies):
+    logit_bias, the repetition penalty over ``seen`` (prompt + output, HF's rule), then
+    OpenAI's frequency and presence penalties over ``generated`` (output only). Masked
+    (-inf) logits stay -inf; SamplingParams' bounds keep the rest finite."""
+    v = logits.shape[-1]
+    if p.logit_bias:
+        ids = [t for t, _ in p.logit_bias if t < v]
+        bias = [b for t, b in p.logit_bias if t < v]
+        logits = logits.clone()
+        logits.index_add_(-1, torch.tensor(ids, dtype=torch.long, device=logits.device),
+                          torch.tensor(bias, dtype=logits.dtype, device=logits.device))
+    logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and generated:
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=v)[:v]
+        counts = counts.to(device=logits.device, dtype=logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
     return logits
 
 
@@ -57,6 +95,9 @@ def warp_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
         # drop a token when the mass before it already reaches top_p (top_p 1.0: never)
         drop_sorted = (cum - sorted_probs) >= col([float(p.top_p) if p.top_p < 1.0 else 2.0
                                                    for p in params])
+        # the most likely token always stays: a top_p that is 0 in float32 (5e-324) would
+        # otherwise drop every token and leave a row of NaN
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
@@ -135,7 +176,7 @@ class Sampler:
         """Whether ``choose`` alone picks these rows' tokens, so a step can leave its tokens
         on the device: no penalties, no logprobs, and seeded rows only where ``kernels`` (the
         logits are on CUDA and ``kernels_enabled()``) and the batch takes the kernel path."""
-        if not all(p.repetition_penalty == 1.0 and p.logprobs is None for p in params):
+        if any(p.penalized or p.logprobs is not None for p in params):
             return False
         if all(p.greedy or g is None for p, g in zip(params, generators)):
             return True
@@ -145,7 +186,8 @@ class Sampler:
     def choose(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
         """Every row's token id [rows] on the device, no host sync, except seeded rows off
-        the kernel path: those get their argmax here (``__call__`` redraws them).
+        the kernel path: those get their argmax here (``__call__`` redraws them). Rows whose
+        logits are not finite get ``INVALID_TOKEN``.
 
         On CUDA, when no row needs top-k, top-p or min-p, two Triton kernels do it all
         (kiln/runtime/kernels/sampling.py: the same distribution, without torch's one-block
@@ -175,34 +217,42 @@ class Sampler:
                 one if one is not None else to_device(inv, torch.float32, logits.device),
                 seed), True
         batch = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+        top = logits.amax(-1)  # NaN when the row has one; +-inf when not finite
         if len(batch) == len(params) and batch:  # every row samples: no argmax, no gather
-            return race(warp_batch(logits, params)), False
-        chosen = logits.argmax(-1)  # [rows], on the device
-        if batch:
-            idx = torch.tensor(batch, device=logits.device)
-            probs = warp_batch(logits.index_select(0, idx), [params[i] for i in batch])
-            chosen = chosen.index_copy(0, idx, race(probs))
-        return chosen, False
+            chosen = race(warp_batch(logits, params))
+        else:
+            chosen = logits.argmax(-1)  # [rows], on the device
+            if batch:
+                idx = torch.tensor(batch, device=logits.device)
+                probs = warp_batch(logits.index_select(0, idx), [params[i] for i in batch])
+                chosen = chosen.index_copy(0, idx, race(probs))
+        return chosen.masked_fill(~torch.isfinite(top), INVALID_TOKEN), False
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]],
-        generators: list[torch.Generator | None],
+        generators: list[torch.Generator | None], prompt_lens: list[int] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Tokens and logprobs of every row. ``seen[i]``: row i's token ids so far, the
+        first ``prompt_lens[i]`` of them its prompt (None: no prompt; frequency and presence
+        penalties count the rest). ``INVALID_TOKEN`` marks a row whose logits are not
+        finite (its logprobs are None)."""
         # logits: [rows, V] float32
         processed = logits
-        penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:  # copy the logits only when some row changes them
             processed = logits.clone()
             for i in penalized:
-                processed[i] = apply_repetition_penalty(logits[i], seen[i],
-                                                        params[i].repetition_penalty)
+                start = prompt_lens[i] if prompt_lens is not None else 0
+                processed[i] = apply_penalties(logits[i], params[i], seen[i], seen[i][start:])
         chosen, seeded_drawn = self._choose(processed, params, generators)
         tokens = chosen.tolist()  # the step's one host sync
         for i, p in enumerate(params):
-            if not seeded_drawn and not p.greedy and generators[i] is not None:
+            if (not seeded_drawn and not p.greedy and generators[i] is not None
+                    and tokens[i] != INVALID_TOKEN):
                 tokens[i] = sample_row(warp(processed[i], p), generators[i])
         logprobs: list[TokenLogprob | None] = [None] * len(params)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        want = [i for i, p in enumerate(params)
+                if p.logprobs is not None and tokens[i] != INVALID_TOKEN]
         if want:
             lp = torch.log_softmax(logits[want], dim=-1)
             for row, i in enumerate(want):
@@ -210,6 +260,8 @@ class Sampler:
                 top = {}
                 if k:
                     vals, idx = torch.topk(lp[row], k)
-                    top = dict(zip(idx.tolist(), vals.tolist()))
+                    # tokens a grammar masked out (-inf) are no alternatives
+                    top = {t: v for t, v in zip(idx.tolist(), vals.tolist())
+                           if math.isfinite(v)}
                 logprobs[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]), top)
         return tokens, logprobs

@@ -11,6 +11,7 @@ unused, and the next step simply recomputes.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +61,8 @@ class DraftWorker(SpeculativeWorker):
         target token is the argmax over what the grammar allows after the tokens before it
         (the same choice plain guided decoding makes), so accepted drafts are grammatical.
         Returns matched tokens + the correction/bonus token; the matcher is left unchanged.
+        A draft token that completes the grammar (its stop token) ends the chain: nothing
+        may follow it, so no bonus token is asked of a terminated matcher.
         """
         matcher = req.matcher
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
@@ -71,6 +74,7 @@ class DraftWorker(SpeculativeWorker):
             return int(masked.argmax())
 
         accepted: list[int] = []
+        matched = 0  # draft tokens the matcher accepted (rolled back at the end)
         row = 0
         try:
             for tok, next_row in zip(chain, rows):
@@ -78,21 +82,30 @@ class DraftWorker(SpeculativeWorker):
                 if t != tok or not matcher.accept(tok):
                     accepted.append(t)
                     return accepted
+                matched += 1
                 accepted.append(tok)
+                if matcher.is_terminated():
+                    return accepted
                 row = next_row
             accepted.append(target(row))
             return accepted
         finally:
-            matched = len(accepted) - 1
             if matched:
                 matcher.rollback(matched)
 
     # -- the step ----------------------------------------------------------------------------
-    def propose_all(self, reqs: list[Request]) -> None:
+    def propose_all(self, reqs: list[Request],
+                    on_error: Callable[[Request, str, BaseException], None]) -> None:
+        """Plan the next step of every request that may speculate now; a proposal that
+        raises goes to ``on_error`` (the engine fails that request) and the rest go on."""
         for req in reqs:
             if (req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1
                     and (req.spec_pace is None or req.spec_pace.speculating)):
-                req.draft = self.propose(req)
+                try:
+                    req.draft = self.propose(req)
+                except Exception as e:  # noqa: BLE001 - this request's state, its failure
+                    req.draft = None
+                    on_error(req, "speculative proposal", e)
 
     def _save_state(self, engine: LLMEngine, batch: ScheduledBatch) -> None:
         planned = [r for r, _ in batch.items if r.draft is not None]
@@ -115,7 +128,12 @@ class DraftWorker(SpeculativeWorker):
         for req, logits in drafts.items():
             argmax = flat[off : off + logits.shape[0]]
             off += logits.shape[0]
-            accepted, moves = self.verify(req, logits, argmax)
+            try:
+                accepted, moves = self.verify(req, logits, argmax)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                engine.fail_request(req, "speculative verification", e)
+                result.tokens.pop(req, None)
+                continue
             base = req.num_computed_tokens  # x's token index
             table = req.block_table
             for r, k in moves:
