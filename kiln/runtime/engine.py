@@ -537,8 +537,9 @@ class LLMEngine:
                 continue
             if req in result.advance:
                 result.advance[req] = min(result.advance[req], committed[req])
-        if not advanced:
-            self.scheduler.after_step(live, result.advance)
+        if not advanced:  # requests that failed while committing have no blocks left
+            self.scheduler.after_step(ScheduledBatch(
+                [(r, n) for r, n in live.items if r.error is None]), result.advance)
         outputs = []
         for req, n in committed.items():
             try:
