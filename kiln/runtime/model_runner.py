@@ -92,7 +92,8 @@ class ModelRunner:
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         if input_patch is not None:  # clamped: a failed row's INVALID_TOKEN (-1) stays valid
-            torch.clamp(input_patch, min=0, out=ids[: len(input_patch)])
+            ids[: len(input_patch)] = input_patch
+            ids[: len(input_patch)].clamp_(min=0)
         out.logits = self.model.forward(
             ids,
             torch.cat(positions).to(dev),
@@ -116,7 +117,9 @@ class ModelRunner:
         st = stager.stage(batch, plans, out, pad)
         if input_patch is not None:  # after the upload, in stream order; clamped: a failed
             # row's INVALID_TOKEN (-1) must stay a valid embedding index (its output is dropped)
-            torch.clamp(input_patch, min=0, out=stager.d["input_ids"][: len(input_patch)])
+            ids = stager.d["input_ids"][: len(input_patch)]
+            ids.copy_(input_patch)
+            ids.clamp_(min=0)
         if bucket is not None:
             out.logits = self.graphs.replay(bucket, st.num_rows)
         else:
