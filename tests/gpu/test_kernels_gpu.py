@@ -254,20 +254,24 @@ def test_sampling_greedy_equals_argmax_at_real_vocabularies(vocab, rows):
 
 
 @pytest.mark.parametrize("vocab", [128256, 49152])
-def test_sampling_nan_rows_stay_inside_the_vocabulary(vocab):
-    """NaN logits: greedy == torch.argmax (the first NaN), sampled ids inside the vocabulary
-    (a token id past it would be a device assert at the next embedding lookup)."""
+def test_sampling_rows_that_are_not_finite_give_invalid_token(vocab):
+    """NaN or +inf logits, or a row with every token masked: -1 (the sampler's
+    INVALID_TOKEN, the engine fails that request), greedy and sampled alike; a finite row
+    beside them is sampled as usual."""
     from kiln.runtime.kernels import sampling
 
-    x = torch.randn(4, vocab, device=DEV)
+    x = torch.randn(6, vocab, device=DEV)
     x[0] = float("nan")
     x[1, vocab - 5:] = float("nan")
     x[2] = float("-inf")
     x[2, vocab - 1] = float("nan")
-    x[3, 4097] = float("nan")
-    assert torch.equal(sampling.sample_tokens(x, 0.0, seed=2), x.argmax(-1))
-    tok = sampling.sample_tokens(x, 1.0, seed=2)
-    assert tok.tolist() == [0, vocab - 5, vocab - 1, 4097]
+    x[3, 4097] = float("inf")
+    x[4] = float("-inf")
+    x[5, :100] = float("-inf")
+    greedy = sampling.sample_tokens(x, 0.0, seed=2).tolist()
+    assert greedy == [-1] * 5 + [int(x[5].argmax())]
+    tok = sampling.sample_tokens(x, 1.0, seed=2).tolist()
+    assert tok[:5] == [-1] * 5 and 100 <= tok[5] < vocab
 
 
 def test_sampling_frequencies_match_softmax_on_cuda():
