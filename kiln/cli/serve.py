@@ -6,38 +6,44 @@ engine directory is built once into ``$KILN_CACHE/engines/<name>`` and reused.
 
 from __future__ import annotations
 
+import errno
 import json
-import re
+import socket
 import sys
 import time
 from pathlib import Path
 
 import typer
 
+from kiln.cli.engine_source import engine_dir_for
 from kiln.cli.generate import ADAPTIVE_SPEC_HELP, ENFORCE_EAGER_HELP, NO_ASYNC_HELP
 from kiln.errors import KilnError
 
 
-def _engine_dir_for(source: str, device: str | None) -> tuple[Path, bool]:
-    """(engine dir, built now) for ENGINE_OR_SOURCE; builds sources into the cache."""
-    path = Path(source).expanduser()
-    if (path / "engine.json").is_file():
-        return path, False
-    import torch
-
-    from kiln.sources.builtin import cache_dir
-
-    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    dtype = "bfloat16" if on_cuda else "float32"
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(path.resolve()) if path.exists() else source)
-    out = cache_dir() / "engines" / f"{safe.strip('_')}-{dtype}"
-    if (out / "engine.json").is_file():
-        return out, False
-    from kiln.builder import build_engine
-
-    print(f"building {source} into {out} ({dtype})", file=sys.stderr)
-    build_engine(source, out, dtype=dtype, progress=True)
-    return out, True
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, made before the engine loads (seconds to minutes)
+    so that a busy port fails at once; uvicorn then serves on it (``sockets=[sock]``)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise KilnError(f"--host {host} does not resolve ({e.strerror}); give an address "
+                        "such as 127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    # As asyncio does: a restart need not wait out the old socket's TIME_WAIT (a socket still
+    # listening on the port makes bind fail all the same).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise KilnError(f"port {port} on {host} is in use; pick another with --port"
+                            ) from None
+        raise KilnError(f"cannot listen on {host} port {port}: {e.strerror}; pick another "
+                        "--host or --port") from None
+    return sock
 
 
 _WORDS = {"kv": "KV", "cuda": "CUDA", "gpu": "GPU"}
@@ -79,9 +85,19 @@ def serve(
         None, "--served-model-name", help="Model name clients send (default: the engine "
         "directory's name)."),
     max_queue: int = typer.Option(1024, "--max-queue",
-                                  help="Most requests waiting for a slot; more get 429."),
+                                  help="Most engine requests (an HTTP request makes prompts "
+                                  "x n) waiting beyond the batch's slots; more get 429."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes",
                                        help="Largest request body; larger ones get 413."),
+    shutdown_timeout: float = typer.Option(
+        30.0, "--shutdown-timeout", help="On SIGTERM or Ctrl-C: seconds the requests in flight "
+        "get to finish (new ones get 503) before the rest are ended; then exit 0."),
+    header_timeout: float = typer.Option(
+        10.0, "--header-timeout", help="Seconds a client gets to send a request's headers; "
+        "a slower one gets 408 and is disconnected."),
+    body_timeout: float = typer.Option(
+        20.0, "--body-timeout", help="Seconds a client gets to send a request's body after "
+        "its headers; a slower one gets 408 and is disconnected."),
     device: str | None = typer.Option(None, "--device", help="Device (cuda, cuda:1, cpu); "
                                       "default cuda when available."),
     as_json: bool = typer.Option(False, "--json",
@@ -99,10 +115,13 @@ def serve(
     from kiln.cli.generate import runtime_config
     from kiln.runtime.engine import LLMEngine
     from kiln.server.app import ServerConfig, create_app, record_startup
+    from kiln.server.lifecycle import END_GRACE_S, DrainingServer, Timeouts, http_protocol
 
     if max_queue < 1:
         raise KilnError(f"--max-queue {max_queue} must be >= 1")
-    engine_dir, _ = _engine_dir_for(engine_or_source, device)
+    timeouts = Timeouts(header_timeout, body_timeout, shutdown_timeout)
+    sock = bind(host, port)  # before loading: a busy port fails now, not after the load
+    engine_dir, _ = engine_dir_for(engine_or_source, device)
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(
         engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
@@ -119,9 +138,9 @@ def serve(
               file=sys.stderr)
         holder["server"].should_exit = True
 
-    app = create_app(engine, config, on_dead=on_dead)
+    app = create_app(engine, config, on_dead=on_dead, timeouts=timeouts)
 
-    class _Server(uvicorn.Server):
+    class _Server(DrainingServer):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if not self.started:
@@ -142,10 +161,14 @@ def serve(
                 print(f"kiln serve: {name} ready at {url} (device {engine.device}, started in "
                       f"{ready['startup_s']:.1f}s)", flush=True)
 
+    # The drain (SIGTERM) is DrainingServer's; timeout_graceful_shutdown only bounds what is
+    # left after it, or after the engine died (requests already answered with an error).
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=5, access_log=False))
+                                    timeout_graceful_shutdown=END_GRACE_S, access_log=False,
+                                    http=http_protocol(timeouts.header_s)),
+                     app.state.lifecycle)
     holder["server"] = server
-    server.run()
+    server.run(sockets=[sock])
     et = app.state.engine_thread
     if et.dead is not None:
         raise KilnError(f"the engine stopped: {type(et.dead).__name__}: {et.dead}")

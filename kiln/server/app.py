@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kiln import __version__
-from kiln.server import openai_api
+from kiln.server import openai_api, openapi
+from kiln.server.body import parse_body
 from kiln.server.engine_thread import EngineDeadError, EngineThread, QueueFullError
+from kiln.server.lifecycle import Lifecycle, LifecycleMiddleware, Timeouts
 from kiln.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kiln.server.protocol import (
     BadRequest,
@@ -32,11 +33,16 @@ from kiln.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    chat_dicts,
 )
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/debug/")
+# the error statuses /openapi.json documents (503 everywhere but /metrics: engine dead or
+# draining; 408: the lifecycle middleware's body-read timeout)
+_GENERATE_ERRORS = (400, 404, 408, 413, 429, 500, 503)
+_BODY_ERRORS = (400, 404, 408, 413, 503)
 _KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                "/tokenize", "/detokenize", "/version", "/debug/kv")
+                "/tokenize", "/detokenize", "/version", "/debug/kv", "/openapi.json", "/docs")
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,6 @@ def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _validation_param(err: dict) -> str | None:
-    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
-    # pydantic appends the union member type ("str", "list[int]") to the location
-    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "bool")]
-    return ".".join(loc) or None
 
 
 class _CountRequests:
@@ -104,8 +103,10 @@ def record_startup(app: FastAPI, total_s: float, phases: dict[str, float]) -> No
 
 
 def create_app(engine: Any, config: ServerConfig,
-               on_dead: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app serving ``engine``; its lifespan runs the engine thread."""
+               on_dead: Callable[[BaseException], None] | None = None,
+               timeouts: Timeouts | None = None) -> FastAPI:
+    """The app serving ``engine``; its lifespan runs the engine thread. ``timeouts``: the
+    body read limit and the drain (``app.state.lifecycle``, which `kiln serve` drives)."""
     metrics = ServerMetrics(config.served_model_name)
     et = EngineThread(engine, max_queue=config.max_queue, metrics=metrics, on_dead=on_dead)
     try:
@@ -122,11 +123,31 @@ def create_app(engine: Any, config: ServerConfig,
         finally:
             et.stop()
 
-    app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json",
+                  description=f"kiln serving {config.served_model_name!r}: OpenAI-compatible "
+                              "completions and chat completions, plus tokenize and health.")
+
+    def schema() -> dict:  # /openapi.json, built once
+        if app.openapi_schema is None:
+            spec = engine.speculative
+            w, n, g = spec.lookahead if spec.mode == "lookahead" else (1, 1, 0)
+            maxima = {"token_id": engine.model_config.vocab_size - 1, "w": w, "n": n, "g": g,
+                      # a prompt has >= 1 token: max_tokens <= the context minus one
+                      "max_tokens": engine.limits.max_seq_len - 1}
+            app.openapi_schema = openapi.openapi(
+                app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                      DetokenizeRequest], maxima=maxima, protected=_PROTECTED,
+                api_key=config.api_key is not None)
+        return app.openapi_schema
+
+    app.openapi = schema
     app.state.engine_thread = et
     app.state.metrics = metrics
     app.state.startup = None  # set by record_startup once the server accepts requests
+    app.state.lifecycle = Lifecycle(et, timeouts or Timeouts())
+    # Added before _CountRequests, so it runs inside it: its 503s and 408s are counted.
+    app.add_middleware(LifecycleMiddleware, lifecycle=app.state.lifecycle)
     app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.exception_handler(BadRequest)
@@ -186,40 +207,28 @@ def create_app(engine: Any, config: ServerConfig,
             raw += part
             if len(raw) > limit:
                 raise too_big
-        try:
-            data = json.loads(raw)
-        except ValueError as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}", None) from None
-        if not isinstance(data, dict):
-            raise BadRequest("the request body must be a JSON object", None)
-        try:
-            body = model.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = _validation_param(err)
-            msg = err.get("msg", "invalid value")
-            raise BadRequest(f"{param or 'body'}: {msg}" + (
-                f" (got {json.dumps(err['input'])[:100]})"
-                if "input" in err and param and err.get("type") != "missing" else ""),
-                param) from None
-        except BadRequest:
-            raise
+        body = parse_body(bytes(raw), model)
         check_model(getattr(body, "model", None))
         return body
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.request_body(CompletionRequest),
+              responses=openapi.responses(openapi.CompletionResponse, *_GENERATE_ERRORS,
+                                          stream=openapi.CompletionChunk))
     async def completions(request: Request):
         body = await read_body(request, CompletionRequest)
         return await openai_api.completions(request, et, body, config.served_model_name,
                                             compile_guided)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              openapi_extra=openapi.request_body(ChatCompletionRequest),
+              responses=openapi.responses(openapi.ChatCompletionResponse, *_GENERATE_ERRORS,
+                                          stream=openapi.ChatCompletionChunk))
     async def chat_completions(request: Request):
         body = await read_body(request, ChatCompletionRequest)
         return await openai_api.chat_completions(request, et, body, config.served_model_name,
                                                  compile_guided)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.responses(openapi.ModelList, 503))
     async def models(request: Request):
         check_auth(request)
         return {"object": "list", "data": [{
@@ -227,7 +236,8 @@ def create_app(engine: Any, config: ServerConfig,
             "owned_by": "kiln", "max_model_len": engine.limits.max_seq_len,
         }]}
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.responses(
+        openapi.HealthResponse, (503, openapi.HealthUnavailable)))
     async def health():
         if not et.alive:
             return error_response(503, f"the engine is not running: {et.dead!r}", None,
@@ -237,19 +247,21 @@ def create_app(engine: Any, config: ServerConfig,
             body.update(app.state.startup)
         return body
 
-    @app.get("/version")
+    @app.get("/version", responses=openapi.responses(openapi.VersionResponse, 503))
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.responses(None, content={
+        CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}))
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.request_body(TokenizeRequest),
+              responses=openapi.responses(openapi.TokenizeResponse, *_BODY_ERRORS))
     async def tokenize(request: Request):
         body = await read_body(request, TokenizeRequest)
         if body.messages is not None:
-            msgs = [m.as_dict() for m in body.messages]
+            msgs = chat_dicts(body.messages)
             try:
                 ids = await et.call(lambda e: e.apply_chat_template(msgs))
             except ValueError as e:
@@ -258,18 +270,19 @@ def create_app(engine: Any, config: ServerConfig,
             ids = await et.call(lambda e: e.tokenizer.encode(body.prompt))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.limits.max_seq_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.request_body(DetokenizeRequest),
+              responses=openapi.responses(openapi.DetokenizeResponse, *_BODY_ERRORS))
     async def detokenize(request: Request):
         body = await read_body(request, DetokenizeRequest)
         vocab = engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
-            raise BadRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                             "tokens")
+            raise BadRequest(f"tokens {bad[:5]} are outside this model's vocabulary "
+                             f"[0, {vocab}); send token ids below {vocab}", "tokens")
         text = await et.call(lambda e: e.tokenizer.decode(body.tokens))
         return {"prompt": text}
 
-    @app.get("/debug/kv")
+    @app.get("/debug/kv", include_in_schema=False)
     async def debug_kv(request: Request):
         check_auth(request)
         check_alive()

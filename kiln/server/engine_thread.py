@@ -8,11 +8,16 @@ The loop: drain commands; ``step()`` while there is work; otherwise sleep on a c
 variable until a command arrives (no busy spinning). An exception from ``step()`` kills the
 engine: every in-flight request receives an ``EngineDeadError`` and ``on_dead`` is called
 (the server then stops and exits non-zero).
+
+Admission counts engine requests, not HTTP requests: one HTTP request's ``prompts x n`` engine
+requests are admitted together or not at all, and ``max_queue`` bounds only those that find no
+free batch slot (a burst the batch can hold is never refused).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import traceback
@@ -25,12 +30,47 @@ from kiln.runtime.outputs import RequestOutput
 from kiln.server.metrics import ServerMetrics
 
 
-class EngineDeadError(RuntimeError):
+class RequestEndedError(RuntimeError):
+    """A request ended before it finished, for a reason its client is told: the OpenAI error
+    ``status``, ``type`` and ``code`` of its JSON answer or of its stream's last chunk."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": None,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+class EngineDeadError(RequestEndedError):
     """The engine thread stopped after an exception; nothing more will be served."""
+
+    code = "engine_dead"
+
+
+class RequestFailedError(RequestEndedError):
+    """The engine failed this one request (its grammar, its sampling, a NaN row) and goes on
+    serving the others; the message is the engine's."""
+
+    code = "request_failed"
+
+
+class ShuttingDownError(RequestEndedError):
+    """The server is shutting down: the request came too late, or was still running when the
+    drain ran out (``--shutdown-timeout``)."""
+
+    status = 503
+    code = "shutting_down"
+    retry_after_s = 1  # another replica (or this one, restarted) can take it at once
 
 
 class QueueFullError(RuntimeError):
-    """More requests are waiting than ``max_queue`` allows."""
+    """More requests would wait for a batch slot than ``max_queue`` allows."""
 
 
 @dataclass
@@ -51,8 +91,8 @@ class _Stream:
 class EngineThread:
     """Owns the engine and the thread that drives it.
 
-    ``max_queue``: most requests waiting for a slot (queued commands plus the scheduler's
-    waiting list) before ``add`` raises ``QueueFullError``.
+    ``max_queue``: most engine requests waiting beyond the batch's ``max_num_seqs`` slots;
+    ``add_many`` raises ``QueueFullError`` rather than go past it.
     """
 
     def __init__(self, engine: Any, *, max_queue: int, metrics: ServerMetrics | None = None,
@@ -61,13 +101,17 @@ class EngineThread:
             raise ValueError(f"max_queue={max_queue} must be >= 1")
         self.engine = engine
         self.max_queue = max_queue
+        self.max_num_seqs: int = engine.scheduler.max_num_seqs
         self.metrics = metrics
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
         self._commands: deque[tuple[str, Any]] = deque()
-        self._pending_adds = 0
-        self._streams: dict[str, _Stream] = {}  # touched only on the event loop thread
+        # Every request added and not yet finished or aborted; touched only on the event loop
+        # thread, so its size is the exact number in the engine (running, waiting, or still a
+        # command), with no lag behind the engine thread's snapshots.
+        self._streams: dict[str, _Stream] = {}
+        self._ended: str | None = None  # set by end_all: later adds raise ShuttingDownError
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -96,14 +140,36 @@ class EngineThread:
 
     @property
     def queue_depth(self) -> int:
-        return self._pending_adds + self.num_waiting
+        """Engine requests that cannot get a batch slot now: beyond ``max_num_seqs``."""
+        return max(0, len(self._streams) - self.max_num_seqs)
+
+    def admit(self, k: int) -> None:
+        """Raise ``QueueFullError`` unless ``k`` more engine requests leave at most
+        ``max_queue`` waiting for a batch slot."""
+        live = len(self._streams)
+        waiting = live + k - self.max_num_seqs
+        most = self.max_num_seqs + self.max_queue
+        if k > most:
+            raise QueueFullError(
+                f"this request needs {k} engine requests (prompts x n), more than this server "
+                f"ever holds at once ({self.max_num_seqs} batch slots + --max-queue "
+                f"{self.max_queue} = {most}); send fewer prompts or a smaller n")
+        if waiting > self.max_queue:
+            raise QueueFullError(
+                f"this request needs {k} engine request{'s' if k != 1 else ''} (prompts x n); "
+                f"with {live} already in the engine and {self.max_num_seqs} batch slots, "
+                f"{waiting} would wait, more than --max-queue {self.max_queue}; retry later, "
+                f"or send fewer prompts or a smaller n")
 
     # -- commands (event loop side) ------------------------------------------------------------
     def _submit(self, kind: str, payload: Any) -> None:
+        self._submit_all([(kind, payload)])
+
+    def _submit_all(self, commands: list[tuple[str, Any]]) -> None:
         with self._cv:  # the engine thread sets ``dead`` under this lock, then drains
             if self.dead is not None:
                 raise EngineDeadError(f"the engine stopped: {self.dead!r}")
-            self._commands.append((kind, payload))
+            self._commands.extend(commands)
             self._cv.notify()
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -115,30 +181,62 @@ class EngineThread:
     async def add(self, request_id: str, prompt: list[int], params: Any,
                   want_token_text: bool = False,
                   queue: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queue a request; returns the queue its ``StreamItem``s (or an exception) arrive on.
+        """``add_many`` of one request."""
+        return await self.add_many([(request_id, prompt, params)], want_token_text, queue)
 
-        Several requests may share one ``queue`` (the n choices of one HTTP request). Raises
-        ``QueueFullError``, ``EngineDeadError``, or the engine's ``ValueError``.
+    async def add_many(self, requests: list[tuple[str, list[int], Any]],
+                       want_token_text: bool = False,
+                       queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue ``(request_id, prompt, params)`` requests, all or none; returns the queue
+        their ``StreamItem``s (or an exception) arrive on (``queue`` when given: the n choices
+        of one HTTP request share one).
+
+        Raises ``QueueFullError`` (nothing added), ``ShuttingDownError``, ``EngineDeadError``,
+        or the engine's ``ValueError`` for one of them (then the others are aborted).
         """
-        if self.queue_depth >= self.max_queue:
-            raise QueueFullError(f"{self.queue_depth} requests are already waiting "
-                                 f"(--max-queue {self.max_queue}); retry later")
+        if self._ended is not None:
+            raise ShuttingDownError(self._ended)
+        self.admit(len(requests))
         queue = queue if queue is not None else asyncio.Queue()
-        self._streams[request_id] = _Stream(queue, want_token_text)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending_adds += 1
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in requests]
+        # Registered before any await, so the next admit() already counts them.
+        for rid, _, _ in requests:
+            self._streams[rid] = _Stream(queue, want_token_text)
         try:
-            self._submit("add", (request_id, prompt, params, fut))
+            self._submit_all([("add", (rid, prompt, params, fut))
+                              for (rid, prompt, params), fut in zip(requests, futs)])
         except BaseException:
-            self._pending_adds -= 1
-            self._streams.pop(request_id, None)
+            for rid, _, _ in requests:
+                self._streams.pop(rid, None)
             raise
         try:
-            await fut
-        except BaseException:
-            self._streams.pop(request_id, None)
+            results = await asyncio.gather(*futs, return_exceptions=True)
+        except BaseException:  # cancelled (the client left): the adds still run, so abort
+            self._forget([rid for rid, _, _ in requests])
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self._forget([rid for rid, _, _ in requests])
+            raise errors[0]
         return queue
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop these requests' streams and abort them in the engine, where still possible."""
+        live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if live and self.dead is None:
+            with contextlib.suppress(EngineDeadError):
+                self._submit_all([("abort", rid) for rid in live])
+
+    def end_all(self, reason: str) -> None:
+        """End every request in the engine: each queue gets one ``ShuttingDownError(reason)``
+        and the engine aborts the requests (freeing their KV blocks); later adds raise it too.
+        """
+        self._ended = reason
+        queues = {id(s.queue): s.queue for s in self._streams.values()}
+        for queue in queues.values():
+            queue.put_nowait(ShuttingDownError(reason))
+        self._forget(list(self._streams))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op when it already finished); frees its KV blocks."""
@@ -164,7 +262,6 @@ class EngineThread:
         for kind, payload in commands:
             if kind == "add":
                 rid, prompt, params, fut = payload
-                self._loop.call_soon_threadsafe(self._dec_pending)
                 try:
                     self.engine.add_request(prompt, params, rid)
                 except Exception as e:  # noqa: BLE001  (bad input fails this request alone)
@@ -180,16 +277,13 @@ class EngineThread:
                 except Exception as e:  # noqa: BLE001  (handed back to the caller)
                     self._resolve(fut, exc=e)
 
-    def _dec_pending(self) -> None:
-        self._pending_adds -= 1
-
     def _snapshot(self) -> None:
         sched = self.engine.scheduler
         self.num_waiting = len(sched.waiting)
         self.num_running = len(sched.running)
         self.num_free_blocks = self.engine.blocks.num_free_blocks
         if self.metrics is not None:
-            self.metrics.set_engine_state(self.queue_depth, self.num_running,
+            self.metrics.set_engine_state(self.num_waiting, self.num_running,
                                           self.num_blocks - self.num_free_blocks,
                                           self.num_blocks)
 

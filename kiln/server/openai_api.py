@@ -1,14 +1,17 @@
 """/v1/completions and /v1/chat/completions: requests in, engine requests out, OpenAI JSON back.
 
 One HTTP request becomes ``len(prompts) x n`` engine requests sharing one asyncio queue;
-choice ``i`` gets seed ``seed + i``. Streaming answers are SSE chunks ending ``data: [DONE]``.
-A client that goes away (streaming or not) gets its engine requests aborted.
+choice ``i`` gets seed ``(seed + i) mod 2**64`` (``protocol.choice_seed``). Streaming answers
+are SSE chunks ending ``data: [DONE]``. A client that goes away (streaming or not) gets its
+engine requests aborted. Responses never hold a non-finite number (not JSON): a logprob of
+-inf (a token masked out by a grammar or top-k) or NaN is reported as ``MIN_LOGPROB``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,13 +22,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from kiln.runtime.outputs import TokenLogprob
-from kiln.server.engine_thread import EngineDeadError, EngineThread, StreamItem
+from kiln.server.engine_thread import (
+    EngineThread,
+    RequestEndedError,
+    RequestFailedError,
+    ShuttingDownError,
+    StreamItem,
+)
 from kiln.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_dicts,
+    choice_seed,
     sampling_params,
 )
+
+MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are reported as (vLLM's clamp)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _logprob(v: float) -> float:
+    return v if math.isfinite(v) else MIN_LOGPROB
 
 
 @dataclass
@@ -85,21 +103,24 @@ class Generation:
     async def start(self, prompts: list[list[int]], params_for: Callable[[int], Any],
                     n: int, want_text: bool, prompt_param: str,
                     guided_param: str | None) -> None:
+        """Add the ``len(prompts) x n`` engine requests at once, all or none: a request that
+        would overfill the queue gets ``QueueFullError`` (429) with nothing added."""
+        requests, choices = [], {}
         for p, ids in enumerate(prompts):
             self.prompt_tokens += len(ids)
             for j in range(n):
                 idx = p * n + j
                 rid = f"{self.id}-{idx}"
-                try:
-                    await self.et.add(rid, ids, params_for(idx), want_text, self.queue)
-                except ValueError as e:
-                    self.abort()
-                    raise BadRequest(str(e), _add_param(str(e), prompt_param,
-                                                        guided_param)) from None
-                except BaseException:
-                    self.abort()
-                    raise
-                self.choices[rid] = Choice(idx, len(ids))
+                requests.append((rid, ids, params_for(idx)))
+                choices[rid] = Choice(idx, len(ids))
+        try:
+            await self.et.add_many(requests, want_text, self.queue)
+        except ValueError as e:
+            raise BadRequest(str(e), _add_param(str(e), prompt_param, guided_param)) from None
+        except ShuttingDownError as e:
+            raise BadRequest(str(e), None, status=e.status, type_=e.type, code=e.code,
+                             headers=e.headers()) from None
+        self.choices.update(choices)
 
     def abort(self) -> None:
         """Abort every unfinished choice (called however the HTTP request ends)."""
@@ -115,7 +136,9 @@ class Generation:
         return all(c.finish_reason is not None for c in self.choices.values())
 
     async def next(self) -> tuple[Choice, StreamItem, list[TokenLogprob]]:
-        """The next step output of any choice (EngineDeadError when the engine died)."""
+        """The next step output of any choice. Raises a ``RequestEndedError`` when the
+        request cannot finish: the engine died, it failed one choice (``RequestFailedError``:
+        the whole request fails), or the server is shutting down."""
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -128,6 +151,11 @@ class Generation:
         if out.logprobs is not None and out.new_token_ids:
             new_lps = out.logprobs[-len(out.new_token_ids):]
             c.logprobs.extend(new_lps)
+        if out.finished and out.finish_reason == "error":
+            c.finish_reason = "error"
+            # RequestOutput.error: the engine's message for the one request it failed
+            raise RequestFailedError(getattr(out, "error", None)
+                                     or "the engine failed this request")
         if out.finished:
             c.finish_reason = "stop" if out.finish_reason == "abort" else out.finish_reason
             m = self.et.metrics
@@ -152,7 +180,7 @@ class Generation:
         if self.chat:
             def entry(t: int, lp: float) -> dict:
                 s = txt(t, "")
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+                return {"token": s, "logprob": _logprob(lp), "bytes": list(s.encode())}
 
             return {"content": [{**entry(lp.token_id, lp.logprob),
                                  "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
@@ -162,8 +190,9 @@ class Generation:
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{txt(t, ""): v for t, v in lp.top.items()} for lp in lps],
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in lps],
+                "top_logprobs": [{txt(t, ""): _logprob(v) for t, v in lp.top.items()}
+                                 for lp in lps],
                 "text_offset": offsets}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
@@ -199,10 +228,8 @@ class Generation:
                 yield self.chunk([body])
             if self.include_usage:
                 yield self.chunk([], self.usage())
-        except EngineDeadError as e:
-            err = {"error": {"message": str(e), "type": "server_error", "param": None,
-                             "code": "engine_dead"}}
-            yield f"data: {json.dumps(err)}\n\n"
+        except RequestEndedError as e:  # engine dead, a choice failed, shutting down
+            yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
 
     async def collect(self) -> dict:
@@ -246,9 +273,9 @@ async def respond(request: Request, gen: Generation, stream: bool):
                                        "param": None, "code": None}}, status_code=499)
     try:
         return JSONResponse(collect.result())
-    except EngineDeadError as e:
-        raise BadRequest(str(e), None, status=500, type_="server_error",
-                         code="engine_dead") from None
+    except RequestEndedError as e:  # engine dead (500), a choice failed (500), shutdown (503)
+        gen.abort()  # a failed choice fails the request: its other choices stop too
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 async def _prepare(et: EngineThread, body: CompletionRequest | ChatCompletionRequest,
@@ -265,6 +292,44 @@ async def _prepare(et: EngineThread, body: CompletionRequest | ChatCompletionReq
     return guided, guided_param
 
 
+def _max_tokens(et: EngineThread, prompt_lens: list[int], asked: int | None, param: str,
+                chat: bool) -> list[int]:
+    """Each prompt's max_tokens. An explicit one must fit the context with its prompt (else a
+    400 naming ``param``, in vLLM's words); an omitted one is the rest of the context (chat)
+    or 16 capped to it (completions). A prompt longer than max_input_len is left to the
+    engine, which rejects it naming the prompt."""
+    limits = et.engine.limits
+    ctx = limits.max_seq_len
+    if asked is None:
+        cap = ctx if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return [max(min(cap, ctx - n), 1) for n in prompt_lens]
+    fitting = [n for n in prompt_lens if n <= limits.max_input_len]
+    longest = max(fitting, default=0)
+    if fitting and longest + asked > ctx:
+        what = "messages" if chat else "prompt"
+        raise BadRequest(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{longest + asked} tokens ({longest} in the {what}, {asked} in the completion). "
+            f"Please reduce the length of the {what} or set {param} to at most "
+            f"{ctx - longest}.", param)
+    return [asked] * len(prompt_lens)
+
+
+def _params_for(et: EngineThread, body: CompletionRequest | ChatCompletionRequest,
+                max_tokens: list[int], logprobs: int | None, guided: Any) -> Callable[[int], Any]:
+    """Choice ``idx`` -> its SamplingParams (prompt ``idx // n``, ``choice_seed``)."""
+    vocab = et.engine.model_config.vocab_size
+    defaults = getattr(et.engine, "generation_defaults", None) or {}
+
+    def params_for(idx: int):
+        return sampling_params(body, max_tokens=max_tokens[idx // body.n], logprobs=logprobs,
+                               seed=choice_seed(body.seed, idx), guided=guided, vocab=vocab,
+                               defaults=defaults)
+
+    params_for(0)  # validate once before anything reaches the engine
+    return params_for
+
+
 async def completions(request: Request, et: EngineThread, body: CompletionRequest,
                       model: str, compile_guided) -> Any:
     guided, guided_param = await _prepare(et, body, compile_guided)
@@ -273,15 +338,9 @@ async def completions(request: Request, et: EngineThread, body: CompletionReques
         if isinstance(p, str):
             p = await et.call(lambda e, p=p: e.tokenizer.encode(p))
         prompts.append(p)
-    if body.echo:
-        raise BadRequest("echo is not supported", "echo")
-
-    def params_for(idx: int):
-        return sampling_params(body, max_tokens=body.max_tokens or 16, logprobs=body.logprobs,
-                               seed=None if body.seed is None else body.seed + idx,
-                               guided=guided)
-
-    params_for(0)  # validate once before anything reaches the engine
+    max_tokens = _max_tokens(et, [len(p) for p in prompts], body.max_tokens, "max_tokens",
+                             chat=False)
+    params_for = _params_for(et, body, max_tokens, body.logprobs, guided)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
     gen = Generation(et, model, chat=False, include_usage=include_usage)
@@ -293,23 +352,15 @@ async def completions(request: Request, et: EngineThread, body: CompletionReques
 async def chat_completions(request: Request, et: EngineThread, body: ChatCompletionRequest,
                            model: str, compile_guided) -> Any:
     guided, guided_param = await _prepare(et, body, compile_guided)
-    messages = [m.as_dict() for m in body.messages]
+    messages = chat_dicts(body.messages)
     try:
         ids = await et.call(lambda e: e.apply_chat_template(messages))
     except ValueError as e:
         raise BadRequest(str(e), "messages") from None
-    max_seq_len = et.engine.limits.max_seq_len
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(max_seq_len - len(ids), 1)
+    param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = _max_tokens(et, [len(ids)], getattr(body, param), param, chat=True)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    if body.top_logprobs and not body.logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-
-    def params_for(idx: int):
-        return sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
-                               seed=None if body.seed is None else body.seed + idx,
-                               guided=guided)
-
-    params_for(0)
+    params_for = _params_for(et, body, max_tokens, logprobs, guided)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
     gen = Generation(et, model, chat=True, include_usage=include_usage)

@@ -1,21 +1,50 @@
 """OpenAI request bodies (pydantic) and their translation into kiln SamplingParams.
 
-Unknown fields are ignored (clients send ``user``, ``presence_penalty`` ...); every known field
-is range-checked here so a bad value becomes a 400 that names the field.
+Unknown fields are ignored (clients send ``user``, ``service_tier`` ...); every known field
+is range-checked here, so a bad value becomes a 400 that names the field. The bounds live
+in the models, so /openapi.json states the same ones. Sampling fields default to None: an
+omitted one takes the engine's generation default (its ``generation_defaults``, from the
+model's generation_config), then kiln's (``KILN_DEFAULTS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from kiln.runtime.guided import GuidedSpec
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import (
+    ADDITIVE_PENALTY_RANGE,
+    LOGIT_BIAS_RANGE,
+    REPETITION_PENALTY_RANGE,
+    SEED_RANGE,
+    SamplingParams,
+)
 
 MAX_N = 16
+MAX_TOP_K = 2**31 - 1  # top_k >= the vocabulary size keeps every token, as 0 and -1 do
+KILN_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                   "repetition_penalty": 1.0}
+# {MAX: name}: a maximum that depends on the engine, which the OpenAPI builder fills in
+# ("token_id": vocabulary size - 1, "max_tokens": context - 1, "w" / "n" / "g": the
+# engine's lookahead window); the engine checks these itself.
+MAX = "x-kiln-max"
+
+# A token id: >= 0 here; < the vocabulary size is checked per engine (the schema says both).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={MAX: "token_id"})]
+# Prompt token ids are range-checked by the engine (a 400 naming "prompt"): a bound inside
+# the prompt union would turn one bad id into errors about the union's other members.
+PromptTokenId = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0,
+                                               MAX: "token_id"})]
+Text = Annotated[str, Field(min_length=1)]
+# Fields kiln does not support yet take only their "off" value: validation accepts any value
+# of the type, ``check()`` answers the others with a 400 "unsupported" naming the field, and
+# the schema states the value that works.
+_ONLY_NONE = WithJsonSchema({"anyOf": [{"const": "none"}, {"type": "null"}]})
+_ONLY_EMPTY = WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})
 
 
 class BadRequest(ValueError):
@@ -33,29 +62,51 @@ class BadRequest(ValueError):
         self.headers = headers
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def unsupported(feature: str, param: str, fix: str) -> BadRequest:
+    return BadRequest(f"{feature} is not supported by this server yet; {fix}", param,
+                      code="unsupported")
 
 
-class StreamOptions(_Lenient):
+# -- request bodies ---------------------------------------------------------------------------
+class _Body(BaseModel):
+    """A request body: unknown fields are ignored; known ones are typed strictly (false is
+    no number, 1.0 no integer, "5" neither), as the schema says."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    def check(self) -> None:
+        """Rules across fields, after validation: raise BadRequest naming the field."""
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class Lookahead(_Lenient):
+class Lookahead(_Body):
     """The lookahead window: W columns, N-gram size, G candidates verified per step."""
 
-    w: int = Field(ge=1)
-    n: int = Field(ge=1)
-    g: int = Field(ge=0)
+    w: int = Field(ge=1, description="lookahead window width, 1 to the engine's W",
+                   json_schema_extra={MAX: "w"})
+    n: int = Field(ge=1, description="n-gram size, 1 to the engine's N",
+                   json_schema_extra={MAX: "n"})
+    g: int = Field(ge=0, description="candidates verified per step, 0 to the engine's G",
+                   json_schema_extra={MAX: "g"})
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(_Body):
     name: str | None = None
-    schema_: dict[str, Any] | bool = Field(alias="schema")
+    # false (no value matches) is a valid JSON Schema but no grammar: the compiler rejects it
+    schema_: Annotated[dict[str, Any] | bool, WithJsonSchema({"anyOf": [
+        {"type": "object"}, {"const": True}]})] = Field(alias="schema",
+                                                         description="a JSON Schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(_Body):
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -66,27 +117,56 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class SamplingFields(_Lenient):
+_lb_lo, _lb_hi = LOGIT_BIAS_RANGE
+_rp_lo, _rp_hi = REPETITION_PENALTY_RANGE
+_ap_lo, _ap_hi = ADDITIVE_PENALTY_RANGE
+
+
+class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + kiln extras)."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    model: str | None = Field(None, description="the served model name or an alias; "
+                                                "omitted: the served model")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"choices per prompt, 1 to {MAX_N}; "
+                   "choice i samples with seed (seed + i) mod 2**64")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=2, description="a number in [0, 2]; "
+                                      "0 is greedy; omitted: the model's default, else 1")
+    top_p: float | None = Field(None, gt=0, le=1, description="a number in (0, 1]; 1 keeps "
+                                "every token; omitted: the model's default, else 1")
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1],
+                             description="a 64-bit integer, in [-2**63, 2**64 - 1]")
+    stop: Text | list[Text] | None = Field(None, description="a non-empty string or a list of "
+                                           "them; generation stops before the first match")
+    frequency_penalty: float = Field(0.0, ge=_ap_lo, le=_ap_hi, description=(
+        f"a number in [{_ap_lo:g}, {_ap_hi:g}]: logit -= value x times the token was "
+        "generated; 0 disables it"))
+    presence_penalty: float = Field(0.0, ge=_ap_lo, le=_ap_hi, description=(
+        f"a number in [{_ap_lo:g}, {_ap_hi:g}]: logit -= value once a token was generated; "
+        "0 disables it"))
+    logit_bias: dict[str, float] | None = Field(None, description=(
+        f"token id (a decimal string, < the vocabulary size) -> bias in [{_lb_lo:g}, "
+        f"{_lb_hi:g}], added to that token's logit"), json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": _lb_lo, "maximum": _lb_hi}})
     # kiln / vLLM extras
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description=(
+        f"an integer in [-1, {MAX_TOP_K}]; -1, 0 and values >= the vocabulary size keep "
+        "every token; omitted: the model's default, else 0"))
+    min_p: float | None = Field(None, ge=0, le=1, description="a number in [0, 1]; 0 "
+                                "disables it; omitted: the model's default, else 0")
+    repetition_penalty: float | None = Field(None, ge=_rp_lo, le=_rp_hi, description=(
+        f"a number in [{_rp_lo:g}, {_rp_hi:g}]; 1 disables it; omitted: the model's "
+        "default, else 1"))
+    stop_token_ids: list[TokenId] | None = Field(None, description=(
+        "token ids in [0, vocabulary size) that end generation"))
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
     regex: str | None = None
-    grammar: str | None = None
-    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="EBNF (GBNF-style) the output must match")
+    choice: list[Text] | None = Field(None, min_length=1, description="non-empty strings; "
+                                      "the output is one of them")
     lookahead: Lookahead | None = None
 
     def guided(self) -> tuple[GuidedSpec | None, str | None]:
@@ -115,73 +195,175 @@ class SamplingFields(_Lenient):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)]
+             | Annotated[list[PromptTokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[PromptTokenId], Field(min_length=1)]],
+                         Field(min_length=1)]) = Field(description=(
+        "a non-empty string, a list of them, a list of token ids, or a list of token-id lists "
+        "(n choices per prompt)"))
+    max_tokens: int | None = Field(None, ge=1, json_schema_extra={MAX: "max_tokens"},
+                                   description="tokens to generate, >= 1; prompt + max_tokens "
+                                   "must fit the context; omitted: 16, capped to the context")
+    logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token, 0 "
+                                 "to 20")
+    echo: bool = Field(False, description="not supported: must be false",
+                       json_schema_extra={"const": False})
+    suffix: str | None = Field(None, description="not supported: must be empty or null",
+                               json_schema_extra={"maxLength": 0})
+    best_of: int | None = Field(None, ge=1, description="not supported: must equal n")
+
+    def check(self) -> None:
+        if self.echo:
+            raise unsupported("echo", "echo", "drop it or send false")
+        if self.suffix:
+            raise unsupported("suffix (insertion)", "suffix", "drop it")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported(f"best_of {self.best_of} (other than n={self.n})", "best_of",
+                              "drop it and use n")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise BadRequest("prompt is empty; send a string or a list of token ids", "prompt")
-        if isinstance(p[0], int):
+        if isinstance(p[0], int):  # non-empty: the model says min_length=1
             return [list(p)]
         return list(p)
 
 
-class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+_TEXT_PARTS = WithJsonSchema({"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}})
 
-    def as_dict(self) -> dict[str, str]:
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = Field(
+        None, description='a string or a list of text parts [{"type": "text", "text": "..."}]')
+
+    def as_dict(self, index: int) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
-            for part in content:
+            for i, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest("only text content parts are supported", "messages")
+                    raise BadRequest(
+                        f"messages[{index}].content[{i}] has type {part.get('type')!r}: only "
+                        'text parts {"type": "text", "text": "..."} are supported',
+                        f"messages[{index}].content")
                 parts.append(part["text"])
             content = "".join(parts)
         return {"role": self.role, "content": content or ""}
 
 
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [m.as_dict(i) for i, m in enumerate(messages)]
+
+
+_TOOLS = "tool calling"
+_TOOLS_FIX = "remove tools, tool_choice, functions and function_call from the request"
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    model_config = ConfigDict(json_schema_extra={  # top_logprobs > 0 needs logprobs: true
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
+    messages: list[ChatMessage] = Field(min_length=1, description="at least one message")
+    max_tokens: int | None = Field(None, ge=1, json_schema_extra={MAX: "max_tokens"},
+                                   description="tokens to generate, >= 1; the messages + "
+                                   "max_tokens must fit the context; omitted: the rest of it")
+    max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra={MAX: "max_tokens"},
+                                              description="as max_tokens (and preferred)")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token, "
+                                     "0 to 20; needs logprobs: true")
+    tools: Annotated[list[dict[str, Any]] | None, _ONLY_EMPTY] = Field(
+        None, description="tool calling is not supported yet: empty or null")
+    tool_choice: Annotated[str | dict[str, Any] | None, _ONLY_NONE] = Field(
+        None, description='tool calling is not supported yet: "none" or null')
+    functions: Annotated[list[dict[str, Any]] | None, _ONLY_EMPTY] = Field(
+        None, description="tool calling is not supported yet: empty or null")
+    function_call: Annotated[str | dict[str, Any] | None, _ONLY_NONE] = Field(
+        None, description='tool calling is not supported yet: "none" or null')
+
+    def check(self) -> None:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise unsupported(_TOOLS, name, _TOOLS_FIX)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise unsupported(_TOOLS, name, _TOOLS_FIX)
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of the two
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | None = Field(None, description="text to tokenize as-is (no template)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description=(
+        "messages to render with the chat template; send prompt or messages"))
 
-    @model_validator(mode="after")
-    def _one(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt or messages")
-        return self
+    def check(self) -> None:
+        if self.prompt is None and self.messages is None:
+            raise BadRequest("send prompt (text) or messages (chat) to tokenize", "prompt")
+        if self.prompt is not None and self.messages is not None:
+            raise BadRequest("send prompt or messages, not both", "messages")
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(description="token ids in [0, vocabulary size)")
+
+
+# -- SamplingParams --------------------------------------------------------------------------
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: ``seed + index`` wrapped into [0, 2**64), which is how torch
+    reads a negative seed too, so every seed in SEED_RANGE gives every choice a valid one."""
+    return None if seed is None else (seed + index) % 2**64
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as sorted (id, bias) pairs."""
+    out = []
+    for key, value in (bias or {}).items():
+        # (a length bound first: int() refuses strings of more than 4300 digits)
+        if not (key.isascii() and key.isdigit() and len(key) < 19 and int(key) < vocab):
+            raise BadRequest(f"logit_bias key {key!r} is not a token id of this model's "
+                             f"vocabulary [0, {vocab}); keys are token ids as decimal "
+                             f'strings, e.g. {{"{min(50, vocab - 1)}": -100}}', "logit_bias")
+        if not _lb_lo <= value <= _lb_hi:
+            raise BadRequest(f"logit_bias[{key!r}] is {value:g}; a bias must be in "
+                             f"[{_lb_lo:g}, {_lb_hi:g}] (-100 bans the token, 100 all but "
+                             "forces it)", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    seed: int | None, guided: GuidedSpec | None) -> SamplingParams:
-    """SamplingParams for one choice of ``req``; ValueError -> 400 naming the field."""
+                    seed: int | None, guided: GuidedSpec | None, vocab: int,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams for one choice of ``req``; ``vocab``: the engine's vocabulary size;
+    ``defaults``: the engine's generation defaults for omitted fields (over KILN_DEFAULTS).
+    Bad values raise BadRequest naming the field."""
+    fill = {**KILN_DEFAULTS, **{k: v for k, v in (defaults or {}).items()
+                                if k in KILN_DEFAULTS and v is not None}}
+    picked = {k: fill[k] if getattr(req, k) is None else getattr(req, k) for k in KILN_DEFAULTS}
+    outside = [t for t in req.stop_token_ids or () if t >= vocab]
+    if outside:
+        raise BadRequest(f"stop_token_ids {outside[:5]} are outside this model's vocabulary "
+                         f"[0, {vocab}); send token ids below {vocab}", "stop_token_ids")
     kwargs: dict[str, Any] = {
-        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "top_k": max(req.top_k, 0), "min_p": req.min_p, "seed": seed,
-        "repetition_penalty": req.repetition_penalty,
-        "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+        **picked, "top_k": max(int(picked["top_k"]), 0), "max_tokens": max_tokens,
+        "seed": seed, "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs, "guided": guided,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "logit_bias": _logit_bias(req.logit_bias, vocab), "logprobs": logprobs,
+        "guided": guided,
     }
     if req.lookahead is not None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}

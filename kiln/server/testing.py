@@ -53,17 +53,21 @@ class ServerProcess:
                 raise RuntimeError("kiln serve did not start:\n" + "\n".join(self.log[-40:]))
         return self
 
-    def stop(self) -> int | None:
-        """Terminate the server (SIGTERM, then SIGKILL); returns its exit code."""
+    def stop(self, drain_s: float = 10.0) -> int | None:
+        """Stop the server; returns its exit code. SIGTERM lets requests in flight finish for
+        up to ``drain_s``; a second SIGTERM ends the rest at once; SIGKILL if even that hangs.
+        """
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        for signal_it, wait_s in ((self.proc.terminate, drain_s), (self.proc.terminate, 10.0),
+                                  (self.proc.kill, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            signal_it()
             try:
-                self.proc.wait(10)
+                self.proc.wait(wait_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                continue
         return self.proc.returncode
 
     def __exit__(self, *exc) -> None:

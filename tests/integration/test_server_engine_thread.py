@@ -31,7 +31,7 @@ class FakeEngine:
         self.num_step_calls = 0
         self.tokenizer = SimpleNamespace(decode=lambda ids: "x" * len(ids))
         self.blocks = SimpleNamespace(num_free_blocks=8, num_blocks=8)
-        self.scheduler = SimpleNamespace(waiting=[], running=[])
+        self.scheduler = SimpleNamespace(waiting=[], running=[], max_num_seqs=1)
 
     def add_request(self, prompt, params, rid):
         if not prompt:
@@ -98,11 +98,8 @@ def test_queue_full_then_death():
         et.start(asyncio.get_running_loop())
         q = await et.add("a", [1], None)
         await asyncio.sleep(0.1)  # the engine thread is now inside step()
-        eng.scheduler.waiting = [1, 2]  # what the next snapshot would report
-        et.num_waiting = 2
-        with pytest.raises(QueueFullError):
-            await et.add("b", [1], None)
-        et.num_waiting = 0
+        with pytest.raises(QueueFullError):  # "a" holds the one batch slot: 3 more would wait
+            await et.add_many([(r, [1], None) for r in "bcd"])
         eng.fail = True
         eng.gate.set()
         items = await _drain(q)

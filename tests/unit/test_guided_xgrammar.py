@@ -153,3 +153,13 @@ def test_timeout_then_cache(tok, monkeypatch):
 def test_bad_constructor_args(tok):
     with pytest.raises(ValueError, match="timeout_s"):
         XGrammarCompiler(tok, VOCAB, timeout_s=0)
+
+
+@pytest.mark.parametrize("spec", [GuidedSpec("regex", "[^\\x00-\\U0010ffff]"),
+                                  GuidedSpec("grammar", "root ::= root")],
+                         ids=["empty-class", "left-recursion"])
+def test_a_grammar_that_matches_nothing_is_a_value_error(compiler, spec):
+    """A grammar with no first token would fail its request at the first step (every logit
+    masked): it is refused at compile time instead, so the server answers 400 naming it."""
+    with pytest.raises(ValueError, match=f"^{spec.kind} matches no text"):
+        compiler.compiled(spec)

@@ -94,7 +94,19 @@ class XGrammarCompiler(GuidedCompiler):
         self.num_compiles = 0  # grammars actually compiled (cache misses)
 
     def _compile_now(self, spec: GuidedSpec) -> Any:
-        """The CompiledGrammar for ``spec`` (runs on the worker thread)."""
+        """The CompiledGrammar for ``spec`` (runs on the worker thread); ValueError for one
+        that allows no first token (it matches nothing: no output could satisfy it)."""
+        compiled = self._compile_spec(spec)
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise ValueError(f"{spec.kind} matches no text this model can write (it allows "
+                             "no first token); check the pattern")
+        return compiled
+
+    def _compile_spec(self, spec: GuidedSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
