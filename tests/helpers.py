@@ -11,6 +11,21 @@ from safetensors.torch import load_file, save_file
 from kiln.builder.fp8 import quantize_per_tensor
 
 
+def count_launches(eng) -> list[int]:
+    """Wraps ``eng._launch_next``; returns a one-item list counting steps launched ahead
+    (async scheduling)."""
+    n = [0]
+    inner = eng._launch_next
+
+    def counting(cur):
+        nxt = inner(cur)
+        n[0] += nxt is not None
+        return nxt
+
+    eng._launch_next = counting
+    return n
+
+
 def mixed_prompts(seed: int = 1) -> list[list[int]]:
     """8 prompts of mixed lengths (3..40 tokens) of byte-tokenizer ids."""
     g = torch.Generator().manual_seed(seed)

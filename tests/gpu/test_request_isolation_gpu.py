@@ -23,6 +23,8 @@ pytestmark = [
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_a_nan_row_fails_its_request_alone_with_graphs_and_async_steps(tmp_path, monkeypatch,
                                                                         temperature):
+    from helpers import count_launches
+
     from kiln.builder import build_engine
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
     from kiln.runtime.sampling_params import SamplingParams
@@ -39,14 +41,6 @@ def test_a_nan_row_fails_its_request_alone_with_graphs_and_async_steps(tmp_path,
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = eng._requests[ids[1]]
     real_exec = eng.runner.execute
-    launched_ahead = [0]
-    real_next = eng._launch_next
-
-    def counting(cur):
-        nxt = real_next(cur)
-        launched_ahead[0] += nxt is not None
-        return nxt
-
     def nan_row(batch, *args):
         fwd = real_exec(batch, *args)
         row = fwd.sample_rows.get(victim)
@@ -56,7 +50,7 @@ def test_a_nan_row_fails_its_request_alone_with_graphs_and_async_steps(tmp_path,
         return fwd
 
     monkeypatch.setattr(eng.runner, "execute", nan_row)
-    eng._launch_next = counting
+    launched_ahead = count_launches(eng)
     done = {}
     while eng.has_unfinished_requests():
         for o in eng.step():

@@ -12,7 +12,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are built on import)
 
 import pytest
-from helpers import mixed_prompts
+from helpers import count_launches, mixed_prompts
 
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
@@ -25,23 +25,9 @@ def _engine(engine_dir, async_on: bool, **kw) -> LLMEngine:
                                                                **opts))
 
 
-def _count_launches(eng: LLMEngine) -> list[int]:
-    """Wraps ``_launch_next``; returns a one-item list counting steps launched ahead."""
-    n = [0]
-    inner = eng._launch_next
-
-    def counting(cur):
-        nxt = inner(cur)
-        n[0] += nxt is not None
-        return nxt
-
-    eng._launch_next = counting
-    return n
-
-
 def _run(engine_dir, async_on, prompts, params, **kw):
     eng = _engine(engine_dir, async_on, **kw)
-    ahead = _count_launches(eng)
+    ahead = count_launches(eng)
     outs = eng.generate(prompts, params)
     eng.blocks.check_all_free()
     eng.last_outputs = outs

@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are b
 
 import pytest
 import torch
-from helpers import mixed_prompts
+from helpers import count_launches, mixed_prompts
 
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.guided import GuidedSpec
@@ -161,15 +161,7 @@ def test_a_fault_in_one_request_fails_it_alone(engine_dir, monkeypatch, fault, a
         return rid
 
     eng.add_request = add_and_arm
-    launched = [0]
-    inner_next = eng._launch_next
-
-    def counting(cur):
-        nxt = inner_next(cur)
-        launched[0] += nxt is not None
-        return nxt
-
-    eng._launch_next = counting
+    launched = count_launches(eng)
     outs = _run(eng, prompts, params)
 
     victim = outs[VICTIM]
