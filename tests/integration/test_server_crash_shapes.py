@@ -152,3 +152,39 @@ def test_degenerate_floats_without_a_grammar_do_not_return_token_zero(client):
     assert r.status_code == 200, r.text
     assert "\x00" not in r.json()["choices"][0]["text"]
     _healthy(client)
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(client):
+    """A real fault in one request of a running batch: a regex that dead-ends after its first
+    token leaves its request with no allowed token (the engine fails it: 500 request_failed,
+    or an error chunk and [DONE] when streamed), while the requests running beside it finish
+    with the tokens they get alone, /health stays 200 and every KV block comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def plain(i: int) -> dict:
+        return {"model": "smol", "prompt": f"Count to ten: {i}", "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True}
+
+    alone = [client.post("/v1/completions", json=plain(i)).json()["choices"][0]["text"]
+             for i in range(3)]
+    dead_end = {"model": "smol", "prompt": "hi", "regex": "a[^\\x00-\\U0010ffff]",
+                "max_tokens": 8}
+
+    def streamed_dead_end() -> list[str]:
+        with client.stream("POST", "/v1/completions", json={**dead_end, "stream": True}) as r:
+            return [line for line in r.iter_lines() if line]
+
+    with ThreadPoolExecutor(5) as pool:
+        futs = [pool.submit(client.post, "/v1/completions", json=plain(i)) for i in range(3)]
+        bad = pool.submit(client.post, "/v1/completions", json=dead_end)
+        bad_stream = pool.submit(streamed_dead_end)
+        texts = [f.result().json()["choices"][0]["text"] for f in futs]
+        r = bad.result()
+        lines = bad_stream.result()
+    assert texts == alone
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_failed" and "no token is allowed" in err["message"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "request_failed"
+    _healthy(client)
