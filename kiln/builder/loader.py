@@ -106,8 +106,15 @@ def load_engine(path: str | Path, *, verify_checksums: bool = True) -> EngineArt
         raise EngineFormatError(f"engine {path} does not exist; build one with `kiln build`")
     spec_path = path / ENGINE_JSON
     if not spec_path.is_file():
+        other = f"{str(path).rstrip('/')}-engine"
+        if (path / "config.json").is_file():
+            raise EngineFormatError(
+                f"{path} is not a kiln engine (no {ENGINE_JSON}) but a model directory; build "
+                f"an engine from it with `kiln build {path} -o {other}` (serve, generate and "
+                "bench take the model directory itself too)")
         raise EngineFormatError(
-            f"{path} is not a kiln engine (no {ENGINE_JSON}); build one with `kiln build`"
+            f"{path} is not a kiln engine (no {ENGINE_JSON}); build one with `kiln build MODEL "
+            f"-o {other if path.is_dir() and any(path.iterdir()) else path}`"
         )
     try:
         raw = json.loads(spec_path.read_text())

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.builder.generation import GenerationDefaults
 from kiln.builder.speculative import SpeculativeConfig, check_limits
 from kiln.config import ModelConfig
 
@@ -13,6 +14,8 @@ from kiln.config import ModelConfig
 # (quantization.lm_head "fp8", lm_head.weight_scale one per row). An engine is written with
 # the oldest version that describes it (``format_version_for``), so a kiln that reads only 1
 # still opens every engine without the new feature and says "upgrade kiln" for the others.
+# An optional section that an older kiln can ignore (EngineSpec.from_dict reads only the keys
+# it knows) needs no new version: ``generation_defaults`` is one.
 ENGINE_FORMAT_VERSION = 2
 
 
@@ -174,7 +177,10 @@ class EngineSpec:
     {"sha256", "size"}}} or {"format": "random", "seed": S, "std": 0.02}.
     ``kernel_configs`` is the build-time kernel tuning section (kiln.runtime.kernels.tuning:
     {"tuned": true, "gpu", "triton", ..., "configs": {kernel: {key: config}}} or
-    {"tuned": false, "reason"}; empty in engines built before tuning existed)."""
+    {"tuned": false, "reason"}; empty in engines built before tuning existed).
+    ``generation_defaults``: sampling values for the fields a request omits (see
+    kiln.builder.generation).
+    """
 
     format_version: int
     kiln_version: str
@@ -186,6 +192,7 @@ class EngineSpec:
     provenance: dict[str, Any] = field(default_factory=dict)
     weights: dict[str, Any] = field(default_factory=dict)
     kernel_configs: dict[str, Any] = field(default_factory=dict)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -207,6 +214,7 @@ class EngineSpec:
             "provenance": self.provenance,
             "weights": self.weights,
             "kernel_configs": self.kernel_configs,
+            "generation_defaults": self.generation_defaults.to_dict(),
         }
 
     @classmethod
@@ -222,4 +230,5 @@ class EngineSpec:
             provenance=dict(d.get("provenance") or {}),
             weights=dict(d.get("weights") or {}),
             kernel_configs=dict(d.get("kernel_configs") or {}),
+            generation_defaults=GenerationDefaults.from_dict(d.get("generation_defaults") or {}),
         )

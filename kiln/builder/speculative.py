@@ -73,23 +73,27 @@ def _suggest(draft_len: int) -> str:
     return f", e.g. --lookahead-config {','.join(map(str, ts[0]))}" if ts else ""
 
 
-def check_window(w: int, n: int, g: int, what: str = "lookahead config") -> None:
-    """Raise ValueError unless (W, N, G) is a valid lookahead window."""
+def check_window(w: int, n: int, g: int, what: str = "lookahead config",
+                 flag: str | None = "--lookahead-config") -> None:
+    """Raise ValueError unless (W, N, G) is a valid lookahead window. ``what`` names the
+    value in the message, ``flag`` the option the fix suggests (None: a request's field)."""
     t = _fmt((w, n, g))
+    use = f"{flag} " if flag else "lookahead (w,n,g) = "
     if w < 1 or n < 1 or g < 0:
         raise ValueError(
             f"{what} {t} is invalid: W and N must be >= 1 and G >= 0; "
-            f"use e.g. --lookahead-config 5,5,5 (or 1,1,0 for plain decoding)"
+            f"use e.g. {use}5,5,5 (or 1,1,0 for plain decoding)"
         )
     if n == 1 and (w != 1 or g != 0):
         raise ValueError(
             f"{what} {t} is invalid: N == 1 (no n-grams) requires W == 1 and G == 0; "
-            f"use 1,1,0 for plain decoding or N >= 2 to speculate, e.g. 5,5,5"
+            f"use {use}1,1,0 for plain decoding or N >= 2 to speculate, e.g. 5,5,5"
         )
 
 
-def parse_window(text: str) -> tuple[int, int, int]:
-    """Parse "W,N,G" into a validated triple."""
+def parse_window(text: str, flag: str = "--lookahead-config") -> tuple[int, int, int]:
+    """Parse "W,N,G" into a validated triple; errors name ``flag``, the option the user
+    typed it into (--lookahead-config at build, --lookahead on a request)."""
     parts = [p.strip() for p in str(text).strip().strip("()[]").split(",")]
     try:
         if len(parts) != 3:
@@ -97,10 +101,10 @@ def parse_window(text: str) -> tuple[int, int, int]:
         w, n, g = (int(p) for p in parts)
     except ValueError:
         raise ValueError(
-            f"--lookahead-config {text!r} is malformed: expected three integers W,N,G "
-            f"(window size, n-gram size, verification set size), e.g. --lookahead-config 5,5,5"
+            f"{flag} {text!r} is malformed: expected three integers W,N,G "
+            f"(window size, n-gram size, verification set size), e.g. {flag} 5,5,5"
         ) from None
-    check_window(w, n, g, "--lookahead-config")
+    check_window(w, n, g, flag, flag)
     return w, n, g
 
 
@@ -323,19 +327,21 @@ def check_limits(
 
 
 def validate_request_window(
-    engine: SpeculativeConfig, w: int, n: int, g: int
+    engine: SpeculativeConfig, w: int, n: int, g: int, flag: str | None = None
 ) -> tuple[int, int, int]:
     """Check a request's (w, n, g) against the engine's window; return it.
 
     (1, 1, 0) is plain decoding and is always allowed. Otherwise 1 <= w <= W, 1 <= n <= N,
-    0 <= g <= G and the N == 1 rule. Raises ValueError (the server answers 400).
+    0 <= g <= G and the N == 1 rule. Raises ValueError (the server answers 400). ``flag``:
+    the CLI option the window came from (--lookahead), named in the message.
     """
     req = (w, n, g)
+    what = flag or "request lookahead"
     if req == PLAIN:
         return req
     if engine.mode != "lookahead" or engine.lookahead is None:
         raise ValueError(
-            f"request lookahead {_fmt(req)} is not available: this engine was built with "
+            f"{what} {_fmt(req)} is not available: this engine was built with "
             f"speculative decoding mode {engine.mode!r}, so only (1,1,0) (plain decoding) is "
             f"allowed; rebuild with --speculative-decoding-mode lookahead --lookahead-config "
             f"W,N,G"
@@ -343,9 +349,9 @@ def validate_request_window(
     W, N, G = engine.lookahead
     if not (1 <= w <= W and 1 <= n <= N and 0 <= g <= G):
         raise ValueError(
-            f"request lookahead {_fmt(req)} exceeds the engine window {_fmt((W, N, G))}: "
+            f"{what} {_fmt(req)} exceeds the engine window {_fmt((W, N, G))}: "
             f"each field must satisfy 1 <= w <= {W}, 1 <= n <= {N}, 0 <= g <= {G}; "
             f"ask for a smaller window or (1,1,0) for plain decoding"
         )
-    check_window(w, n, g, "request lookahead")
+    check_window(w, n, g, what, flag)
     return req

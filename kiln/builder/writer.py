@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import kiln
 from kiln.builder import fp8
+from kiln.builder.generation import GENERATION_CONFIG_MODES, resolve_generation_defaults
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
 from kiln.builder.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_version_for
 from kiln.builder.speculative import SpeculativeConfig
@@ -28,6 +29,7 @@ from kiln.builder.weights import (
 )
 from kiln.errors import KilnError
 from kiln.sources import SourceModel, open_source
+from kiln.sources.umask import honour_umask
 
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -64,6 +66,7 @@ def build_engine(
     force: bool = False,
     tune: bool | None = False,
     precompile: bool | None = False,
+    generation_config: str = "auto",
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -77,10 +80,15 @@ def build_engine(
     kernels it compiled in ``kernels/`` (``kiln.runtime.kernel_cache``), so serving on a
     machine with an empty Triton cache does not compile them again (None: when CUDA is
     available; `kiln build`'s default).
+    ``generation_config``: "auto" records the source's sampling defaults (generation_config.json,
+    a built-in's model card) in engine.json ``generation_defaults``; "none" records none.
     """
     out_dir = Path(out_dir).expanduser()
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {list(DTYPES)}")
+    if generation_config not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"--generation-config {generation_config!r} is not supported; use "
+                         f"one of {list(GENERATION_CONFIG_MODES)}")
     _check_out_dir(out_dir, force)
     if precompile is not False:
         _precompile_timeout()  # a bad KILN_PRECOMPILE_TIMEOUT_S fails before any weight
@@ -102,6 +110,10 @@ def build_engine(
         )
     for warning in limits.validate_for(cfg, speculative):
         Console(stderr=True).print(f"[yellow]warning:[/] {warning}")
+    generation, gen_warnings = resolve_generation_defaults(
+        model.generation_defaults, model.generation_source, generation_config, speculative)
+    for warning in gen_warnings:
+        Console(stderr=True).print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     if not model.is_random:
         model.materialize()  # heavy (GGUF dequantization) only after the checks above
         check_source_tensors(fp8.without_scales(model) if fp8_ckpt else model)
@@ -120,6 +132,7 @@ def build_engine(
             if model.is_random
             else {}
         ),
+        generation_defaults=generation,
     )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +151,7 @@ def build_engine(
         (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
         if precompile is not False:
             _precompile_kernels(tmp, console)
+        honour_umask(tmp)  # mkdtemp made it 0700
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,7 +6,9 @@ command functions: ``kiln --help`` stays fast.
 
 ``main()`` is the console script. A user-fixable error (``KilnError``, ``ValueError``,
 a missing file) becomes one line ``error: <message>`` on stderr and exit code 1; the
-traceback is shown only with ``kiln --debug ...`` or ``KILN_DEBUG=1``. Ctrl-C exits 130.
+traceback is shown only with ``kiln --debug ...`` or ``KILN_DEBUG=1``. A usage error (an
+unknown option, a bad value for an option's type, a missing argument) is click's: a usage
+message and exit code 2, as for any click / typer program. Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ COMMAND_MODULES = ("quantize", "build", "inspect", "generate", "serve", "eval")
 BENCH_MODULES = ("bench",)
 
 _DEBUG_ENV = "KILN_DEBUG"
+# Help and usage errors in click's plain layout: rich's option tables cut long option names
+# at 80 columns (`--max-batch-si…`); the plain layout wraps the help text instead.
+HELP_MARKUP = None
 
 
 def _debug_enabled(argv: list[str]) -> bool:
@@ -84,6 +89,7 @@ def build_app() -> tuple[typer.Typer, typer.Typer]:
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
+        rich_markup_mode=HELP_MARKUP,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     root.callback()(_root)
@@ -93,6 +99,7 @@ def build_app() -> tuple[typer.Typer, typer.Typer]:
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
+        rich_markup_mode=HELP_MARKUP,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     for name in COMMAND_MODULES:

@@ -14,10 +14,15 @@ from typing import Any
 
 import typer
 
-from kiln.cli.generate import ADAPTIVE_SPEC_HELP, ENFORCE_EAGER_HELP, NO_ASYNC_HELP
+from kiln.cli.generate import (
+    ADAPTIVE_SPEC_HELP,
+    ENFORCE_EAGER_HELP,
+    ENGINE_OR_SOURCE_HELP,
+    NO_ASYNC_HELP,
+)
 from kiln.errors import KilnError
 
-_ENGINE = typer.Argument(..., metavar="ENGINE", help="Engine directory written by `kiln build`.")
+_ENGINE = typer.Argument(..., metavar="ENGINE_OR_SOURCE", help=ENGINE_OR_SOURCE_HELP)
 _DEVICE_HELP = "Device to run on (cuda, cuda:1, cpu); default cuda when available."
 _JSON_HELP = "Also write the results (with command line, device, versions) to this JSON file."
 BASELINES = ("none", "hf")
@@ -48,19 +53,22 @@ def _check_baseline(name: str) -> str:
     return name
 
 
-def _load(engine_dir: Path, device: str | None, enforce_eager: bool = False,
-          no_async: bool = False, adaptive_spec: bool | None = None) -> tuple[Any, dict]:
-    """Load the engine; returns (engine, start-up record). Imports are not start-up time."""
-    from kiln.cli.generate import check_engine_dir, load_engine
+def _load(source: str, device: str | None, enforce_eager: bool = False,
+          no_async: bool = False,
+          adaptive_spec: bool | None = None) -> tuple[Any, dict, Path]:
+    """Load the engine (a source is built into the cache first); returns (engine, start-up
+    record, engine dir). Imports and the build are not start-up time."""
+    from kiln.cli.engine_source import engine_dir_for
+    from kiln.cli.generate import load_engine
 
-    check_engine_dir(engine_dir)
+    engine_dir, _ = engine_dir_for(source, device)
     import kiln.runtime.engine  # noqa: F401
 
     t0 = time.perf_counter()
     engine, _ = load_engine(engine_dir, device, enforce_eager, no_async, adaptive_spec)
     startup = {"startup_s": time.perf_counter() - t0,
                "startup_times": getattr(engine, "startup_times", None)}
-    return engine, startup
+    return engine, startup, engine_dir
 
 
 def _free_engine_and_build_hf(engine_dir: Path, device: Any) -> tuple[Any, dict]:
@@ -87,7 +95,7 @@ def _finish(result: dict, env: dict, json_file: Path | None, render) -> None:
 
 
 def throughput(
-    engine_dir: Path = _ENGINE,
+    engine_or_source: str = _ENGINE,
     num_prompts: int = typer.Option(64, "--num-prompts", min=1, help="Number of requests."),
     input_len: int = typer.Option(128, "--input-len", min=1,
                                   help="Prompt length in tokens (synthetic prompts)."),
@@ -122,7 +130,8 @@ def throughput(
     from kiln.bench.report import environment, render_throughput
 
     _check_baseline(baseline)
-    engine, startup = _load(engine_dir, device, enforce_eager, no_async, adaptive_spec)
+    engine, startup, engine_dir = _load(engine_or_source, device, enforce_eager, no_async,
+                                        adaptive_spec)
     if dataset is not None:
         from kiln.bench.datasets import load_requests
 
@@ -165,7 +174,7 @@ def throughput(
 
 
 def latency(
-    engine_dir: Path = _ENGINE,
+    engine_or_source: str = _ENGINE,
     batch_size: int = typer.Option(1, "--batch-size", min=1, help="Requests per batch."),
     input_len: int = typer.Option(32, "--input-len", min=1, help="Prompt length in tokens."),
     output_len: int = typer.Option(128, "--output-len", min=1,
@@ -216,8 +225,9 @@ def latency(
     from kiln.builder.speculative import parse_window
 
     _check_baseline(baseline)
-    window = parse_window(lookahead) if lookahead else None
-    engine, startup = _load(engine_dir, device, enforce_eager, no_async, adaptive_spec)
+    window = parse_window(lookahead, "--lookahead") if lookahead else None
+    engine, startup, engine_dir = _load(engine_or_source, device, enforce_eager, no_async,
+                                        adaptive_spec)
     with _progress("latency", num_iters) as advance:
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)

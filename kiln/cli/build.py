@@ -15,6 +15,11 @@ class Dtype(str, Enum):
     float32 = "float32"
 
 
+class GenerationConfig(str, Enum):
+    auto = "auto"
+    none = "none"
+
+
 def build(
     source: str = typer.Argument(
         ...,
@@ -93,6 +98,14 @@ def build(
         "default 900) to the build; if it fails the engine still builds, without them. "
         "Default: on when CUDA is available.",
     ),
+    generation_config: GenerationConfig = typer.Option(
+        GenerationConfig.auto, "--generation-config",
+        help="auto: record the model's sampling defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty from its generation_config.json; smollm2-135m: its model card's) "
+        "in engine.json; serve and generate use them for fields a request leaves out. none: "
+        "record nothing (kiln's own defaults apply). Speculative engines never record a "
+        "repetition penalty (it would turn speculation off).",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
     ),
@@ -123,6 +136,7 @@ def build(
         force=force,
         tune=tune,
         precompile=precompile,
+        generation_config=generation_config.value,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))

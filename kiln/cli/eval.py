@@ -10,6 +10,7 @@ import typer
 eval_app = typer.Typer(
     name="eval", help="Evaluate an engine's accuracy (perplexity on a text set).",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help layout, as kiln.cli.app.HELP_MARKUP says
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

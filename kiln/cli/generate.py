@@ -1,4 +1,9 @@
-"""`kiln generate ENGINE PROMPT`: run one prompt on a built engine and stream the answer."""
+"""`kiln generate ENGINE_OR_SOURCE PROMPT`: run one prompt on an engine and stream the answer.
+
+A model source instead of an engine directory is built once into $KILN_CACHE/engines (see
+kiln.cli.engine_source). Sampling options the user leaves out take the engine's generation
+defaults (`kiln inspect`), then FALLBACK_SAMPLING.
+"""
 
 from __future__ import annotations
 
@@ -11,22 +16,6 @@ from typing import Any
 import typer
 
 from kiln.errors import KilnError
-
-
-def check_engine_dir(engine_dir: Path) -> None:
-    """Fail fast, before importing torch, when ENGINE is not an engine directory."""
-    if not engine_dir.exists():
-        raise KilnError(
-            f"engine directory {engine_dir} does not exist; build one with "
-            f"`kiln build MODEL -o {engine_dir}` (e.g. MODEL=smollm2-135m)"
-        )
-    if not engine_dir.is_dir():
-        raise KilnError(f"engine {engine_dir} is not a directory; pass the directory "
-                        "that `kiln build -o` wrote")
-    if not (engine_dir / "engine.json").is_file():
-        raise KilnError(f"{engine_dir} has no engine.json, so it is not a kiln engine; "
-                        f"build one with `kiln build MODEL -o {engine_dir}`")
-
 
 ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at start-up; "
                       "same results). Also KILN_CUDA_GRAPHS=0.")
@@ -59,8 +48,8 @@ def runtime_config(device: str | None, enforce_eager: bool = False,
 def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool = False,
                 no_async: bool = False,
                 adaptive_spec: bool | None = None) -> tuple[Any, float]:
-    """Load an engine directory; returns (engine, load seconds). Shows a spinner on stderr."""
-    check_engine_dir(engine_dir)
+    """Load an engine directory (one that ``engine_dir_for`` resolved); returns (engine, load
+    seconds). Shows a spinner on stderr."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -73,6 +62,21 @@ def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool
     return engine, time.perf_counter() - t0
 
 
+# What an omitted sampling option is when the engine records no default for it.
+FALLBACK_SAMPLING = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                     "repetition_penalty": 1.0}
+ENGINE_OR_SOURCE_HELP = ("Engine directory from `kiln build`, or a model source to build first "
+                         "(cached in $KILN_CACHE/engines): smollm2-135m, a HF directory, a "
+                         ".gguf file, random:tiny-llama, ...")
+
+
+def sampling_values(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The sampling options of one request: what the user gave (not None), else the engine's
+    generation default, else FALLBACK_SAMPLING."""
+    return {k: given[k] if given.get(k) is not None else defaults.get(k, fallback)
+            for k, fallback in FALLBACK_SAMPLING.items()}
+
+
 def _read_prompt(prompt: str) -> str:
     if prompt == "-":
         text = sys.stdin.read()
@@ -81,20 +85,26 @@ def _read_prompt(prompt: str) -> str:
 
 
 def generate(
-    engine_dir: Path = typer.Argument(..., metavar="ENGINE",
-                                      help="Engine directory written by `kiln build`."),
+    engine_or_source: str = typer.Argument(..., metavar="ENGINE_OR_SOURCE",
+                                           help=ENGINE_OR_SOURCE_HELP),
     prompt: str = typer.Argument(..., metavar="PROMPT",
                                  help="The prompt; `-` reads it from stdin."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.7, "--temperature",
-                                      help="Sampling temperature; 0 is greedy."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens; 0 disables."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    min_p: float = typer.Option(0.0, "--min-p",
-                                help="Drop tokens below min-p x the top probability."),
+    temperature: float | None = typer.Option(
+        None, "--temperature", help="Sampling temperature; 0 is greedy. Default: the "
+        "engine's generation default (`kiln inspect`), else 0.7."),
+    top_k: int | None = typer.Option(
+        None, "--top-k", help="Keep the k most likely tokens; 0 disables. Default: the "
+        "engine's, else 0."),
+    top_p: float | None = typer.Option(
+        None, "--top-p", help="Nucleus sampling mass in (0, 1]. Default: the engine's, else 1."),
+    min_p: float | None = typer.Option(
+        None, "--min-p", help="Drop tokens below min-p x the top probability. Default: the "
+        "engine's, else 0."),
     seed: int | None = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty",
-                                             help="Penalty > 1 discourages repeats; 1 is off."),
+    repetition_penalty: float | None = typer.Option(
+        None, "--repetition-penalty", help="Penalty > 1 discourages repeats; 1 is off. "
+        "Default: the engine's, else 1."),
     stop: list[str] | None = typer.Option(None, "--stop",
                                           help="Stop at this string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos",
@@ -117,24 +127,30 @@ def generate(
         None, "--adaptive-speculation/--always-speculate", help=ADAPTIVE_SPEC_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
+    import dataclasses
+
     from kiln.builder.speculative import parse_window, validate_request_window
+    from kiln.cli.engine_source import check_engine_or_source, engine_dir_for
     from kiln.runtime.sampling_params import SamplingParams
 
-    # Validate the flags before the (slow) engine load: a bad value is a one-line error.
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+             "repetition_penalty": repetition_penalty}
+    # Validate the flags before the (slow) engine build / load: a bad value is one line.
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, seed=seed, repetition_penalty=repetition_penalty,
-        stop=tuple(stop or ()), ignore_eos=ignore_eos,
-        lookahead=parse_window(lookahead) if lookahead else None,
+        max_tokens=max_tokens, seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+        lookahead=parse_window(lookahead, "--lookahead") if lookahead else None,
+        **sampling_values(given, {}),
     )
+    check_engine_or_source(engine_or_source)
+    text = _read_prompt(prompt)
+    engine_dir, _ = engine_dir_for(engine_or_source, device)
     if params.lookahead is not None:
-        check_engine_dir(engine_dir)
         from kiln.builder import load_engine as read_engine
 
         spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
-        validate_request_window(spec, *params.lookahead)
-    text = _read_prompt(prompt)
+        validate_request_window(spec, *params.lookahead, flag="--lookahead")
     engine, load_s = load_engine(engine_dir, device, enforce_eager, no_async, adaptive_spec)
+    params = dataclasses.replace(params, **sampling_values(given, engine.generation_defaults))
     request: str | list[int] = text
     if not raw:
         if not getattr(engine.tokenizer, "chat_template", None):
@@ -172,6 +188,7 @@ def generate(
             "token_ids": list(out.token_ids),
             "prompt_tokens": len(out.prompt_token_ids),
             "finish_reason": out.finish_reason,
+            "sampling": {k: getattr(params, k) for k in (*FALLBACK_SAMPLING, "seed")},
             "timings": {"ttft_s": ttft, "total_s": total, "tokens_per_s": tps,
                         "load_s": load_s},
             "speculative": {

@@ -58,6 +58,7 @@ def inspect(
     console.print(_table("Quantization", spec.quantization.to_dict()))
     console.print(_table("Speculative decoding", {
         **spec.speculative.to_dict(), "tokens_per_step": spec.speculative.tokens_per_step}))
+    console.print(_table("Generation defaults", _generation_rows(spec.generation_defaults)))
     console.print(_table("Provenance", spec.provenance))
     weights: dict[str, Any] = {"format": spec.weights.get("format")}
     if spec.is_random:
@@ -67,6 +68,15 @@ def inspect(
     console.print(_table("Weights", weights))
     console.print(_table("Kernel configs", _kernel_rows(spec.kernel_configs)))
     console.print(_table("Compiled kernels", _compiled_rows(artifact.path)))
+
+
+def _generation_rows(defaults: Any) -> dict[str, Any]:
+    """The sampling values requests get for fields they omit, where from, what was dropped."""
+    rows: dict[str, Any] = dict(defaults.values) or {"values": "none (kiln's own defaults)"}
+    rows["source"] = defaults.source
+    for name, info in defaults.dropped.items():
+        rows[f"dropped {name}"] = f"{info.get('value')}: {info.get('reason')}"
+    return rows
 
 
 def _compiled_rows(path: Path) -> dict[str, Any]:

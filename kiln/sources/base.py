@@ -13,6 +13,10 @@ import torch
 
 from kiln.config import ModelConfig
 
+# The sampling fields a model's generation_config.json may set that kiln takes as defaults
+# for requests that leave them out (vLLM's `--generation-config auto` takes the same).
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass
 class SourceModel:
@@ -34,6 +38,11 @@ class SourceModel:
     tensor_shapes: dict[str, tuple[int, ...]] | None = None
     # Deferred heavy loading (GGUF dequantization): fills tensor_names/_get/tensor_shapes.
     _materialize: Callable[[SourceModel], None] | None = None
+    # Sampling defaults the model's authors publish (generation_config.json's temperature,
+    # top_p, ...; a built-in alias's from its model card), unvalidated, and where they came
+    # from; `kiln build --generation-config auto` records them in engine.json.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    generation_source: str | None = None
 
     def materialize(self) -> None:
         """Do the source's deferred heavy work now (idempotent); builders call it after
@@ -65,6 +74,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_generation_defaults(path: Path) -> dict[str, Any]:
+    """GENERATION_FIELDS set (not null) in a generation_config.json; {} without the file.
+    Values are checked by the builder, which knows what it will record."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # merged_eos ignores an unreadable file the same way
+    if not isinstance(raw, dict):
+        return {}
+    return {k: raw[k] for k in GENERATION_FIELDS if raw.get(k) is not None}
 
 
 def merged_eos(

