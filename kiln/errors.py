@@ -18,3 +18,14 @@ class SourceError(KilnError):
 
 class EngineFormatError(KilnError):
     """An engine directory is missing files, has a bad checksum or an unknown format version."""
+
+
+class RequestError(ValueError):
+    """One request asked for something the engine cannot do; ``param`` names the
+    SamplingParams field or ``add_request`` argument it concerns (None: the server knows
+    better, e.g. which field held a grammar). A ValueError, so callers that catch those keep
+    working; the server maps ``param`` to its own field name and answers 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -163,7 +163,7 @@ def build_hf_model(engine_dir: str, device: str | torch.device) -> tuple[Any, di
     Random engines make their weights here exactly as the runtime does (same seed, device).
     """
     from kiln.builder import load_engine
-    from kiln.builder.weights import TORCH_DTYPES
+    from kiln.dtypes import TORCH_DTYPES
 
     device = torch.device(device)
     # What is still allocated before the baseline's weights (the kiln engine should be gone).

@@ -187,7 +187,7 @@ def quantize_lm_head(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     weights), made from ``embed_tokens.weight``, which stays. Per row, not per tensor: on
     smollm2-135m (tied) perplexity 18.92 (bf16 head) -> 19.17 per row, 19.38 per tensor
     (weight-only; `kiln eval` on CPU, activations quantized too: 19.27 / 19.48), at the same
-    speed (notes/NOTES.md 2026-11-30 tenth session)."""
+    speed."""
     name = "lm_head.weight" if "lm_head.weight" in weights else "embed_tokens.weight"
     q, s = quantize_per_row(weights[name])
     weights["lm_head.weight"], weights["lm_head.weight_scale"] = q, s.to(q.device)

@@ -12,8 +12,9 @@ import torch
 import kiln
 from kiln.builder.fp8 import FP8, is_scale_name, quantize_random
 from kiln.builder.spec import ENGINE_FORMAT_VERSION, EngineSpec
-from kiln.builder.weights import TORCH_DTYPES, random_weights, runtime_shapes
+from kiln.builder.weights import random_weights, runtime_shapes
 from kiln.builder.writer import ENGINE_JSON, TOKENIZER_DIR
+from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import EngineFormatError
 from kiln.sources.base import sha256_file
 

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.errors import RequestError
+
 MODES = ("none", "lookahead", "ngram")
 FORMULA = "max_draft_len = (N-2 if N>1 else 0) + (W-1+G)*(N-1)"
 PLAIN = (1, 1, 0)
@@ -332,26 +334,30 @@ def validate_request_window(
     """Check a request's (w, n, g) against the engine's window; return it.
 
     (1, 1, 0) is plain decoding and is always allowed. Otherwise 1 <= w <= W, 1 <= n <= N,
-    0 <= g <= G and the N == 1 rule. Raises ValueError (the server answers 400). ``flag``:
-    the CLI option the window came from (--lookahead), named in the message.
+    0 <= g <= G and the N == 1 rule. Raises RequestError (param "lookahead"; the server
+    answers 400). ``flag``: the CLI option the window came from (--lookahead), named in the
+    message.
     """
     req = (w, n, g)
     what = flag or "request lookahead"
     if req == PLAIN:
         return req
     if engine.mode != "lookahead" or engine.lookahead is None:
-        raise ValueError(
+        raise RequestError(
             f"{what} {_fmt(req)} is not available: this engine was built with "
             f"speculative decoding mode {engine.mode!r}, so only (1,1,0) (plain decoding) is "
             f"allowed; rebuild with --speculative-decoding-mode lookahead --lookahead-config "
-            f"W,N,G"
+            f"W,N,G", "lookahead"
         )
     W, N, G = engine.lookahead
     if not (1 <= w <= W and 1 <= n <= N and 0 <= g <= G):
-        raise ValueError(
+        raise RequestError(
             f"{what} {_fmt(req)} exceeds the engine window {_fmt((W, N, G))}: "
             f"each field must satisfy 1 <= w <= {W}, 1 <= n <= {N}, 0 <= g <= {G}; "
-            f"ask for a smaller window or (1,1,0) for plain decoding"
+            f"ask for a smaller window or (1,1,0) for plain decoding", "lookahead"
         )
-    check_window(w, n, g, what, flag)
+    try:
+        check_window(w, n, g, what, flag)
+    except ValueError as e:  # check_window also checks build configs, which are no request
+        raise RequestError(str(e), "lookahead") from None
     return req

@@ -30,10 +30,10 @@ from collections.abc import Iterator
 import torch
 
 from kiln.config import ModelConfig
+from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import SourceError
 from kiln.sources.base import SourceModel
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 RANDOM_STD = 0.02
 
 # Tensors some checkpoints carry that the runtime does not need.

@@ -21,12 +21,12 @@ from kiln.builder.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_ve
 from kiln.builder.speculative import SpeculativeConfig
 from kiln.builder.weights import (
     RANDOM_STD,
-    TORCH_DTYPES,
     check_source_tensors,
     prepare_groups,
     runtime_shapes,
     tensor_plan,
 )
+from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import KilnError
 from kiln.sources import SourceModel, open_source
 from kiln.sources.umask import honour_umask

@@ -22,6 +22,8 @@ that fits.
 
 from __future__ import annotations
 
+import sys
+
 import time
 from dataclasses import dataclass
 
@@ -86,8 +88,8 @@ def plan_buckets(max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
     engines, masked buckets with T = S * tokens_per_step (capped likewise).
 
     Without prefill buckets every prompt longer than the largest decode bucket (64 tokens at
-    the default batch size) ran eagerly: one Python launch per kernel, host-bound (H200,
-    notes/NOTES.md 2026-11-30 thirteenth session: smollm2-135m, 128-token prompt, TTFT 29 ms).
+    the default batch size) ran eagerly: one Python launch per kernel, host-bound
+    (smollm2-135m, 128-token prompt: TTFT 29 ms).
     """
     limit = min(max_num_tokens, max_graph_tokens)
     buckets = [Bucket(s, s, False, 1, s) for s in seq_buckets(max_num_seqs)
@@ -227,3 +229,18 @@ class CudaGraphRunner:
             return self._forward(b)[:num_rows].clone()
         graph.replay()
         return self.outputs[b][:num_rows].clone()
+
+
+def report_capture_failures(runner) -> None:
+    """One stderr line when some CUDA graph buckets could not be captured (those steps run
+    eagerly, same results); graphs are dropped altogether when none was captured."""
+    graphs = runner.graphs
+    if not graphs.failed:
+        return
+    first = next(iter(graphs.failed.items()))
+    print(f"warning: {len(graphs.failed)} of {len(graphs.buckets)} CUDA graph buckets could not "
+          f"be captured and run eagerly (first: {first[0].num_seqs} seqs x "
+          f"{first[0].num_tokens} tokens: {first[1]}); set KILN_CUDA_GRAPHS=0 to skip capture",
+          file=sys.stderr, flush=True)
+    if not graphs.ready:
+        runner.graphs = None

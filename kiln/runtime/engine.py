@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -16,8 +14,11 @@ import torch
 
 from kiln.builder.speculative import SpeculativeConfig, validate_request_window
 from kiln.config import ModelConfig
-from kiln.runtime.cuda_graph import CudaGraphRunner
+from kiln.dtypes import TORCH_DTYPES
+from kiln.errors import RequestError
+from kiln.runtime.cuda_graph import CudaGraphRunner, report_capture_failures
 from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.env import env_flag, env_str
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention import get_backend
@@ -25,18 +26,16 @@ from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import INVALID_TOKEN, Sampler, describe_bad_row, kernels_enabled
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
-from kiln.runtime.outputs import RequestOutput, TokenLogprob
+from kiln.runtime.outputs import RequestOutput, TokenLogprob, request_output
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
-from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
-from kiln.runtime.speculative.ngram import NgramWorker
+from kiln.runtime.speculative.break_even import spec_break_even
 from kiln.runtime.speculative.pace import SpecPace
-from kiln.runtime.speculative.worker import DraftWorker
+from kiln.runtime.speculative.workers import make_worker
 from kiln.runtime.staging import StepStager
 from kiln.runtime.warmup import warm_eager_forward, warm_sampler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV cache budget on CPU when the size is not given (CPU memory is shared with everything).
 _CPU_KV_BYTES = 1 << 30
 
@@ -60,31 +59,30 @@ class RuntimeConfig:
     # "auto": the Triton kernels on CUDA when triton imports, else the torch reference.
     # KILN_ATTENTION_BACKEND=torch|triton overrides the default.
     attention_backend: str = field(
-        default_factory=lambda: os.environ.get("KILN_ATTENTION_BACKEND", "auto"))
+        default_factory=lambda: env_str("KILN_ATTENTION_BACKEND", "auto"))
     # CUDA graphs for decode / speculative / short steps (CUDA + the triton backend only).
     # KILN_CUDA_GRAPHS=0 turns them off.
     cuda_graphs: bool = field(
-        default_factory=lambda: os.environ.get("KILN_CUDA_GRAPHS", "1") not in ("0", ""))
+        default_factory=lambda: env_flag("KILN_CUDA_GRAPHS", True))
     # Steps of at most this many tokens may run as graphs (larger ones run eagerly).
     max_graph_tokens: int = 1024
     # Graphs for steps with more tokens than the decode buckets hold (prompts, prompt chunks
     # beside decodes; kiln/runtime/cuda_graph.py). KILN_PREFILL_GRAPHS=0 turns them off
     # (shorter start-up; such steps then run eagerly).
     prefill_graphs: bool = field(
-        default_factory=lambda: os.environ.get("KILN_PREFILL_GRAPHS", "1") not in ("0", ""))
+        default_factory=lambda: env_flag("KILN_PREFILL_GRAPHS", True))
     # Schedule and launch the next decode step before reading this step's tokens (host work
     # overlaps the GPU; see LLMEngine.step). KILN_ASYNC_SCHEDULING=0 turns it off.
     async_scheduling: bool = field(
-        default_factory=lambda: os.environ.get("KILN_ASYNC_SCHEDULING", "1") not in ("0", ""))
+        default_factory=lambda: env_flag("KILN_ASYNC_SCHEDULING", True))
     # Pause a request's speculation while it commits fewer tokens per speculative step than
     # the step costs in decode steps (kiln/runtime/speculative/pace.py; output unchanged).
-    # On by default: on the H200 it beat always-speculating on code and chat alike (notes/
-    # NOTES.md, 2026-11-30 fourth session); KILN_ADAPTIVE_SPECULATION=0 turns it off.
+    # On by default: it beat always-speculating on code and chat alike (docs/decisions.md);
+    # KILN_ADAPTIVE_SPECULATION=0 turns it off.
     adaptive_speculation: bool = field(
-        default_factory=lambda: os.environ.get("KILN_ADAPTIVE_SPECULATION", "1")
-        not in ("0", ""))
+        default_factory=lambda: env_flag("KILN_ADAPTIVE_SPECULATION", True))
     # The break-even in committed tokens per speculative step; None: measured at start-up on
-    # CUDA (LLMEngine._spec_break_even: whole engine steps for lookahead, else graph
+    # CUDA (speculative/break_even.py: whole engine steps for lookahead, else graph
     # replays), and no pacing where there is nothing to measure (no CUDA graphs).
     spec_break_even: float | None = None
 
@@ -199,7 +197,7 @@ class LLMEngine:
                     self.scheduler.max_num_tokens, tokens_per_step, config.max_graph_tokens,
                     prefill=config.prefill_graphs)
                 graphs_s = self.runner.graphs.capture()
-                _report_capture_failures(self.runner)
+                report_capture_failures(self.runner)
         self.sampler = Sampler()
         t_warm = time.perf_counter()
         if fused and self.device.type == "cuda":  # what the graphs did not compile
@@ -215,7 +213,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.spec_worker = _make_worker(self.speculative)
+        self.spec_worker = make_worker(self.speculative)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed in the running step; reported with its outputs
@@ -234,7 +232,7 @@ class LLMEngine:
         self._host_turn = 0
         if self.spec_worker:
             t_pace = time.perf_counter()
-            self.spec_break_even = self._spec_break_even()
+            self.spec_break_even = spec_break_even(self)
             self.startup_times["spec_break_even_s"] = time.perf_counter() - t_pace
             self.startup_times["total_s"] += self.startup_times["spec_break_even_s"]
 
@@ -255,7 +253,7 @@ class LLMEngine:
             from kiln.runtime.kernel_cache import install_for_engine
 
             kernels, kernels_s = install_for_engine(Path(path), device)
-        dtype = DTYPES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         lim = spec.limits
         limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
                               lim.max_num_tokens)
@@ -304,26 +302,27 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt is empty; send at least one token")
+            raise RequestError("prompt is empty; send at least one token", "prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {vocab})", "prompt")
         if len(ids) > self.limits.max_input_len:
-            raise ValueError(
+            raise RequestError(
                 f"prompt has {len(ids)} tokens; this engine accepts at most "
                 f"{self.limits.max_input_len} (max_input_len); shorten the prompt or rebuild "
-                "with a larger --max-input-len"
+                "with a larger --max-input-len", "prompt"
             )
         for name, toks in (("stop_token_ids", params.stop_token_ids),
                            ("logit_bias", [t for t, _ in params.logit_bias])):
             bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {vocab})")
+                raise RequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                   f"[0, {vocab})", name)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         req = Request(request_id, ids, params, self.eos_token_ids)
         if params.guided is not None:
             req.matcher = self.guided_compiler.compile(params.guided)
@@ -375,7 +374,7 @@ class LLMEngine:
                 self.fail_request(req, "the engine step", e)
             outputs = []
         if self._failed:
-            outputs += [self._output(r) for r in self._failed]
+            outputs += [request_output(r) for r in self._failed]
             self._failed.clear()
         return outputs
 
@@ -485,25 +484,22 @@ class LLMEngine:
         cont = [r for r in cur.reqs
                 if len(r.output_token_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.limits.max_seq_len]  # the rest stop on length
-        if not cont or (sched.waiting and len(cont) < sched.max_num_seqs):
+        if not cont or sched.would_admit(len(cont)):
             return None  # waiting requests would be admitted: the scheduler decides
         sched.after_step(cur.batch)
         cur.advanced = True
-        blocks = self.blocks
-        need = sum(blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
-                   for r in cont)
-        if need > blocks.num_free_blocks:
-            return None  # the scheduler preempts
+        batch = sched.reserve_decode(cont)
+        if batch is None:
+            return None  # out of blocks: the scheduler preempts
         for r in cont:
             r.all_token_ids.append(0)  # stand-in for cur's token (real one: _collect)
             cur.placeholders.append(r)
-            blocks.allocate(r.block_table, r.num_computed_tokens + 1)
         patch = cur.tokens
         if len(cont) != len(cur.reqs):
             kept = set(cont)
             keep = [i for i, r in enumerate(cur.reqs) if r in kept]
             patch = cur.tokens[to_device(keep, torch.long, cur.tokens.device)]
-        return self._launch(ScheduledBatch([(r, 1) for r in cont]), patch)
+        return self._launch(batch, patch)
 
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens and commit them (the step's one host sync)."""
@@ -551,7 +547,7 @@ class LLMEngine:
             if req.is_finished:
                 self.scheduler.finish(req)
                 self._requests.pop(req.request_id, None)
-            outputs.append(self._output(req))
+            outputs.append(request_output(req))
         return outputs
 
     def _after_commit(self, req: Request, n: int, verified: bool) -> None:
@@ -688,31 +684,6 @@ class LLMEngine:
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         return logits
 
-    def _output(self, req: Request) -> RequestOutput:
-        text = req.text
-        if not req.is_finished and req.params.stop:
-            # Hold back what could still become the start of a stop string.
-            hold = max(len(s) for s in req.params.stop) - 1
-            text = text[: max(len(text) - hold, req.sent_text_len)]
-        new_text = text[req.sent_text_len :]
-        new_ids = req.output_token_ids[req.sent_token_len :]
-        req.sent_text_len = len(text)
-        req.sent_token_len = len(req.output_token_ids)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=text,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            metrics=req.metrics,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            stop_reason=req.stop_reason,
-            error=req.error,
-        )
-
     # -- conveniences ----------------------------------------------------------------------
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
@@ -742,90 +713,6 @@ class LLMEngine:
         finally:
             self.abort(rid)
 
-    def _spec_break_even(self) -> float | None:
-        """RuntimeConfig.spec_break_even, else measured on CUDA: the wall time of a
-        one-sequence speculative engine step over a plain one (lookahead engines: host work
-        included, median of 3 short runs of ``measure_step_ms``), or, where that cannot be
-        measured, the speculative step's graph replay over a decode step's (GPU time only).
-        None: no pacing (adaptive speculation off, or nothing to measure: no CUDA graphs).
-
-        The wall ratio won the A/B on the H200 (notes/NOTES.md, 2026-11-30 seventh session):
-        smollm2 lookahead (7,7,7) code prompts x1.05 against x0.84 with the replay ratio
-        (2.79 vs 2.05 tokens per step), chat x0.65 with both."""
-        cfg = self.config
-        if not cfg.adaptive_speculation:
-            return None
-        if cfg.spec_break_even is not None:
-            if cfg.spec_break_even <= 0:
-                raise ValueError(f"spec_break_even={cfg.spec_break_even} must be > 0 "
-                                 "(committed tokens per speculative step)")
-            return float(cfg.spec_break_even)
-        graphs = self.runner.graphs
-        if graphs is None or self.device.type != "cuda":
-            return None
-        walls = [self.measure_step_ms(steps=16, warmup=8) for _ in range(3)]
-        if all(walls):
-            return (statistics.median(w["spec"] for w in walls)
-                    / statistics.median(w["plain"] for w in walls))
-        return self.replay_break_even()
-
-    def replay_break_even(self) -> float | None:
-        """A one-sequence speculative step's graph replay over a decode step's (GPU time
-        only); None without both graphs."""
-        graphs = self.runner.graphs
-        if graphs is None:
-            return None
-        spec = graphs.find_bucket(1, self.speculative.tokens_per_step,
-                                  self.speculative.mode == "lookahead")
-        plain = graphs.find_bucket(1, 1, False)
-        if spec not in graphs.graphs or plain not in graphs.graphs:  # None or not captured
-            return None
-        return graphs.replay_ms(spec) / graphs.replay_ms(plain)
-
-    def measure_step_ms(self, steps: int = 16, warmup: int = 4) -> dict[str, float] | None:
-        """Wall milliseconds per engine step of one sequence on a dummy request, decoding
-        plainly and speculating with the engine's window (host work included, which the
-        graph replays of ``_spec_break_even`` leave out). ``spec / plain`` is the break-even
-        that counts a speculative step's host time (scripts/bench_pacing.py A/Bs the two).
-        None for engines that are not lookahead engines or that have requests in flight."""
-        if self.speculative.mode != "lookahead" or self.has_unfinished_requests():
-            return None
-        vocab = self.model_config.vocab_size
-        prompt = [(7 * i + 11) % vocab for i in range(8)]
-        room = self.limits.max_seq_len - len(prompt)
-        if room < 2:
-            return None  # no room for a step after the prompt's
-        saved = (self.spec_break_even, dict(self.spec_stats), self.num_steps)
-        self.spec_break_even = None  # the dummy requests are not paced
-        out: dict[str, float] = {}
-        try:
-            for name, window in (("plain", (1, 1, 0)), ("spec", self.speculative.lookahead)):
-                rid = self.add_request(prompt, SamplingParams(
-                    max_tokens=room, temperature=0, ignore_eos=True, lookahead=window),
-                    request_id=f"kiln-measure-{name}")
-                try:
-                    for _ in range(warmup):
-                        self.step()
-                    self._sync()
-                    t0, n = time.perf_counter(), 0
-                    while n < steps and self.has_unfinished_requests():
-                        self.step()
-                        n += 1
-                    self._sync()
-                    if n:
-                        out[name] = (time.perf_counter() - t0) * 1e3 / n
-                finally:
-                    self.abort(rid)
-                    while self.has_unfinished_requests():
-                        self.step()
-        finally:
-            self.spec_break_even, self.spec_stats, self.num_steps = saved
-        return out if len(out) == 2 else None
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @property
     def tokens_per_spec_step(self) -> float | None:
         """Mean tokens committed per speculative step over the engine's life."""
@@ -846,21 +733,6 @@ def _sample_logits(fwd) -> tuple[list[Request], torch.Tensor]:
     return reqs, logits
 
 
-def _report_capture_failures(runner: ModelRunner) -> None:
-    """One stderr line when some CUDA graph buckets could not be captured (those steps run
-    eagerly, same results); graphs are dropped altogether when none was captured."""
-    graphs = runner.graphs
-    if not graphs.failed:
-        return
-    first = next(iter(graphs.failed.items()))
-    print(f"warning: {len(graphs.failed)} of {len(graphs.buckets)} CUDA graph buckets could not "
-          f"be captured and run eagerly (first: {first[0].num_seqs} seqs x "
-          f"{first[0].num_tokens} tokens: {first[1]}); set KILN_CUDA_GRAPHS=0 to skip capture",
-          file=sys.stderr, flush=True)
-    if not graphs.ready:
-        runner.graphs = None
-
-
 def _may_speculate_next(req: Request) -> bool:
     """Whether the step after the one in flight may speculate for ``req`` (then it cannot be
     launched ahead: its draft needs the in-flight token). A paced request that stays paused
@@ -868,15 +740,6 @@ def _may_speculate_next(req: Request) -> bool:
     if req.spec_state is None:
         return False
     return req.spec_pace is None or req.spec_pace.pause_left <= 1
-
-
-def _make_worker(spec: SpeculativeConfig) -> DraftWorker | None:
-    if spec.mode == "lookahead":
-        warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
-        return LookaheadWorker()
-    if spec.mode == "ngram":
-        return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
-    return None
 
 
 def _resolve_backend(name: str, device: torch.device) -> str:

@@ -3,8 +3,8 @@
 ``torch.tensor(values, device="cuda")`` copies from pageable memory, and a pageable copy
 returns only once the stream has reached it: under async scheduling that is after the step in
 flight, so the host stops running ahead of the GPU. Seeded sampling's per-row keys went that
-way and cost 0.77 instead of 0.52 ms per smollm2 decode step on the H200 (notes/NOTES.md,
-2026-11-30 eleventh session). A pinned copy is enqueued and returns at once; torch's host
+way and cost 0.77 instead of 0.52 ms per smollm2 decode step (docs/decisions.md). A pinned copy is
+enqueued and returns at once; torch's host
 allocator keeps the pinned block until the copy has run.
 """
 

@@ -1,9 +1,9 @@
 """Compiled Triton kernels shipped inside an engine directory (``kernels/<tag>/``).
 
 On a machine whose Triton cache is empty (a fresh container, a new host), the engine's
-start-up JIT-compiles every kernel variant its CUDA graphs capture: on the H200 that made the
-8B engine's graph capture 10.6-14.9 s instead of 2.2 s with a warm cache, and ``kiln serve``
-~21-26 s to ready instead of 15 (notes/NOTES.md, 2026-11-30 fifth session).
+start-up JIT-compiles every kernel variant its CUDA graphs capture: that made the 8B
+engine's graph capture 10.6-14.9 s instead of 2.2 s with a warm cache, and ``kiln serve``
+~21-26 s to ready instead of 15.
 
 ``kiln build --precompile-kernels`` (on the serving GPU type) starts the built engine once in a
 subprocess whose Triton cache is a fresh folder, then copies that folder's entries into the
@@ -66,7 +66,7 @@ def _relocate_groups(entry: Path, home: Path | None) -> None:
 
     Triton records a compiled kernel's files in a group file by absolute path and treats a
     group whose paths are missing as a cache miss: a cache copied elsewhere without this
-    recompiles everything (H200, 2026-11-30: an 8B engine on an empty Triton cache captured
+    recompiles everything (an 8B engine on an empty Triton cache captured
     its graphs in 8.4-10.0 s with copied entries, 2.4-2.6 s with relocated ones)."""
     for grp in entry.glob("__grp__*.json"):
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kiln.errors import RequestError
 from kiln.runtime.guided import GuidedSpec
 
 # Temperatures below this are greedy (vLLM's rule): dividing logits by a smaller one
@@ -16,6 +17,8 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 ADDITIVE_PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# max_tokens when none is given (OpenAI's default for /v1/completions, which uses it too)
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class SamplingParams:
     chosen token's logprob and the ``k`` most likely alternatives per generated token.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -58,11 +61,12 @@ class SamplingParams:
                            tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.lookahead is not None:
             if len(self.lookahead) != 3:
-                raise ValueError(f"lookahead={self.lookahead!r} must be three integers (w, n, g)")
+                raise RequestError(f"lookahead={self.lookahead!r} must be three integers "
+                                   "(w, n, g)", "lookahead")
             object.__setattr__(self, "lookahead", tuple(int(v) for v in self.lookahead))
         for name, value in self._floats().items():
             if not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
+                raise RequestError(f"{name}={value!r} must be a finite number", name)
         rp_lo, rp_hi = REPETITION_PENALTY_RANGE
         ap_lo, ap_hi = ADDITIVE_PENALTY_RANGE
         lb_lo, lb_hi = LOGIT_BIAS_RANGE
@@ -90,7 +94,7 @@ class SamplingParams:
         ]
         for ok, name, value, rule in checks:
             if not ok:
-                raise ValueError(f"{name}={value!r} {rule}")
+                raise RequestError(f"{name}={value!r} {rule}", name)
 
     def _floats(self) -> dict[str, float]:
         return {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,

@@ -133,6 +133,22 @@ class Scheduler:
         if any(r is req for r, _ in batch.items):
             raise RuntimeError(f"preempted request {req.request_id} that was already scheduled")
 
+    def would_admit(self, num_running: int) -> bool:
+        """Whether ``schedule`` would admit waiting requests beside ``num_running`` ones."""
+        return bool(self.waiting) and num_running < self.max_num_seqs
+
+    def reserve_decode(self, reqs: list[Request]) -> ScheduledBatch | None:
+        """A decode step of ``reqs`` (one token each) with the blocks for it allocated, for
+        async scheduling's step launched ahead; None, allocating nothing, when the blocks
+        run out (``schedule`` then preempts)."""
+        need = sum(self.blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
+                   for r in reqs)
+        if need > self.blocks.num_free_blocks:
+            return None
+        for r in reqs:
+            self.blocks.allocate(r.block_table, r.num_computed_tokens + 1)
+        return ScheduledBatch([(r, 1) for r in reqs])
+
     def after_step(self, batch: ScheduledBatch, advance: dict[Request, int] | None = None) -> None:
         """Advance computed counts, register full blocks in the prefix cache.
 

@@ -25,13 +25,6 @@ from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
 from kiln.runtime.scheduler import ScheduledBatch
 
 
-# The upload runs on a copy stream of its own, after the last forward that read the device
-# twin (``mark_consumed``) rather than after everything before it in the compute stream: a
-# decode step's copy (~7.5 us for an 8B engine at max batch 256, H200, notes/NOTES.md) then
-# overlaps the previous step's sampling kernels instead of adding to the step. An A/B switch.
-UPLOAD_STREAM = True
-
-
 @dataclass(frozen=True)
 class Staged:
     """What ``StepStager.stage`` wrote (host-known sizes of the step)."""
@@ -89,8 +82,12 @@ class StepStager:
 
     def upload(self, mask_bytes: int = 0) -> None:
         """Copy the host buffers to the device twin; the compute stream's later work waits
-        for the copy (see UPLOAD_STREAM)."""
-        side = self._copy_stream is not None and UPLOAD_STREAM
+        for the copy."""
+        # On CUDA the copy runs on a stream of its own, after the last forward that read the
+        # device twin (``mark_consumed``) rather than after everything before it in the
+        # compute stream: a decode step's copy (~7.5 us for an 8B engine at max batch 256)
+        # then overlaps the previous step's sampling kernels instead of adding to the step.
+        side = self._copy_stream is not None
         if side:
             compute = torch.cuda.current_stream(self.device)
             if self._consumed_marked:

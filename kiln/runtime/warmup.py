@@ -3,9 +3,9 @@
 CUDA graph capture compiles what the graphs run. Outside them run eager steps (prefill chunks
 and batches no graph bucket fits) and the sampler. Left to the first request that needs one,
 each new Triton variant (a JIT compile, or a load from the on-disk cache) and each torch
-kernel module loaded lazily stalls the engine thread while every request waits: on the H200,
-0.5-1.9 s per Triton variant on a cold cache and 0.1-0.3 s for the first top-k / top-p /
-seeded request (notes/NOTES.md, 2026-11-30 eleventh session, scripts/jit_after_start.py).
+kernel module loaded lazily stalls the engine thread while every request waits: 0.5-1.9 s
+per Triton variant on a cold cache and 0.1-0.3 s for the first top-k / top-p / seeded
+request (docs/decisions.md).
 So the engine runs each once at start-up, on dummy inputs, before it reports ready (vLLM
 likewise runs a dummy sampler pass at start-up).
 

@@ -21,7 +21,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from kiln.errors import RequestError
 from kiln.runtime.outputs import TokenLogprob
+from kiln.runtime.sampling_params import DEFAULT_MAX_TOKENS
 from kiln.server.engine_thread import (
     EngineThread,
     RequestEndedError,
@@ -39,7 +41,6 @@ from kiln.server.protocol import (
 )
 
 MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are reported as (vLLM's clamp)
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _logprob(v: float) -> float:
@@ -74,16 +75,15 @@ class AbortingStreamingResponse(StreamingResponse):
             self._on_close()
 
 
-def _add_param(msg: str, prompt_param: str, guided_param: str | None) -> str | None:
-    """Which request field an engine ``add_request`` ValueError is about."""
-    low = msg.lower()
-    if low.startswith("prompt"):
+def _add_param(e: RequestError, prompt_param: str, guided_param: str | None) -> str | None:
+    """The request field an ``add_request`` RequestError is about: the runtime's ``prompt``
+    is this endpoint's ``prompt_param``; the server picks the request ids; an error naming
+    no field comes from the grammar compiler, so it is the field that held the grammar."""
+    if e.param == "prompt":
         return prompt_param
-    if "lookahead" in low:
-        return "lookahead"
-    if guided_param and any(k in low for k in ("grammar", "schema", "regex", "choice")):
-        return guided_param
-    return msg.split("=", 1)[0] if "=" in msg.split(" ", 1)[0] else None
+    if e.param == "request_id":
+        return None
+    return e.param or guided_param
 
 
 class Generation:
@@ -115,8 +115,10 @@ class Generation:
                 choices[rid] = Choice(idx, len(ids))
         try:
             await self.et.add_many(requests, want_text, self.queue)
-        except ValueError as e:
-            raise BadRequest(str(e), _add_param(str(e), prompt_param, guided_param)) from None
+        except RequestError as e:
+            raise BadRequest(str(e), _add_param(e, prompt_param, guided_param)) from None
+        except ValueError as e:  # untyped: still this request's alone, naming no field
+            raise BadRequest(str(e), None) from None
         except ShuttingDownError as e:
             raise BadRequest(str(e), None, status=e.status, type_=e.type, code=e.code,
                              headers=e.headers()) from None
@@ -296,12 +298,12 @@ def _max_tokens(et: EngineThread, prompt_lens: list[int], asked: int | None, par
                 chat: bool) -> list[int]:
     """Each prompt's max_tokens. An explicit one must fit the context with its prompt (else a
     400 naming ``param``, in vLLM's words); an omitted one is the rest of the context (chat)
-    or 16 capped to it (completions). A prompt longer than max_input_len is left to the
+    or DEFAULT_MAX_TOKENS capped to it (completions). A prompt longer than max_input_len is left to the
     engine, which rejects it naming the prompt."""
     limits = et.engine.limits
     ctx = limits.max_seq_len
     if asked is None:
-        cap = ctx if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        cap = ctx if chat else DEFAULT_MAX_TOKENS
         return [max(min(cap, ctx - n), 1) for n in prompt_lens]
     fitting = [n for n in prompt_lens if n <= limits.max_input_len]
     longest = max(fitting, default=0)

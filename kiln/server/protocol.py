@@ -15,9 +15,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
+from kiln.errors import RequestError
 from kiln.runtime.guided import GuidedSpec
 from kiln.runtime.sampling_params import (
     ADDITIVE_PENALTY_RANGE,
+    DEFAULT_MAX_TOKENS,
     LOGIT_BIAS_RANGE,
     REPETITION_PENALTY_RANGE,
     SEED_RANGE,
@@ -26,8 +28,10 @@ from kiln.runtime.sampling_params import (
 
 MAX_N = 16
 MAX_TOP_K = 2**31 - 1  # top_k >= the vocabulary size keeps every token, as 0 and -1 do
-KILN_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                   "repetition_penalty": 1.0}
+# SamplingParams' own defaults for the fields a model's generation_config may override
+KILN_DEFAULTS: dict[str, float] = {
+    f.name: f.default for f in dataclasses.fields(SamplingParams)
+    if f.name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 # {MAX: name}: a maximum that depends on the engine, which the OpenAPI builder fills in
 # ("token_id": vocabulary size - 1, "max_tokens": context - 1, "w" / "n" / "g": the
 # engine's lookahead window); the engine checks these itself.
@@ -203,7 +207,8 @@ class CompletionRequest(SamplingFields):
         "(n choices per prompt)"))
     max_tokens: int | None = Field(None, ge=1, json_schema_extra={MAX: "max_tokens"},
                                    description="tokens to generate, >= 1; prompt + max_tokens "
-                                   "must fit the context; omitted: 16, capped to the context")
+                                   f"must fit the context; omitted: {DEFAULT_MAX_TOKENS}, "
+                                   "capped to the context")
     logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token, 0 "
                                  "to 20")
     echo: bool = Field(False, description="not supported: must be false",
@@ -374,7 +379,19 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         kwargs["lookahead"] = (la.w, la.n, la.g)
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        msg = str(e)
-        field = msg.split("=", 1)[0] if "=" in msg.split(" ", 1)[0] else None
-        raise BadRequest(msg, field) from None
+    except RequestError as e:
+        raise BadRequest(str(e), _request_field(req, e.param)) from None
+    except ValueError as e:  # untyped (a conversion): still a 400, naming no field
+        raise BadRequest(str(e), None) from None
+
+
+def _request_field(req: SamplingFields, param: str | None) -> str | None:
+    """The request field behind SamplingParams field ``param``: the same name, except in
+    chat, where logprobs comes from top_logprobs and max_tokens may come from
+    max_completion_tokens."""
+    if isinstance(req, ChatCompletionRequest):
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and req.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return param

@@ -1,7 +1,7 @@
 """Once an engine is ready, serving compiles no Triton kernel variant: every variant a request
 can need was compiled (or loaded) at start-up, by graph capture or the warm-up
 (kiln/runtime/warmup.py). A variant compiled mid-serving stalls the engine thread 0.5-1.9 s
-on the H200 while every request waits (notes/NOTES.md, 2026-11-30 eleventh session)."""
+while every request waits (docs/decisions.md)."""
 
 from __future__ import annotations
 

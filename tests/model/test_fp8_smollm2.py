@@ -2,7 +2,7 @@
 
 kiln quantize (modelopt, a few calibration samples of the built-in calibration set) →
 kiln build → perplexity on the built-in evaluation set, against the float32 engine of the
-same weights. Measured numbers and the full-calibration run: notes/NOTES.md.
+same weights.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("modelopt")
 
-# Measured (notes/NOTES.md): whole eval set, all 13 calibration samples: fp32 18.94, FP8
+# Measured: whole eval set, all 13 calibration samples: fp32 18.94, FP8
 # weights + activations + KV 19.73 (+4.2%). This test's setting (3 samples, 2 documents):
 # fp32 27.92, FP8 28.84 (+3.3%, log-ratio 0.032). Bound: log-ratio < 0.06 (+6.2%), and FP8
 # may not beat fp32 by more than noise. ~66 s on 2 CPU cores.

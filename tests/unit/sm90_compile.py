@@ -46,7 +46,7 @@ def signature(fn, constexprs: dict, ptr_types: dict | None = None):
 
 
 # The one-row FP8 CUDA-core GEMV's constexprs (8 x 512 tiles, PDL and its prefetch, no
-# fusion); cases and scripts/kernel_registers.py vary them.
+# fusion); cases vary them.
 GEMV_ONE_ROW = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "USE_DOT": False, "EVEN_K": True,
                 "SPLIT": False, "HAS_SCALE": True, "HAS_BIAS": False, "WIDEN": False,
                 "ACT": False, "X_FP8": False, "PDL": True, "PREFETCH": True, "ESIZE": 1,
@@ -114,7 +114,7 @@ def cases():
     yield "rotary", rotary._rotary_kernel, rot, None, 4
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
             "BLOCK_M": 16, "BLOCK_N": 64, "MULTI": True, "HAS_MASK": True, "KV_FP8": False,
-            "IEEE": False, "PDL": True, "SKIP_EMPTY": True,
+            "IEEE": False, "PDL": True,
             "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention decode, K/V prefetch", paged_attention._paged_attn_kernel, dict(
@@ -134,7 +134,7 @@ def cases():
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4
 
 
-# kernels that read the step's staged metadata before their PDL wait (_pdl.STAGED_EARLY)
+# kernels that read the step's staged metadata before their PDL wait (_pdl.staged_early)
 STAGED_EARLY = ("paged attention decode, K/V prefetch", "rotary + cache", "rotary + cache fp8")
 
 

@@ -2,10 +2,9 @@
 
 Triton compiles one variant per set of compile-time constants and per specialisation of its
 integer arguments (== 1, divisible by 16). A value that follows the traffic (a prompt's
-length, the batch's sequence count, a fresh sampling seed) must not be either: on the H200
-each new variant stalled the engine thread 0.5-1.9 s while every request waited
-(notes/NOTES.md, 2026-11-30 eleventh session, scripts/jit_after_start.py). These tests record
-the launches instead of running them.
+length, the batch's sequence count, a fresh sampling seed) must not be either: each new
+variant stalls the engine thread 0.5-1.9 s while every request waits (docs/decisions.md).
+These tests record the launches instead of running them.
 """
 
 from __future__ import annotations

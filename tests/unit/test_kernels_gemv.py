@@ -67,34 +67,46 @@ def test_gemv_mid_m_tensor_core_tiles(wdtype, cfg):
                            gemv.gemv(silu_and_mul(gu), w, s, config=cfg))
 
 
-def test_gemv_wins_mid_m_rule(monkeypatch):
-    """Past GEMV_MAX_M rows: small bf16/fp16 weights only (smollm2's), never FP8 or 8B."""
-    monkeypatch.setattr(gemv, "MID_M", True)
-    assert gemv.gemv_wins(84, 960, 576, False) and gemv.gemv_wins(128, 576, 1536, False)
-    assert not gemv.gemv_wins(84, 6144, 4096, False)
-    assert not gemv.gemv_wins(84, 960, 576, True)
-    assert not gemv.gemv_wins(gemv.GEMM_MAX_M + 1, 960, 576, False)
-    monkeypatch.setattr(gemv, "MID_M", False)
+def test_gemv_wins_mid_m_rule():
+    """Past GEMV_MAX_M rows linear() keeps cuBLAS (gemv itself takes up to GEMM_MAX_M)."""
     assert not gemv.gemv_wins(84, 960, 576, False)
+    assert not gemv.gemv_wins(gemv.GEMV_MAX_M + 1, 960, 576, False)
+    assert not gemv.gemv_wins(gemv.GEMM_MAX_M + 1, 960, 576, False)
 
 
-def test_pdl_mode_rules(monkeypatch):
+@pytest.fixture
+def set_pdl_env(monkeypatch):
+    """Set (or with None unset) KILN_PDL and drop the cached read (again after the test)."""
+    from kiln.runtime import env
+
+    def set_(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("KILN_PDL", raising=False)
+        else:
+            monkeypatch.setenv("KILN_PDL", value)
+        env.pdl_mode.cache_clear()
+
+    yield set_
+    env.pdl_mode.cache_clear()
+
+
+def test_pdl_mode_rules(monkeypatch, set_pdl_env):
     """PDL is off without a Hopper GPU (here: the interpreter), whatever KILN_PDL says; a bad
     KILN_PDL is one clear error where PDL is supported."""
     from kiln.runtime.kernels import _pdl
 
-    monkeypatch.setenv("KILN_PDL", "2")
+    set_pdl_env("2")
     assert _pdl.mode() == _pdl.OFF and _pdl.launch_kwargs() == {"PDL": False}
     monkeypatch.setattr(_pdl, "supported", lambda: True)
     assert _pdl.mode() == _pdl.PREFETCH and _pdl.prefetch()
-    monkeypatch.delenv("KILN_PDL")
+    set_pdl_env(None)
     assert _pdl.mode() == _pdl.PREFETCH  # the default
     assert _pdl.launch_kwargs() == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setenv("KILN_PDL", "0")
+    set_pdl_env("0")
     assert _pdl.mode() == _pdl.OFF
     with _pdl.forced(_pdl.ON):
         assert _pdl.mode() == _pdl.ON and not _pdl.prefetch()
-    monkeypatch.setenv("KILN_PDL", "yes")
+    set_pdl_env("yes")
     with pytest.raises(ValueError, match="KILN_PDL='yes' must be 0"):
         _pdl.mode()
     with pytest.raises(ValueError, match="PDL mode 3"), _pdl.forced(3):
@@ -371,7 +383,7 @@ def test_gemv_w8a8_default_config_rule():
             assert cfg["USE_DOT"] and cfg["SPLIT_K"] * cfg["BLOCK_K"] <= k
 
 
-def test_bench_environment_records_the_pdl_mode(monkeypatch):
+def test_bench_environment_records_the_pdl_mode(monkeypatch, set_pdl_env):
     """Bench reports say which KILN_PDL mode the CUDA kernels ran with (None off CUDA)."""
     from kiln.bench import report
     from kiln.runtime.kernels import _pdl
@@ -379,7 +391,7 @@ def test_bench_environment_records_the_pdl_mode(monkeypatch):
     assert report._pdl_mode("cpu") is None
     assert report._pdl_mode("cuda") == _pdl.OFF  # the interpreter: no PDL
     monkeypatch.setattr(_pdl, "supported", lambda: True)
-    monkeypatch.setenv("KILN_PDL", "1")
+    set_pdl_env("1")
     assert report._pdl_mode("cuda:0") == _pdl.ON
 
 
@@ -543,27 +555,22 @@ def test_residual_fusion_rule(monkeypatch):
         assert gemv.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)
         assert gemv.residual_fusion_applies(1, 4096, 14336, 6144, dt, dt)
     assert not gemv.residual_fusion_applies(1, 256, 4096, 1024, bf, bf)  # split-K
-    monkeypatch.setattr(gemv, "RESIDUAL_FUSION", False)
-    assert not gemv.residual_fusion_applies(1, 576, 576, 3072, bf, bf)
 
 
-def test_residual_fusion_form_rule(monkeypatch):
+def test_residual_fusion_form_rule():
     """smollm2's hidden size takes the prologue form, llama-3-8b's the epilogue form (its
-    consumer keeps the plain loop's registers); one row only; each behind its switch."""
+    consumer keeps the plain loop's registers); one row only."""
     bf = torch.bfloat16
     for dt in (bf, FP8):
         assert gemv.residual_fusion_form(1, 576, 576, 3072, dt, dt) == "prologue"
         assert gemv.residual_fusion_form(1, 4096, 4096, 28672, dt, dt) == "epilogue"
         assert gemv.residual_fusion_form(1, 4096, 14336, 6144, dt, dt) == "epilogue"
         assert gemv.residual_fusion_form(2, 4096, 4096, 28672, dt, dt) is None
-    monkeypatch.setattr(gemv, "NORM_EPILOGUE", False)
-    assert gemv.residual_fusion_form(1, 4096, 4096, 28672, bf, bf) is None
-    assert gemv.residual_fusion_form(1, 576, 576, 3072, bf, bf) == "prologue"
 
 
 def test_norm_prologue_rule(monkeypatch):
     """On for one row at K <= NORM_PROLOGUE_MAX_K where gemv runs on CUDA-core tiles (the
-    measured rule: smollm2's K 576 gained, llama-3-8b's K 4096 lost); off when switched off."""
+    measured rule: smollm2's K 576 gained, llama-3-8b's K 4096 lost)."""
     assert gemv.norm_prologue_applies(1, 960, 576, torch.bfloat16)  # smollm2 qkv
     assert gemv.norm_prologue_applies(1, 3072, 576, FP8)  # smollm2 gate_up
     assert not gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)  # over the max K
@@ -571,8 +578,6 @@ def test_norm_prologue_rule(monkeypatch):
     monkeypatch.setattr(gemv, "NORM_PROLOGUE_MAX_K", 4096)
     assert gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
     assert gemv.norm_prologue_applies(1, 28672, 4096, FP8)
-    monkeypatch.setattr(gemv, "NORM_PROLOGUE", False)
-    assert not gemv.norm_prologue_applies(1, 960, 576, torch.bfloat16)
 
 
 def test_silu_fusion_rule():

@@ -70,7 +70,7 @@ def test_every_launched_kernel_waits_before_touching_memory():
     assert staged >= 4  # attention, rotary, rotary + KV write, rms_norm
 
 
-# _pdl.STAGED_EARLY: what a kernel may read before its wait besides weights: the step's
+# STAGED_EARLY: what a kernel may read before its wait besides weights: the step's
 # metadata that the host uploads before the step's kernels and no kernel writes, and
 # constant tables. Loads go through these pointers (directly, or through these helpers).
 STAGED_POINTERS = {"qsl_ptr", "ctx_ptr", "mask_off_ptr", "pos_ptr", "cache_ptr", "slot_ptr",

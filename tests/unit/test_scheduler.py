@@ -87,3 +87,23 @@ def test_prefix_cache_hit_skips_cached_tokens():
     assert b.metrics.num_cached_prompt_tokens == 8
     sched.finish(b)
     bm.check_all_free()
+
+
+def test_reserve_decode_allocates_one_more_token_or_nothing():
+    """Async scheduling's step launched ahead: each request gets the blocks for one more
+    token, all or none; waiting requests with a free slot leave the choice to schedule()."""
+    blocks = BlockManager(3, 4)
+    sched = Scheduler(blocks, max_num_seqs=2, max_num_tokens=16)
+    a, b = _req("a", 4), _req("b", 3)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule())  # a: 4 prompt + 1 token (1 block), b: 3 + 1 (1 block)
+    assert a.num_computed_tokens == 4 and len(a.block_table) == 1
+    batch = sched.reserve_decode([a, b])  # a's 5th token needs a second block, b's 4th not
+    assert batch.items == [(a, 1), (b, 1)] and len(a.block_table) == 2
+    assert blocks.num_free_blocks == 0
+    a.num_computed_tokens += 4  # a would need a third block: none free
+    assert sched.reserve_decode([a, b]) is None and len(a.block_table) == 2
+    assert not sched.would_admit(2)
+    sched.add(_req("c", 2))
+    assert sched.would_admit(1) and not sched.would_admit(2)

@@ -63,4 +63,4 @@ class GuidedCompiler(ABC):
 
     @abstractmethod
     def compile(self, spec: GuidedSpec) -> GuidedMatcher:
-        """A fresh matcher; raises ValueError (bad grammar, or compilation timed out)."""
+        """A fresh matcher; raises RequestError (bad grammar, or compilation timed out)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kiln.errors import RequestError
 from kiln.runtime.guided import GuidedCompiler, GuidedMatcher, GuidedSpec
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -141,12 +142,13 @@ class XGrammarCompiler(GuidedCompiler):
                 del self._cache[spec]
 
     def compiled(self, spec: GuidedSpec) -> Any:
-        """The (cached) CompiledGrammar; ValueError for a bad grammar or a timeout."""
+        """The (cached) CompiledGrammar; RequestError for a bad grammar or a timeout (param
+        None: the caller knows which request field held the grammar)."""
         fut = self._future(spec)
         try:
             return fut.result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise ValueError(
+            raise RequestError(
                 f"compiling the {spec.kind} grammar took longer than the {self.timeout_s:g}s "
                 "compile timeout; simplify it (compilation continues in the background and a "
                 "retry may hit the cache)"
@@ -155,8 +157,8 @@ class XGrammarCompiler(GuidedCompiler):
             self._forget(spec, fut)
             msg = _XGR_PREFIX.sub("", " ".join(str(e).split())) or type(e).__name__
             if isinstance(e, ValueError) and msg.startswith(spec.kind):
-                raise ValueError(msg) from None
-            raise ValueError(f"invalid {spec.kind}: {msg}") from None
+                raise RequestError(msg) from None
+            raise RequestError(f"invalid {spec.kind}: {msg}") from None
 
     def compile(self, spec: GuidedSpec) -> GuidedMatcher:
         import xgrammar as xgr

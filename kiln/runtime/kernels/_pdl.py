@@ -26,8 +26,8 @@ earlier kernel in the stream. Kernels that are not ours (torch's) launch normall
 full barriers. CUDA graph capture keeps the programmatic edges.
 
 ``KILN_PDL``: ``0`` off, ``1`` PDL, ``2`` (the default) PDL and, in the CUDA-core GEMV, an
-L2 prefetch of the program's first two weight tiles before the wait. Replay ms on the H200
-(notes/NOTES.md, 2026-11-30 fourth session), modes 0 / 1 / 2: llama-3-8b FP8 batch 1
+L2 prefetch of the program's first two weight tiles before the wait. Replay ms, modes
+0 / 1 / 2 (docs/decisions.md): llama-3-8b FP8 batch 1
 2.98 / 2.82-2.85 / 2.80, bf16 4.34 / 4.13-4.16 / 4.16, smollm2 0.72 / 0.58-0.60 / 0.55.
 PDL is off without CUDA capability 9.0, under ``TRITON_INTERPRET`` and where this triton
 lacks ``launch_pdl``.
@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import triton
 import triton.language as tl
+
+from kiln.runtime import env
 
 OFF, ON, PREFETCH = 0, 1, 2
 _forced: int | None = None
@@ -49,7 +50,7 @@ _forced: int | None = None
 @functools.cache
 def supported() -> bool:
     """Whether this process can launch with PDL (Hopper+, compiled triton with the option)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if env.triton_interpret():
         return False
     try:
         import torch
@@ -66,28 +67,21 @@ def supported() -> bool:
 
 
 def mode() -> int:
-    """OFF, ON or PREFETCH: ``forced`` (benchmarks), else ``KILN_PDL`` (default PREFETCH)."""
+    """OFF, ON or PREFETCH: ``forced`` (benchmarks), else ``KILN_PDL`` (default PREFETCH;
+    read once, by kiln/runtime/env.py)."""
     if not supported():
         return OFF
     if _forced is not None:
         return _forced
-    raw = os.environ.get("KILN_PDL", str(PREFETCH)).strip()
-    if raw not in ("0", "1", "2"):
-        raise ValueError(f"KILN_PDL={raw!r} must be 0 (off), 1 (PDL) or 2 (PDL and the "
-                         "GEMV weight prefetch)")
-    return int(raw)
+    return env.pdl_mode()
 
 
 # Kernels that read the step's staged metadata (attention: query_start_loc, context_lens, the
 # block table; rotary + KV write: positions, slots, and the constant cos/sin cache) read it
 # before their wait: the host uploads it before the step's kernels and no kernel writes it.
-# H200, 8B FP8 batch-1 engine step, same process, twice (notes/NOTES.md, 2026-11-30 ninth
-# session): 2.654 -> 2.638-2.640 ms at contexts 129-256, 2.772 -> 2.748-2.751 at 1793-1920.
-STAGED_EARLY = True
-# Tried and off (same calls): a kernel letting the next one launch before its own wait
-# instead of after it. Every kernel: 2.640 -> 2.643 ms at 129-256, 2.751 -> 2.813 at
-# 1793-1920; only the rotary kernels (attention's early section then runs during the qkv
-# GEMV): 2.627 -> 2.698-2.700, 2.733 -> 2.797.
+# 8B FP8 batch-1 engine step: 2.654 -> 2.639 ms at contexts 129-256, 2.772 -> 2.749 at
+# 1793-1920. A kernel lets the next one launch after its own wait, not before it: before
+# it, the step went 2.751 -> 2.813 ms at 1793-1920 (docs/decisions.md).
 
 
 def launch_kwargs() -> dict:
@@ -99,7 +93,7 @@ def launch_kwargs() -> dict:
 
 def staged_early() -> bool:
     """Whether kernels read the step's staged metadata before their PDL wait."""
-    return STAGED_EARLY and mode() != OFF
+    return mode() != OFF
 
 
 @contextlib.contextmanager

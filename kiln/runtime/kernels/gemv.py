@@ -20,7 +20,7 @@ the whole cost is streaming W once, so the kernel is about bytes in flight:
 ``gemv_add_rms_norm`` (one row, CUDA-core tiles): x is the addend of a residual stream; every
 program computes rms_norm(x + residual) itself and normalises each x tile as it loads it, and
 program (0, 0) writes the new residual: the add + RMSNorm kernel before the projection is
-gone (``NORM_PROLOGUE``, on where it measured faster: K <= ``NORM_PROLOGUE_MAX_K``).
+gone (where it measured faster: K <= ``NORM_PROLOGUE_MAX_K``).
 
 Everything stays on the device (graph-safe): no host syncs, the scale is read by the kernel,
 the split-K workspace size depends on the shapes only. Configs are dicts (``GEMV_CONFIGS``);
@@ -31,12 +31,12 @@ build-time tuned table, when that module exists) and falls back to ``default_con
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime import env
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FP8_DTYPES, check_shape, check_tensor
 from kiln.runtime.kernels._pdl import pdl_begin, prefetch_l2
@@ -44,14 +44,9 @@ from kiln.runtime.kernels._pdl import pdl_begin, prefetch_l2
 GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
 # Tensor-core tiles take up to GEMM_MAX_M rows, BLOCK_M = 16 per program (grid axis 2): the
 # speculative steps' 9-128-token batches on small weights, where cuBLAS is launch-bound and,
-# not being a PDL kernel, a full barrier in the chain (``gemv_wins``).
+# not being a PDL kernel, a full barrier in the chain. ``gemv_wins`` does not route them here:
+# on the H200 (smollm2, lookahead (7,7,7)) they were no faster than cuBLAS end to end.
 GEMM_MAX_M = 128
-# Whether gemv_wins routes 9..GEMM_MAX_M rows here (an A/B switch; off). H200, smollm2
-# lookahead (7,7,7) (notes/NOTES.md, 2026-11-30 sixth session): the masked S=1 T=84 replay is
-# 1.10 ms with these tiles against 1.04-1.06 ms on cuBLAS, end to end equal within noise
-# (code x0.76-0.79 vs x0.73-0.74), acceptance not lowered (2.01 vs 1.93 tokens per step).
-MID_M = False
-MID_M_MAX_WEIGHT = 4 << 20  # elements: smollm2's projections (the 8B ones stay on cuBLAS)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 W8A8 = "w8a8"  # the tuning-table dtype of W8A8 launches (e4m3 x)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "num_warps", "num_stages")
@@ -80,10 +75,6 @@ GEMV_CONFIGS: list[dict] = [
     _cfg(64, 256, True, warps=8, stages=3),
     _cfg(128, 128, True, warps=8, stages=3),
 ]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -425,7 +416,7 @@ def tuning_key(m: int, n: int, k: int, dtype: torch.dtype | str) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def default_config(m: int, n: int, k: int, fp8: bool) -> dict:
-    """The measured best rule on the H200 (bench_gemv.py sweeps, notes/NOTES.md 2026-11-30).
+    """The measured best rule (per-shape sweeps against cuBLAS; docs/decisions.md).
 
     M = 1: CUDA cores everywhere (tensor-core tiles never won, except bf16 wide-and-shallow).
     M >= 2: tensor cores, except small weights at M = 2 (and FP8 up to M = 4), where the
@@ -472,9 +463,8 @@ def default_config(m: int, n: int, k: int, fp8: bool) -> dict:
     return cfg
 
 
-# W8A8 (e4m3 x) tensor-core tiles: bench_w8a8.py's sweep on the H200 (notes/NOTES.md,
-# 2026-11-30 third session): 64 x 128, 4 stages won at every llama-3-8b shape at M 1 and 8
-# (gate_up at M = 8: 128 x 128); SPLIT_K is tried on top (``split_candidates``).
+# W8A8 (e4m3 x) tensor-core tiles: 64 x 128, 4 stages won at every llama-3-8b shape at M 1
+# and 8 (gate_up at M = 8: 128 x 128); SPLIT_K is tried on top (``split_candidates``).
 W8A8_CONFIGS: list[dict] = [
     _cfg(64, 128, True, stages=4),
     _cfg(128, 128, True, stages=4),
@@ -493,8 +483,8 @@ def w8a8_config(m: int, n: int, k: int) -> dict:
 
 def w8a8_wins(m: int, n: int, k: int) -> bool:
     """Whether fp8_linear's W8A8 GEMM runs here (gemv with e4m3 x) rather than _scaled_mm.
-    Measured on the H200 (scripts/bench_w8a8.py, both after the same quant kernel): faster
-    on llama-3-8b's gate_up and down at M 1-8 (36.6 vs 38.9 and 24.9 vs 26.1 us at M = 8),
+    Measured after the same quant kernel: faster on llama-3-8b's gate_up and down at M 1-8 (36.6 vs
+    38.9 and 24.9 vs 26.1 us at M = 8),
     0.1-0.7 us slower on qkv and o_proj, so weights of at least 32 M elements only. At M = 1
     the W8A16 gemv runs instead (linear() never reaches fp8_linear there)."""
     return 1 <= m <= GEMV_MAX_M and n * k >= 32 << 20
@@ -502,15 +492,13 @@ def w8a8_wins(m: int, n: int, k: int) -> bool:
 
 def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
     """Whether ``gemv`` beat cuBLAS (F.linear, or _scaled_mm after the fused activation quant
-    for FP8) at this shape on the H200 (bench_gemv.py; linear() routes small batches by it).
+    for FP8) at this shape (linear() routes small batches by it).
 
     bf16/fp16: everywhere but wide-and-shallow (K < 1024, N >= 16384: smollm2's lm_head,
     where cuBLAS is ~5 % faster). FP8: always at M = 1 (W8A16 streams half the bytes of
     bf16 with no activation quant); at M >= 2 only up to 4096 x 4096 weights: beyond that
     W8A8 on the FP8 tensor cores wins (widening e4m3 in registers costs ALU time at M > 1).
     """
-    if GEMV_MAX_M < m <= GEMM_MAX_M:
-        return MID_M and not fp8 and n * k <= MID_M_MAX_WEIGHT
     if not 1 <= m <= GEMV_MAX_M:
         return False
     if fp8:
@@ -519,11 +507,10 @@ def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
 
 
 # The SiLU-and-mul prologue (gemv(silu_and_mul=True)) pays where the down projection is
-# short, and on FP8 weights at batch 1. Measured on the H200 (notes/NOTES.md): before PDL,
-# smollm2 (K 1536) gained ~40 us per decode step over 30 layers and llama-3-8b (K 14336)
-# bf16 lost 10-65 us over 32 layers (every program recomputes the activation: N / BLOCK_N
-# times). Under PDL (2026-11-30 fifth session, bench_pdl.py --silu-max-k 4096,16384) the 8B
-# FP8 batch-1 replay went 2.814 -> 2.751 ms with it, while 8B bf16 lost at batch 1 (4.191 ->
+# short, and on FP8 weights at batch 1: smollm2 (K 1536) gains ~40 us per decode step, while
+# llama-3-8b (K 14336) bf16 loses (every program recomputes the activation: N / BLOCK_N
+# times). Under PDL the 8B FP8 batch-1 replay went 2.814 -> 2.751 ms with it, while 8B bf16 lost at
+# batch 1 (4.191 ->
 # 4.228) and both lost at batch 8 (FP8 4.102 -> 4.209, bf16 4.810 -> 7.679).
 SILU_FUSION_MAX_K = 4096
 
@@ -725,7 +712,7 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
         x, weight, scale, b, y, part, xs, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=scale_mode,
-        HAS_BIAS=bias is not None, WIDEN=_interpreting(), ACT=silu_and_mul,
+        HAS_BIAS=bias is not None, WIDEN=env.triton_interpret(), ACT=silu_and_mul,
         X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
         HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT,
@@ -743,9 +730,8 @@ def _launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: 
 
 # The L2 eviction priority of weight loads: a decode step streams every weight through L2
 # once, and at normal priority that stream evicts what the next kernels read (the KV cache,
-# the step's metadata, activations). Measured on the H200 (2026-11-30 eighth session,
-# scripts/ablate_step.py, 8B FP8 batch 1, same process): engine step 2.753 -> 2.674 ms at
-# contexts 129-256, 2.884 -> 2.793 at 1793-1920. ("" = normal priority.)
+# the step's metadata, activations). 8B FP8 batch-1 engine step: 2.753 -> 2.674 ms at
+# contexts 129-256, 2.884 -> 2.793 at 1793-1920 (docs/decisions.md). ("" = normal priority.)
 WEIGHT_EVICT = "evict_first"
 
 
@@ -779,18 +765,12 @@ def _norm_args(norm: tuple | None, k: int, unused: torch.Tensor) -> dict:
 
 
 # The CUDA-core GEMV's L2 hints before its PDL wait (KILN_PDL=2): each program hints the
-# first two W tiles of its slice, one hint per PREFETCH_HINT_BYTES. Measured under PDL
-# (2026-11-30 fifth session, bench_pdl.py --knob): per 128-byte line (4x fewer hints than
+# first two W tiles of its slice, one hint per PREFETCH_HINT_BYTES. Under PDL, per 128-byte line
+# (4x fewer hints than
 # per 32-byte sector) the 8B FP8 batch-1 replay went 2.799 -> 2.754 ms, 8B bf16 and smollm2
 # unchanged. Hinting the whole slice of small weights (qkv, o_proj) lost (FP8 2.840 ms, or
 # 2.861 with line hints), and so did the attention kernel hinting o_proj's weight (2.832).
 PREFETCH_HINT_BYTES = 128
-# Also tried on the H200 and removed (2026-11-30 eighth session, notes/NOTES.md; the code is in
-# the commits named there): each GEMV TMA-prefetching the next projection's weight into L2 as
-# it finishes (0b91ba7: 2.75 -> 2.77-3.15 ms), f16x2 accumulation of FP8 weights (1dd6c6d:
-# -> 3.06-3.13 ms), W one tile ahead in registers and a register cap (93f93b1: -> 3.63 ms,
-# neutral at 64 registers). Ninth session (e428f28): the first W tile loaded into registers
-# before the PDL wait: engine step 2.679 -> 3.942 ms.
 
 # The add + RMSNorm prologue holds one whole row in registers (K_PAD elements per program).
 NORM_MAX_K = 16384
@@ -960,20 +940,16 @@ def residual_fusion_form(m: int, hidden: int, k_in: int, n_out: int,
     norm kernel, GEMV):
 
     - ``"prologue"``: gemv_add_residual then gemv_prenormed (normalised as x is loaded),
-      hidden at most RESIDUAL_FUSION_MAX_HIDDEN (``RESIDUAL_FUSION``);
+      hidden at most RESIDUAL_FUSION_MAX_HIDDEN;
     - ``"epilogue"``: gemv_add_residual_weighted then gemv_rms_scaled (the plain loop on
-      h * g, 1 / rms in the epilogue), larger hidden (``NORM_EPILOGUE``).
+      h * g, 1 / rms in the epilogue), larger hidden.
 
     Both need one row, both GEMVs taken by ``gemv`` on CUDA-core tiles, the first without
     split-K (its partials are the statistics). ``in_dtype`` / ``out_dtype``: the two
     weights' dtypes; the first weight is [hidden, k_in], the second [n_out, hidden]."""
     if m != 1:
         return None
-    small = hidden <= RESIDUAL_FUSION_MAX_HIDDEN
-    form = ("prologue" if RESIDUAL_FUSION else None) if small else (
-        "epilogue" if NORM_EPILOGUE else None)
-    if form is None:
-        return None
+    form = "prologue" if hidden <= RESIDUAL_FUSION_MAX_HIDDEN else "epilogue"
     fp8_a, fp8_b = in_dtype in FP8_DTYPES, out_dtype in FP8_DTYPES
     if not (gemv_wins(1, hidden, k_in, fp8_a) and gemv_wins(1, n_out, hidden, fp8_b)):
         return None
@@ -990,31 +966,28 @@ def residual_fusion_applies(m: int, hidden: int, k_in: int, n_out: int,
     return residual_fusion_form(m, hidden, k_in, n_out, in_dtype, out_dtype) == "prologue"
 
 
-# Whether the model runs each ``linear -> + residual -> RMSNorm -> linear`` of a batch-1 step
+# The model runs each ``linear -> + residual -> RMSNorm -> linear`` of a batch-1 step
 # as two GEMVs (the residual add and the sum of squares in the first one's epilogue, the
 # normalisation in the second one's loads) instead of GEMV, norm kernel, GEMV (or the norm
 # prologue, which recomputes the row's statistics in every program), and up to which hidden
-# size it pays. H200 (notes/NOTES.md, 2026-11-30 ninth session): smollm2 (hidden 576) decode
-# replay 0.503 -> 0.493 ms (against the norm prologue); llama-3-8b (hidden 4096) engine step
-# FP8 2.650 -> 3.028 ms, bf16 4.108-4.113 -> 4.163-4.166. The twelfth session found the
-# cause of that loss (scripts/norm_fusion_probe.py): the first GEMV holding its residual tile
-# across its loop (8B's 8-warp FP8 producer, 64 -> 78 registers, 4 -> 3 programs per SM).
-RESIDUAL_FUSION = True
+# size it pays: smollm2 (hidden 576) decode replay 0.503 -> 0.493 ms (against the norm
+# prologue); llama-3-8b (hidden 4096) engine step FP8 2.650 -> 3.028 ms, because the first
+# GEMV holds its residual tile across its loop (8B's 8-warp FP8 producer, 64 -> 78 registers, 4 ->
+# 3 programs per SM).
 RESIDUAL_FUSION_MAX_HIDDEN = 2048
 PRENORM_MAX_PARTS = 4096
 # Above RESIDUAL_FUSION_MAX_HIDDEN: the epilogue form. The first GEMV loads its residual
 # tile after its loop and also stores h * g (g: the norm's weight); the second runs the plain
 # GEMV loop on h * g (its registers unchanged) and scales its outputs by 1 / rms(h) after
-# the loop. H200, llama-3-8b engine step, same call (notes/NOTES.md, 2026-11-30 twelfth
-# session): FP8 2.603-2.604 -> 2.590-2.591 ms, bf16 4.057-4.063 -> 4.002-4.003.
-NORM_EPILOGUE = True
+# the loop. llama-3-8b engine step: FP8 2.603 -> 2.590 ms, bf16 4.057 -> 4.002
+# (docs/decisions.md).
 
 
 def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> bool:
     """Whether linear's add + RMSNorm goes into the GEMV (``gemv_add_rms_norm``): one row,
     where the GEMV takes the shape and its config is CUDA-core (the M = 1 default)."""
     fp8 = weight_dtype in FP8_DTYPES
-    if not (NORM_PROLOGUE and m == 1 and k <= min(NORM_PROLOGUE_MAX_K, NORM_MAX_K)
+    if not (m == 1 and k <= min(NORM_PROLOGUE_MAX_K, NORM_MAX_K)
             and gemv_wins(m, n, k, fp8)):
         return False
     return not _config(None, m, n, k, weight_dtype)["USE_DOT"]
@@ -1022,11 +995,10 @@ def norm_prologue_applies(m: int, n: int, k: int, weight_dtype: torch.dtype) -> 
 
 # Whether the model folds each add + RMSNorm into the following GEMV at batch 1, and up to
 # which K it pays. Every program recomputes the row's statistics (N / BLOCK_N times), against
-# one kernel launch saved. Measured under PDL (2026-11-30 fifth session, bench_pdl.py
-# --norm-prologue 0,1): smollm2 (K 576) decode replay 0.547 -> 0.500 ms; llama-3-8b (K 4096)
+# one kernel launch saved. Under PDL: smollm2 (K 576) decode replay 0.547 -> 0.500 ms; llama-3-8b
+# (K 4096)
 # bf16 4.191 -> 4.261 (a loss), FP8 2.814 -> 2.780 alone and nothing on top of the SiLU
 # fusion (2.751 -> 2.750). K between 576 and 4096 is not measured; 2048 splits the two.
-NORM_PROLOGUE = True
 NORM_PROLOGUE_MAX_K = 2048
 
 

@@ -16,13 +16,12 @@ unnormalised partial (acc, max, sum) and ``_reduce_kernel`` merges them.
 What a launch may vary without compiling a new kernel variant: the sequence count and the
 split count are plain runtime arguments, never specialised (an eager prefill's split count
 follows its length: as compile-time constants, the first prompts of new lengths each stalled
-the engine for ~1-1.9 s of JIT on the H200, notes/NOTES.md 2026-11-30 eleventh session).
+the engine for ~1-1.9 s of JIT).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.runtime import env
 from kiln.runtime.kernels import _pdl, tuning
 from kiln.runtime.kernels._checks import (
     FLOAT_DTYPES,
@@ -144,7 +144,7 @@ def _paged_attn_kernel(
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MULTI: tl.constexpr, HAS_MASK: tl.constexpr,
-    KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     STAGED_EARLY: tl.constexpr, KV_PREFETCH: tl.constexpr,
     LINE: tl.constexpr, D_LINES: tl.constexpr,
 ):
@@ -193,7 +193,7 @@ def _paged_attn_kernel(
     row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
 
-    if SKIP_EMPTY and MULTI:  # noqa: SIM102 - a compile-time branch around a runtime one
+    if MULTI:  # noqa: SIM102 - a compile-time branch around a runtime one
         if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
             # split count allows): mark the partial empty for the reduce and stop
             ph = (tok * num_heads + head) * num_splits + split
@@ -267,9 +267,8 @@ def _reduce_kernel(
     total = tl.sum(l * w, 0)
     d = tl.arange(0, D_PAD)
     # empty splits (m = -inf) wrote no accumulator: not read (masked lanes touch no memory).
-    # Tried (2026-11-30 ninth session): loading every accumulator with (m, l) and zeroing the
-    # empty splits' afterwards (no load waiting on m) was slower: it reads the empty splits
-    # too (8B FP8 engine step 2.646 -> 2.675 ms at contexts 129-256).
+    # Masking on m (rather than loading every accumulator and zeroing the empty splits'
+    # afterwards) skips the empty splits' reads: 8B FP8 engine step 2.646 vs 2.675 ms.
     acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
                   mask=(s_ok & (m > float("-inf")))[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
@@ -281,26 +280,13 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     """float32 dots in IEEE precision (not tf32). Triton's CPU interpreter (3.9) returns
     garbage for bf16 tl.dot, so there bf16 operands are widened first: the same numbers, as
     bf16 products are exact in float32 and the accumulation is float32 either way."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return dtype == torch.float32 or (interp and dtype == torch.bfloat16)
+    return dtype == torch.float32 or (env.triton_interpret() and dtype == torch.bfloat16)
 
 
-# A CUDA graph fixes the split count for the longest context; a shorter one leaves splits
-# without keys. Those programs only mark their partial empty and return, and the reduce reads
-# no accumulator for them. H200, 8B FP8 batch-1 engine step, same process (notes/NOTES.md,
-# 2026-11-30 eighth session): 2.781 -> 2.765 ms at contexts 129-256, 2.800 -> 2.790 at
-# 513-640, equal at 1793-1920 (where every split has keys).
-SKIP_EMPTY_SPLITS = True
 # Before its PDL wait each program L2-prefetches the K/V rows of this many key tiles at the
-# start of its split (0: off). H200, 8B FP8 batch-1 engine step, same process, twice
-# (2026-11-30 ninth session): 2.641-2.644 -> 2.626-2.627 ms at contexts 129-256, 2.752 ->
-# 2.733-2.737 at 1793-1920; the whole split instead of 2 tiles: the same.
+# start of its split (0: off). 8B FP8 batch-1 engine step: 2.641 -> 2.626 ms at contexts
+# 129-256, 2.752 -> 2.733 at 1793-1920; the whole split instead of 2 tiles: the same.
 KV_PREFETCH_TILES = 2
-# Tried and removed (2026-11-30 ninth session): launches with max_query_len 1 mapping
-# program p to sequence p instead of searching query_start_loc (-0.012 ms per 8B FP8 step).
-# It trusted max_query_len as a bound: the real smollm2 engine then generated only token 0,
-# because its short prompts were prefilled in a decode graph (see paged_attention) and only
-# their first BLOCK_Q queries were computed.
 
 
 MAX_SPLITS = 64  # the most key-splits choose_num_splits picks
@@ -500,7 +486,7 @@ def _launch(
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, MULTI=num_splits > 1,
         HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
-        SKIP_EMPTY=SKIP_EMPTY_SPLITS, STAGED_EARLY=early,
+        STAGED_EARLY=early,
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
         D_LINES=next_pow2(triton.cdiv(dim * esize, 128)), num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),

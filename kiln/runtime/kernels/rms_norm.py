@@ -62,10 +62,6 @@ def _rms_norm_kernel(
              mask=offs < hidden)
 
 
-# The norm weight loaded before the PDL wait (an A/B switch; measured in the notes).
-WEIGHT_EARLY = True
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device)
@@ -88,7 +84,7 @@ def _launch(x, res, weight, out, res_out, eps, rows: torch.Tensor | None = None)
         res.stride(0) if res is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0,
         HAS_RESIDUAL=res is not None, GATHER=rows is not None, WRITE_RES=res_out is not None,
-        BLOCK=block, STAGED_EARLY=WEIGHT_EARLY and _pdl.staged_early(), num_warps=warps,
+        BLOCK=block, STAGED_EARLY=_pdl.staged_early(), num_warps=warps,
         **_pdl.launch_kwargs(),
     )
 

@@ -10,9 +10,9 @@ computed. ``-inf`` logits (masked tokens) never win a sampled row. A row that ho
 the next step's input copy clamps it to a valid id): the check is one comparison in the final
 kernel, free beside its loads.
 
-Why: torch's argmax over one row of 128256 logits runs as one block (27 us on the H200) and
-its softmax as another (34 us); a batch-1 decode step of llama-3-8b is 2.8 ms (notes/NOTES.md,
-2026-11-30 seventh session). Here the vocabulary is split over ``cdiv(V, BLOCK)`` programs
+Why: torch's argmax over one row of 128256 logits runs as one block (27 us) and its
+softmax as another (34 us); a batch-1 decode step of llama-3-8b is 2.8 ms. Here the vocabulary is
+split over ``cdiv(V, BLOCK)`` programs
 per row, each writing its best (value, index), and a second kernel picks each row's best.
 """
 
@@ -31,7 +31,7 @@ MAX_PARTS = 1024  # BLOCK x MAX_PARTS = the largest vocabulary (2 M)
 
 
 # The seed changes every step: never a specialisation (a seed divisible by 16, as greedy's 0,
-# compiled another variant, a ~0.5 s stall at the first sampled request on the H200).
+# compiled another variant, a ~0.5 s stall at the first sampled request).
 @triton.jit(do_not_specialize=["seed"])
 def _sample_partial_kernel(
     logits_ptr, inv_temp_ptr, key_ptr, val_ptr, idx_ptr, V, parts, stride_r, inv_temp, seed,

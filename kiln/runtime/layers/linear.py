@@ -18,9 +18,8 @@ way (x -> e4m3(x / s), bit-exact), so the CPU result is the GPU result up to acc
 order. A per-row weight scale (the FP8 lm_head) is applied in the GEMV's epilogue, or after a
 float32 _scaled_mm.
 
-Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations; up to
-``GEMM_MAX_M`` rows on small bf16/fp16 weights, the speculative steps) go to the Triton
-skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than cuBLAS
+Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
+the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than cuBLAS
 (``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
 e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
 used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32

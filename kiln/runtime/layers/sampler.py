@@ -145,13 +145,10 @@ def kernel_inv_temps(params: list[SamplingParams], vocab: int) -> list[float] | 
     return inv or None
 
 
-KERNELS = True  # False: the torch path on CUDA too (scripts/step_gap.py A/Bs the two)
-
-
 def kernels_enabled() -> bool:
     """Whether ``Sampler.choose`` uses the Triton sampling kernels for CUDA logits (bench
     reports record it)."""
-    return KERNELS and _triton_available()
+    return _triton_available()
 
 
 @functools.cache
@@ -167,8 +164,8 @@ class Sampler:
     own generator only, so a seed reproduces across batches: on CUDA, where no row of the
     batch needs top-k / top-p / min-p, the sampling kernels draw it with a Philox key taken
     from its generator (one per token); otherwise its generator draws on the host (a host
-    sync and a CPU multinomial per token: 2 ms at a 49152 vocabulary on the H200 host, which
-    made seeded requests 5x slower, notes/NOTES.md 2026-11-30 eleventh session)."""
+    sync and a CPU multinomial per token: 2 ms at a 49152 vocabulary, which made seeded
+    requests 5x slower)."""
 
     @staticmethod
     def device_only(params: list[SamplingParams], generators: list[torch.Generator | None],

@@ -27,11 +27,6 @@ from kiln.runtime.layers.linear import linear, linear_residual_norm_linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
-# The graph's ends as Triton kernels (embed_rms_norm, gather_add_rms_norm, float32 logits
-# from the lm_head GEMV) instead of F.embedding + norm, add + index_select + norm, .float():
-# an A/B switch (scripts/ablate_step.py variant torch_ends).
-FUSED_ENDS = True
-
 
 class LlamaModel:
     """Holds weights as plain tensors; ``forward`` returns hidden states of selected rows."""
@@ -121,16 +116,12 @@ class LlamaModel:
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
         from kiln.runtime.kernels.rms_norm import embed_rms_norm, gather_add_rms_norm
-        from kiln.runtime.kernels.rms_norm import rms_norm as k_rms_norm
 
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
-        if FUSED_ENDS:  # the embedding rows (h, the residual) and layer 0's norm: one kernel
-            x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
-                                  w["layers.0.input_norm.weight"], eps)
-        else:
-            h = F.embedding(input_ids, w["embed_tokens.weight"])
-            x = k_rms_norm(h, w["layers.0.input_norm.weight"], eps)
+        # the embedding rows (h, the residual) and layer 0's norm: one kernel
+        x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
+                              w["layers.0.input_norm.weight"], eps)
         qkv = linear(x, w, "layers.0.qkv")
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -150,9 +141,7 @@ class LlamaModel:
                     silu_and_mul=True)
             else:
                 y = linear(gate_up, w, p + "down", silu_and_mul=True)
-                if FUSED_ENDS:  # the last add, the logit rows and the final norm: one kernel
-                    h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
-                else:
-                    h = k_rms_norm((h + y).index_select(0, logit_rows), w["norm.weight"], eps)
+                # the last add, the logit rows and the final norm: one kernel
+                h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
         # float_out: the GEMV stores the float32 logits; .float() is then a no-op
-        return linear(h, w, self.lm_head, float_out=FUSED_ENDS).float()
+        return linear(h, w, self.lm_head, float_out=True).float()

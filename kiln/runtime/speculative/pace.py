@@ -2,8 +2,7 @@
 
 A speculative step costs more than a plain decode step: a lookahead (7,7,7) step on
 smollm2-135m takes 1.47-1.57 ms of wall time (graph replay 1.04 ms plus host work a
-speculative step cannot hide) against 0.56 ms for a decode step (H200, notes/NOTES.md,
-2026-11-30 seventh session), so it pays only while it commits more than ~2.6-2.9 tokens.
+speculative step cannot hide) against 0.56 ms for a decode step, so it pays only while it commits more than ~2.6-2.9 tokens.
 Chat prompts commit ~1.2: always speculating made them ~50 % slower than plain decoding.
 
 ``SpecPace`` tracks one request's committed tokens per speculative step (the mean over the
@@ -23,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_STEPS = 12  # speculative steps measured before a pause is decided (4 paused code
-# prompts early, while their n-gram pools were still filling: notes/NOTES.md)
+# prompts early, while their n-gram pools were still filling)
 PROBE_STEPS = 12  # the same for a probe (speculation restarted after a pause)
 FIRST_PAUSE = 16  # plain steps of the first pause
 PAUSE_GROWTH = 2  # each failed probe multiplies the pause by this

@@ -1,0 +1,63 @@
+"""The environment variables the runtime reads, and the one place it reads them.
+
+``RuntimeConfig``'s defaults (read when a config is made; an explicit field wins):
+
+- ``KILN_ATTENTION_BACKEND``: ``auto`` (default: the Triton kernels on CUDA when triton
+  imports, else the torch reference), ``torch`` or ``triton``.
+- ``KILN_CUDA_GRAPHS``: ``0`` runs every step eagerly (default ``1``: decode, speculative
+  and short steps replay CUDA graphs; CUDA and the triton backend only).
+- ``KILN_PREFILL_GRAPHS``: ``0`` runs steps larger than the decode buckets eagerly (a
+  shorter start-up; default ``1``: graphs for them too).
+- ``KILN_ASYNC_SCHEDULING``: ``0`` waits for a step's tokens before scheduling the next one
+  (default ``1``: the next decode step is launched first; same results).
+- ``KILN_ADAPTIVE_SPECULATION``: ``0`` always speculates (default ``1``: a request pauses
+  speculation while it commits fewer tokens per step than the step costs; same results).
+
+For these, unset means the default and ``0`` or an empty value means off.
+
+The kernels (read once, at the first launch that asks, then kept):
+
+- ``KILN_PDL``: programmatic dependent launch on Hopper: ``0`` off, ``1`` PDL, ``2``
+  (default) PDL and the GEMV's L2 weight prefetch before its wait. Ignored where PDL is not
+  supported; any other value is a ValueError at the first launch.
+- ``TRITON_INTERPRET``: set and not ``0``: the kernels run in Triton's CPU interpreter
+  (tests); triton itself reads it when the kernels are built, at import.
+
+Tests that change one of the cached two call ``pdl_mode.cache_clear()`` /
+``triton_interpret.cache_clear()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+PDL_MODES = ("0", "1", "2")  # off, PDL, PDL and the GEMV weight prefetch
+PDL_DEFAULT = "2"
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """``name`` as a switch: unset gives ``default``; ``0`` or empty is False, else True."""
+    raw = os.environ.get(name)
+    return default if raw is None else raw not in ("0", "")
+
+
+def env_str(name: str, default: str) -> str:
+    """``name``'s value, or ``default`` where it is unset."""
+    return os.environ.get(name, default)
+
+
+@functools.cache
+def triton_interpret() -> bool:
+    """Whether the Triton kernels run in the CPU interpreter (``TRITON_INTERPRET``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def pdl_mode() -> int:
+    """``KILN_PDL`` as 0, 1 or 2 (default 2); anything else is a ValueError (not cached)."""
+    raw = os.environ.get("KILN_PDL", PDL_DEFAULT).strip()
+    if raw not in PDL_MODES:
+        raise ValueError(f"KILN_PDL={raw!r} must be 0 (off), 1 (PDL) or 2 (PDL and the "
+                         "GEMV weight prefetch)")
+    return int(raw)
