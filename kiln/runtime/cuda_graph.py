@@ -23,7 +23,6 @@ that fits.
 from __future__ import annotations
 
 import sys
-
 import time
 from dataclasses import dataclass
 

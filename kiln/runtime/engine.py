@@ -26,8 +26,8 @@ from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import INVALID_TOKEN, Sampler, describe_bad_row, kernels_enabled
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
-from kiln.runtime.outputs import RequestOutput, TokenLogprob, request_output
-from kiln.runtime.request import Request
+from kiln.runtime.outputs import RequestOutput, TokenLogprob
+from kiln.runtime.request import Request, request_output
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch, Scheduler
 from kiln.runtime.speculative.break_even import spec_break_even

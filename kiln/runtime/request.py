@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from kiln.runtime.outputs import RequestMetrics, TokenLogprob
+from kiln.runtime.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -91,3 +91,31 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.perf_counter()
+
+
+def request_output(req: Request) -> RequestOutput:
+    """What ``req`` has produced so far, with only this step's new part in ``new_*``
+    (a stop string's possible start held back while it runs); marks it sent."""
+    text = req.text
+    if not req.is_finished and req.params.stop:
+        # Hold back what could still become the start of a stop string.
+        hold = max(len(s) for s in req.params.stop) - 1
+        text = text[: max(len(text) - hold, req.sent_text_len)]
+    new_text = text[req.sent_text_len :]
+    new_ids = req.output_token_ids[req.sent_token_len :]
+    req.sent_text_len = len(text)
+    req.sent_token_len = len(req.output_token_ids)
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        token_ids=list(req.output_token_ids),
+        text=text,
+        new_token_ids=new_ids,
+        new_text=new_text,
+        finished=req.is_finished,
+        finish_reason=req.finish_reason,
+        metrics=req.metrics,
+        logprobs=list(req.logprobs) if req.logprobs is not None else None,
+        stop_reason=req.stop_reason,
+        error=req.error,
+    )

@@ -6,7 +6,7 @@ With ``scale=None`` (dynamic per-tensor scale) an amax kernel first folds max|x|
 float32 device scalar (atomic max), and the quant kernel derives the scale from it
 (amax / 448, floored at 1e-12) and also writes it out for ``_scaled_mm``'s ``scale_a``.
 
-Bit-exact with the eager CUDA formulation in kiln/runtime/layers/linear.py
+Bit-exact with the eager CUDA formulation in kiln/runtime/fp8.py
 (``quantize_fp8(x, fp8_scale(x))``): division is IEEE (div_rn, as torch's tensor / tensor) and the
 amax / 448 uses the float32 reciprocal of 448, as torch does for a tensor / Python scalar.
 No host syncs; the scale never leaves the device.
@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.fp8 import fp8_scale, quantize_fp8
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import FLOAT_DTYPES, check_tensor
 from kiln.runtime.kernels._pdl import pdl_begin
@@ -114,9 +115,8 @@ def quantize_fp8_padded(
 def quantize_fp8_padded_ref(
     x: torch.Tensor, scale: torch.Tensor | None = None, row_pad: int = ROW_PAD,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eager formulation (linear.quantize_fp8 / fp8_scale) plus zero pad rows."""
-    from kiln.runtime.layers.linear import fp8_scale, quantize_fp8
-
+    """The eager formulation (kiln.runtime.fp8's quantize_fp8 / fp8_scale) plus zero pad
+    rows."""
     s = fp8_scale(x) if scale is None else scale.float()
     q = quantize_fp8(x, s)
     pad = -x.shape[0] % row_pad

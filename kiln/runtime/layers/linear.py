@@ -33,23 +33,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448.0
-_SCALE_MIN = 1e-12
+from kiln.runtime.fp8 import FP8, FP8_MAX, fp8_scale, quantize_fp8  # noqa: F401 - re-exported
 
 
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3(x / scale), saturating at +-448 (round to nearest even, like modelopt)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def fp8_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per-tensor scale amax / 448 as a float32 0-dim tensor (never 0)."""
-    return (x.detach().abs().amax().float() / FP8_MAX).clamp(min=_SCALE_MIN)
 
 
 def scaled_mm_ok(m: int, k: int, n: int) -> bool:

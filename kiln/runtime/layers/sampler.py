@@ -16,7 +16,6 @@ from kiln.runtime.host_copy import to_device
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
 
-
 INVALID_TOKEN = -1
 
 
