@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.cuda_graph import CudaGraphRunner
+from kiln.runtime.cuda_graph import CudaGraphRunner, report_capture_failures
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
@@ -41,6 +41,26 @@ class ModelRunner:
         self.stager: StepStager | None = None
         self.graphs: CudaGraphRunner | None = None
 
+    def use_staging(self, max_seqs: int, max_num_tokens: int, max_seq_len: int,
+                    tokens_per_step: int) -> None:
+        """Stage every step through fixed host/device buffers (the Triton path) sized for
+        ``max_seqs`` sequences of up to ``tokens_per_step`` tokens (speculative steps) or
+        ``max_num_tokens`` in all, with room for a full request plus one speculative step."""
+        self.stager = StepStager(
+            max_seqs, max(max_num_tokens, max_seqs * tokens_per_step),
+            -(-(max_seq_len + tokens_per_step) // self.block_size), self.block_size,
+            max_seqs * tokens_per_step ** 2 if tokens_per_step > 1 else 0, self.device)
+
+    def capture_graphs(self, max_seqs: int, max_num_tokens: int, tokens_per_step: int,
+                       max_graph_tokens: int, prefill: bool) -> float:
+        """Capture the CUDA graphs of the staged path (``use_staging`` first); seconds."""
+        self.graphs = CudaGraphRunner(self.model, self.cache, self.stager, max_seqs,
+                                      max_num_tokens, tokens_per_step, max_graph_tokens,
+                                      prefill=prefill)
+        seconds = self.graphs.capture()
+        report_capture_failures(self)
+        return seconds
+
     def slots_of(self, block_table: list[int], indices: list[int] | torch.Tensor) -> torch.Tensor:
         """Cache slots of a request's token indices (CPU LongTensor)."""
         idx = torch.as_tensor(indices, dtype=torch.long)
@@ -55,8 +75,8 @@ class ModelRunner:
         mask, positions from the plan, logits for every row); others run their next
         ``n`` tokens causally and get logits only when they reach their last token.
         ``input_patch`` (device token ids [k]) replaces the first k input tokens on the
-        device: a step scheduled before the previous step's tokens reached the host (every
-        item then is one decode token, row i = item i; the host holds stand-ins).
+        device: a step scheduled before the previous step's tokens reached the host
+        (``batch.in_flight``: every item then is one decode token, row i = item i).
         """
         if self.stager is not None and self.stager.fits(batch):
             return self._execute_staged(batch, input_patch)
@@ -74,10 +94,10 @@ class ModelRunner:
             key_slots = self.slots_of(req.block_table, torch.arange(end))
             slot_chunks.append(key_slots[start:end])
             if plan is None:
-                input_ids.extend(req.all_token_ids[start:end])
+                input_ids.extend(batch.input_ids(req, start, end))
                 positions.append(torch.arange(start, end))
                 seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device)))
-                if end == req.num_tokens:
+                if batch.samples(req, end):
                     out.sample_rows[req] = len(logit_rows)
                     logit_rows.append(q0 + n - 1)
             else:

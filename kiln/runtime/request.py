@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from kiln.errors import RequestError
 from kiln.runtime.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -75,6 +76,36 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def ends_on_length_after(self, num_new: int, max_seq_len: int) -> bool:
+        """Whether ``num_new`` more tokens reach max_tokens or max_seq_len."""
+        return (len(self.output_token_ids) + num_new >= self.params.max_tokens
+                or self.num_tokens + num_new >= max_seq_len)
+
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
+               max_seq_len: int, now: float) -> int:
+        """Append a step's tokens until one finishes the request (a stop token, a length
+        limit, the grammar's end); returns how many were appended. A token the grammar
+        rejects raises (its mask allowed it: a bug, which fails this request)."""
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.num_steps += 1
+        appended = 0
+        for i, tok in enumerate(tokens):
+            self.append_token(tok)
+            appended += 1
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            self.check_stop_token(max_seq_len)
+            if self.matcher is not None and not self.is_finished:
+                if not self.matcher.accept(tok):
+                    raise RuntimeError(f"the grammar rejected token {tok}, which its own mask "
+                                       "allowed")
+                if self.matcher.is_terminated():
+                    self.finish("stop")
+            if self.is_finished:
+                break
+        return appended
+
     def check_stop_token(self, max_seq_len: int) -> None:
         """Finish on eos / stop token / max_tokens / max_seq_len after a token was appended."""
         tok = self.output_token_ids[-1]
@@ -91,6 +122,26 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.perf_counter()
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int,
+                 max_input_len: int) -> None:
+    """Raise RequestError (naming the field) for a prompt or token-id parameter the engine
+    cannot run: empty, ids outside the vocabulary, longer than the engine's max_input_len."""
+    if not ids:
+        raise RequestError("prompt is empty; send at least one token", "prompt")
+    for name, toks in (("prompt", ids), ("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = [t for t in toks if not 0 <= t < vocab_size]
+        if bad:
+            what = "prompt token ids" if name == "prompt" else f"{name}: token ids"
+            raise RequestError(f"{what} {bad[:5]} are outside the vocabulary "
+                               f"[0, {vocab_size})", name)
+        if name == "prompt" and len(ids) > max_input_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; this engine accepts at most {max_input_len} "
+                "(max_input_len); shorten the prompt or rebuild with a larger --max-input-len",
+                "prompt")
 
 
 def request_output(req: Request) -> RequestOutput:

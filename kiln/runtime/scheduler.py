@@ -23,10 +23,28 @@ class ScheduledBatch:
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Tokens each request has in a step on the device whose samples the host has not read:
+    # the last ``in_flight`` input ids of each item come from the device (``input_patch``).
+    in_flight: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+    def input_ids(self, req: Request, start: int, end: int) -> list[int]:
+        """Token ids at positions start..end-1; 0 stands for those still in flight (the
+        device writes them over)."""
+        ids = req.all_token_ids[start:end]
+        return ids + [0] * (end - start - len(ids))
+
+    def samples(self, req: Request, end: int) -> bool:
+        """Whether ``req``'s item, computing up to position ``end``, reaches its last token
+        (its logits give the next token)."""
+        return end == req.num_tokens + self.in_flight
+
+    def unfinished(self) -> ScheduledBatch:
+        """The items whose request has not stopped, failed or been aborted since."""
+        return ScheduledBatch([(r, n) for r, n in self.items if not r.is_finished])
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -133,21 +151,30 @@ class Scheduler:
         if any(r is req for r, _ in batch.items):
             raise RuntimeError(f"preempted request {req.request_id} that was already scheduled")
 
-    def would_admit(self, num_running: int) -> bool:
-        """Whether ``schedule`` would admit waiting requests beside ``num_running`` ones."""
-        return bool(self.waiting) and num_running < self.max_num_seqs
+    def schedule_ahead(self, launched: ScheduledBatch, max_seq_len: int) -> ScheduledBatch | None:
+        """The decode step after ``launched``, scheduled before its samples reach the host
+        (async scheduling): one token per request, whose input is its sample in flight.
 
-    def reserve_decode(self, reqs: list[Request]) -> ScheduledBatch | None:
-        """A decode step of ``reqs`` (one token each) with the blocks for it allocated, for
-        async scheduling's step launched ahead; None, allocating nothing, when the blocks
-        run out (``schedule`` then preempts)."""
+        ``launched`` was queued on the device and its KV counted (``after_step``). None,
+        allocating nothing, when the next step needs the plain ``schedule``: ``launched``
+        did not sample every running request (a prompt chunk, an admission), a request
+        finished, waiting requests would be admitted, none continues past the token in
+        flight, or blocks run out (``schedule`` then preempts).
+        """
+        reqs = [r for r, _ in launched.items]
+        if len(reqs) != len(self.running) or any(
+                r.is_finished or r.num_computed_tokens != r.num_tokens for r in reqs):
+            return None
+        cont = [r for r in reqs if not r.ends_on_length_after(1, max_seq_len)]
+        if not cont or (self.waiting and len(cont) < self.max_num_seqs):
+            return None
         need = sum(self.blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
-                   for r in reqs)
+                   for r in cont)
         if need > self.blocks.num_free_blocks:
             return None
-        for r in reqs:
+        for r in cont:
             self.blocks.allocate(r.block_table, r.num_computed_tokens + 1)
-        return ScheduledBatch([(r, 1) for r in reqs])
+        return ScheduledBatch([(r, 1) for r in cont], in_flight=1)
 
     def after_step(self, batch: ScheduledBatch, advance: dict[Request, int] | None = None) -> None:
         """Advance computed counts, register full blocks in the prefix cache.

@@ -135,6 +135,7 @@ class StepStager:
         qsl, ctx, moff, bt = (h["query_start_loc"], h["context_lens"], h["mask_offsets"],
                               h["block_tables"])
         q0 = nrows = mask_used = max_q = max_ctx = 0
+        in_flight = batch.in_flight
         qsl[0] = 0
         for i, ((req, n), plan) in enumerate(zip(batch.items, plans)):
             start = req.num_computed_tokens
@@ -146,9 +147,10 @@ class StepStager:
             moff[i] = -1
             if n == 1 and plan is None:  # decode: plain ints, no numpy temporaries
                 slots[q0] = slot_of(table, start, bs)
-                ids[q0] = req.all_token_ids[start]
+                known = req.all_token_ids
+                ids[q0] = known[start] if start < len(known) else 0  # 0: in flight, patched
                 pos[q0] = start
-                if end == req.num_tokens:
+                if end == len(known) + in_flight:
                     out.sample_rows[req] = nrows
                     rows[nrows] = q0
                     nrows += 1
@@ -158,9 +160,9 @@ class StepStager:
             idx = np.arange(start, end)
             slots[q0 : q0 + n] = bt[i, idx // bs] * bs + idx % bs
             if plan is None:
-                ids[q0 : q0 + n] = req.all_token_ids[start:end]
+                ids[q0 : q0 + n] = batch.input_ids(req, start, end)
                 pos[q0 : q0 + n] = idx
-                if end == req.num_tokens:
+                if batch.samples(req, end):
                     out.sample_rows[req] = nrows
                     rows[nrows] = q0 + n - 1
                     nrows += 1

@@ -20,6 +20,7 @@ from helpers import count_launches, mixed_prompts
 
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.guided import GuidedSpec
+from kiln.runtime.request import Request
 from kiln.runtime.layers import sampler as sampler_mod
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -106,14 +107,14 @@ def _inject(eng: LLMEngine, fault: str, victim, monkeypatch) -> str:
         monkeypatch.setattr(eng.detokenizer, "update", failing_update)
         return "UnicodeDecodeError"
     if fault == "commit":
-        real_commit = eng._commit
+        real_commit = Request.commit
 
-        def failing_commit(req, tokens, logprobs, now):
+        def failing_commit(req, tokens, logprobs, max_seq_len, now):
             if req is victim and len(req.output_token_ids) >= AFTER:
                 raise KeyError("injected commit fault")
-            return real_commit(req, tokens, logprobs, now)
+            return real_commit(req, tokens, logprobs, max_seq_len, now)
 
-        monkeypatch.setattr(eng, "_commit", failing_commit)
+        monkeypatch.setattr(Request, "commit", failing_commit)
         return "committing its tokens failed: KeyError"
     raise ValueError(fault)
 

@@ -89,21 +89,32 @@ def test_prefix_cache_hit_skips_cached_tokens():
     bm.check_all_free()
 
 
-def test_reserve_decode_allocates_one_more_token_or_nothing():
-    """Async scheduling's step launched ahead: each request gets the blocks for one more
-    token, all or none; waiting requests with a free slot leave the choice to schedule()."""
+def test_schedule_ahead_allocates_one_more_token_or_nothing():
+    """Async scheduling's step scheduled on top of a launched one: each request gets one
+    decode token whose input is in flight and the blocks for it, all or none; a prompt
+    chunk, waiting requests with a free slot or a request at its length limit leave the
+    choice to schedule()."""
     blocks = BlockManager(3, 4)
     sched = Scheduler(blocks, max_num_seqs=2, max_num_tokens=16)
     a, b = _req("a", 4), _req("b", 3)
     sched.add(a)
     sched.add(b)
-    _run(sched, sched.schedule())  # a: 4 prompt + 1 token (1 block), b: 3 + 1 (1 block)
-    assert a.num_computed_tokens == 4 and len(a.block_table) == 1
-    batch = sched.reserve_decode([a, b])  # a's 5th token needs a second block, b's 4th not
-    assert batch.items == [(a, 1), (b, 1)] and len(a.block_table) == 2
-    assert blocks.num_free_blocks == 0
+    launched = sched.schedule()
+    _run(sched, launched, new_tokens=False)  # its samples are in flight
+    assert a.num_computed_tokens == a.num_tokens == 4 and len(a.block_table) == 1
+    batch = sched.schedule_ahead(launched, max_seq_len=100)
+    assert batch.items == [(a, 1), (b, 1)] and batch.in_flight == 1
+    assert len(a.block_table) == 2 and blocks.num_free_blocks == 0  # a's 5th token: block 2
+    assert batch.samples(a, 5) and batch.input_ids(a, 4, 5) == [0]  # 0: patched on device
+    a.all_token_ids += [7] * 4
     a.num_computed_tokens += 4  # a would need a third block: none free
-    assert sched.reserve_decode([a, b]) is None and len(a.block_table) == 2
-    assert not sched.would_admit(2)
-    sched.add(_req("c", 2))
-    assert sched.would_admit(1) and not sched.would_admit(2)
+    assert sched.schedule_ahead(launched, max_seq_len=100) is None and len(a.block_table) == 2
+    a.num_computed_tokens -= 1  # a prompt chunk short of its end
+    assert sched.schedule_ahead(launched, max_seq_len=100) is None
+    a.num_computed_tokens += 1
+    del a.all_token_ids[4:]
+    a.num_computed_tokens = 4
+    # max_seq_len 5: a's token in flight is its last; b alone continues ...
+    assert sched.schedule_ahead(launched, max_seq_len=5).items == [(b, 1)]
+    sched.add(_req("c", 2))  # ... unless c waits for the slot a leaves: schedule() admits it
+    assert sched.schedule_ahead(launched, max_seq_len=5) is None

@@ -8,6 +8,7 @@ xgrammar backend lives in ``kiln.runtime.guided.xgrammar_backend``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +65,24 @@ class GuidedCompiler(ABC):
     @abstractmethod
     def compile(self, spec: GuidedSpec) -> GuidedMatcher:
         """A fresh matcher; raises RequestError (bad grammar, or compilation timed out)."""
+
+
+def mask_logits(logits: torch.Tensor, matchers: Sequence[GuidedMatcher | None],
+                on_error: Callable[[int, BaseException], None]) -> torch.Tensor:
+    """``logits`` [rows, V] with the tokens each row's grammar forbids at -inf (rows
+    without a matcher unchanged; a copy when any row has one). A matcher that raises
+    leaves its row all -inf and goes to ``on_error(row, exc)``."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    mask = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
+    for j, i in enumerate(rows):
+        try:
+            matchers[i].fill_mask(mask[j])
+        except Exception as e:  # noqa: BLE001 - its row stays all masked
+            on_error(i, e)
+    idx = torch.tensor(rows, device=logits.device)
+    allowed = mask.to(logits.device, non_blocking=True)
+    logits = logits.clone()
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits

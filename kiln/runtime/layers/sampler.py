@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -261,3 +262,28 @@ class Sampler:
                            if math.isfinite(v)}
                 logprobs[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]), top)
         return tokens, logprobs
+
+    def sample_requests(self, logits: torch.Tensor, reqs: list,
+                        on_error: Callable[[int, BaseException], None]
+                        ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """``__call__`` over requests' rows (their params, tokens, generators); if the
+        batch raises, each row alone, so the row that raised goes to ``on_error(row, exc)``
+        with token ``INVALID_TOKEN`` and the others are sampled."""
+        def run(rows: torch.Tensor, rs: list):
+            return self(rows, [r.params for r in rs], [r.all_token_ids for r in rs],
+                        [r.generator for r in rs], [r.num_prompt_tokens for r in rs])
+
+        try:
+            return run(logits, reqs)
+        except Exception:  # noqa: BLE001 - find the row it belongs to
+            tokens: list[int] = []
+            logprobs: list[TokenLogprob | None] = []
+            for i, req in enumerate(reqs):
+                try:
+                    (tok,), (lp,) = run(logits[i : i + 1], [req])
+                except Exception as e:  # noqa: BLE001
+                    on_error(i, e)
+                    tok, lp = INVALID_TOKEN, None
+                tokens.append(tok)
+                logprobs.append(lp)
+            return tokens, logprobs

@@ -8,14 +8,35 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from kiln.runtime.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from kiln.runtime.engine import LLMEngine
+
+class LLMEngine(Protocol):
+    """What the measurement uses of ``kiln.runtime.engine.LLMEngine`` (which calls it
+    from its constructor, once it can run steps)."""
+
+    config: Any
+    runner: Any
+    device: torch.device
+    speculative: Any
+    model_config: Any
+    limits: Any
+    spec_break_even: float | None
+    spec_stats: dict[str, int]
+    num_steps: int
+
+    def add_request(self, prompt: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str: ...
+
+    def step(self) -> list: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
 
 
 def spec_break_even(engine: LLMEngine) -> float | None:

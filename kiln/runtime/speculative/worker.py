@@ -1,29 +1,28 @@
 """Draft-and-verify workers over the engine's one model (lookahead, ngram).
 
-``DraftWorker.step(engine, batch)`` (final, from ``SpeculativeWorker``) runs the forward
-for a batch that holds draft steps, verifies each draft, moves accepted KV into place and
-returns the committed tokens. Draft plans are per-step state: they are cleared whatever
-happens, so a step that raises (an OOM in the forward, a bug in verification) leaves every
-request exactly as it was before the step: ``num_computed_tokens`` unchanged, KV beyond it
-unused, and the next step simply recomputes.
+The engine runs the forward of a batch that holds draft steps; ``DraftWorker.step(batch,
+result, cache, on_error)`` (final, from ``SpeculativeWorker``) verifies each draft in the
+forward's ``result``, moves accepted KV into place and sets the tokens each request
+commits. Draft plans are per-step state: they are cleared whatever happens, so a step that
+raises (a bug in verification) leaves every request exactly as it was before the step:
+``num_computed_tokens`` unchanged, KV beyond it unused, and the next step recomputes.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.runtime.kv_cache import slot_of
+from kiln.runtime.kv_cache import KVCache, slot_of
 from kiln.runtime.request import Request
+from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
 from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.step import StepResult
 
-if TYPE_CHECKING:
-    from kiln.runtime.engine import LLMEngine, StepResult
-    from kiln.runtime.scheduler import ScheduledBatch
+OnError = Callable[[Request, str, BaseException], None]
 
 
 class DraftWorker(SpeculativeWorker):
@@ -94,8 +93,7 @@ class DraftWorker(SpeculativeWorker):
                 matcher.rollback(matched)
 
     # -- the step ----------------------------------------------------------------------------
-    def propose_all(self, reqs: list[Request],
-                    on_error: Callable[[Request, str, BaseException], None]) -> None:
+    def propose_all(self, reqs: list[Request], on_error: OnError) -> None:
         """Plan the next step of every request that may speculate now; a proposal that
         raises goes to ``on_error`` (the engine fails that request) and the rest go on."""
         for req in reqs:
@@ -107,7 +105,19 @@ class DraftWorker(SpeculativeWorker):
                     req.draft = None
                     on_error(req, "speculative proposal", e)
 
-    def _save_state(self, engine: LLMEngine, batch: ScheduledBatch) -> None:
+    def after_commit(self, req: Request, num_new: int, verified: bool) -> None:
+        """The worker's state and pacing after ``req`` committed ``num_new`` tokens
+        (``verified``: in a verified speculative step)."""
+        if req.spec_state is None:
+            return
+        self.on_commit(req, num_new)
+        if req.spec_pace is not None:
+            if verified:
+                req.spec_pace.on_spec_step(num_new)
+            elif req.num_computed_tokens == req.num_tokens - 1:  # a decode step
+                req.spec_pace.on_plain_step()
+
+    def _save_state(self, batch: ScheduledBatch, *args) -> None:
         planned = [r for r, _ in batch.items if r.draft is not None]
 
         def clear_plans() -> None:
@@ -116,12 +126,12 @@ class DraftWorker(SpeculativeWorker):
 
         self.saved.push("draft plans", clear_plans)
 
-    def _step_impl(self, engine: LLMEngine, batch: ScheduledBatch) -> StepResult:
-        result = engine.forward_and_sample(batch)
+    def _step_impl(self, batch: ScheduledBatch, result: StepResult, cache: KVCache,
+                   on_error: OnError) -> StepResult:
         drafts = result.draft_logits
         # Every draft row's argmax in one host copy (one sync per step, not per request).
         flat = torch.cat([lg.argmax(-1) for lg in drafts.values()]).tolist() if drafts else []
-        bs = engine.cache.block_size
+        bs = cache.block_size
         src: list[int] = []
         dst: list[int] = []
         off = 0
@@ -131,7 +141,7 @@ class DraftWorker(SpeculativeWorker):
             try:
                 accepted, moves = self.verify(req, logits, argmax)
             except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
-                engine.fail_request(req, "speculative verification", e)
+                on_error(req, "speculative verification", e)
                 result.tokens.pop(req, None)
                 continue
             base = req.num_computed_tokens  # x's token index
@@ -143,6 +153,6 @@ class DraftWorker(SpeculativeWorker):
             result.advance[req] = len(accepted)  # x + accepted drafts have KV
             result.verified.add(req)  # the engine counts what it commits
         if src:  # one move for the whole step: requests own disjoint blocks past their prefix
-            dev = engine.cache.k.device
-            engine.cache.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            dev = cache.k.device
+            cache.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         return result

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.builder.speculative import SpeculativeConfig, validate_request_window
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
@@ -16,3 +17,25 @@ def make_worker(spec: SpeculativeConfig) -> DraftWorker | None:
     if spec.mode == "ngram":
         return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
     return None
+
+
+def request_window(spec: SpeculativeConfig, params: SamplingParams) -> tuple[int, int, int] | None:
+    """The request's (w, n, g) when it speculates, else None (validated against the
+    engine's window; a request outside it is rejected with both named)."""
+    if params.lookahead is not None:
+        w, n, g = validate_request_window(spec, *params.lookahead)
+        if (w, n, g) == (1, 1, 0):
+            return None
+    elif spec.mode == "lookahead":
+        w, n, g = spec.lookahead
+    elif spec.mode == "ngram":
+        w, n, g = 1, 1, 0
+    else:
+        return None
+    # Speculation here verifies with the plain sampler's distribution (and, for greedy
+    # structured output, the grammar); requests that need per-token state the verifier
+    # does not replay decode plainly.
+    if ((params.guided is not None and not params.greedy) or params.logprobs is not None
+            or params.penalized):
+        return None
+    return (w, n, g)

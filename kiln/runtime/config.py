@@ -1,0 +1,60 @@
+"""The running engine's configuration: ``RuntimeConfig`` (knobs of one process) and
+``EngineLimits`` (what engine.json recorded and the runtime enforces)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.runtime.env import env_flag, env_str
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Knobs of one running engine (the engine's limits come from engine.json).
+
+    ``num_kv_blocks=None`` sizes the cache from free memory (CUDA) or from
+    max_batch_size x max_seq_len capped at 1 GiB (CPU). ``max_num_tokens``/``max_num_seqs``
+    of None take the engine's limits. Fields that default from an environment variable
+    read it when the config is made (kiln/runtime/env.py lists them); a field given
+    explicitly wins.
+    """
+
+    device: str | None = None  # "cuda" when available, else "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.85
+    # "auto": the Triton kernels on CUDA when triton imports, else the torch reference.
+    attention_backend: str = field(
+        default_factory=lambda: env_str("KILN_ATTENTION_BACKEND", "auto"))
+    # CUDA graphs for decode / speculative / short steps (CUDA + the triton backend only).
+    cuda_graphs: bool = field(default_factory=lambda: env_flag("KILN_CUDA_GRAPHS", True))
+    # Steps of at most this many tokens may run as graphs (larger ones run eagerly).
+    max_graph_tokens: int = 1024
+    # Graphs for steps with more tokens than the decode buckets hold (prompts, prompt chunks
+    # beside decodes; kiln/runtime/cuda_graph.py); off: a shorter start-up, such steps eager.
+    prefill_graphs: bool = field(default_factory=lambda: env_flag("KILN_PREFILL_GRAPHS", True))
+    # Launch the next decode step before reading this step's tokens (host work overlaps the
+    # GPU; see LLMEngine.step).
+    async_scheduling: bool = field(
+        default_factory=lambda: env_flag("KILN_ASYNC_SCHEDULING", True))
+    # Pause a request's speculation while it commits fewer tokens per speculative step than
+    # the step costs in decode steps (kiln/runtime/speculative/pace.py; output unchanged).
+    # On by default: it beat always-speculating on code and chat alike (docs/decisions.md).
+    adaptive_speculation: bool = field(
+        default_factory=lambda: env_flag("KILN_ADAPTIVE_SPECULATION", True))
+    # The break-even in committed tokens per speculative step; None: measured at start-up on
+    # CUDA (speculative/break_even.py), and no pacing where there is nothing to measure.
+    spec_break_even: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The subset of the engine's recorded limits the runtime enforces."""
+
+    max_batch_size: int
+    max_seq_len: int
+    max_input_len: int
+    max_num_tokens: int

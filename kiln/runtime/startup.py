@@ -1,0 +1,101 @@
+"""The parts of a running engine, built from its recorded configuration and weights:
+model, KV cache, scheduler, model runner (staging, CUDA graphs) and sampler, warmed up, with
+the seconds each phase took. ``LLMEngine`` runs them; this module only assembles them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kiln.builder.speculative import SpeculativeConfig
+from kiln.config import ModelConfig
+from kiln.runtime.config import EngineLimits, RuntimeConfig
+from kiln.runtime.kv_cache import BlockManager, KVCache, auto_num_blocks, fp8_kv_scales
+from kiln.runtime.layers.attention import get_backend
+from kiln.runtime.layers.linear import place_weights
+from kiln.runtime.layers.sampler import Sampler
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.models.llama import LlamaModel
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.warmup import warm_eager_forward, warm_sampler
+
+
+@dataclass
+class EngineParts:
+    """What ``assemble`` built. ``startup_times``: seconds per phase and ``total_s``."""
+
+    device: torch.device
+    attention_backend: str
+    model: LlamaModel
+    cache: KVCache
+    blocks: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    startup_times: dict[str, float]
+
+
+def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
+             limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig,
+             speculative: SpeculativeConfig) -> EngineParts:
+    """Place the weights, build the model and the KV cache (sized from free memory unless
+    ``config.num_kv_blocks``), the scheduler and the runner; on the Triton path stage the
+    steps and capture CUDA graphs, then compile what the graphs did not."""
+    t_start = time.perf_counter()
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    weights = place_weights(weights, device, dtype)  # FP8 + scales keep their dtype
+    backend = _resolve_backend(config.attention_backend, device)
+    # The Triton kernels (fused norm / rotary / activation) go with the Triton backend
+    # (off CUDA that backend runs only under TRITON_INTERPRET, in tests).
+    fused = backend == "triton"
+    model = LlamaModel(model_config, weights, get_backend(backend), device, fused=fused,
+                       max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
+    t_model = time.perf_counter()
+    c, bs = model_config, config.block_size
+    num_blocks = config.num_kv_blocks or auto_num_blocks(
+        KVCache.bytes_per_block(c.num_layers, bs, c.num_kv_heads, c.head_dim, dtype), bs,
+        limits.max_batch_size, limits.max_seq_len, device, config.gpu_memory_utilization)
+    if num_blocks * bs < limits.max_seq_len:
+        raise ValueError(
+            f"num_kv_blocks={num_blocks} x block_size={bs} holds fewer tokens than "
+            f"max_seq_len={limits.max_seq_len}; one request must always fit: use at least "
+            f"{-(-limits.max_seq_len // bs)} blocks")
+    kv_scales = fp8_kv_scales(weights, c.num_layers)  # None: KV in `dtype`
+    cache = KVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim,
+                    dtype if kv_scales is None else torch.float8_e4m3fn, device,
+                    *(kv_scales or ()))
+    blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    scheduler = Scheduler(blocks, max_num_seqs=config.max_num_seqs or limits.max_batch_size,
+                          max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
+    t_cache = time.perf_counter()
+    runner = ModelRunner(model, cache, device)
+    graphs_s = 0.0
+    tokens_per_step = speculative.tokens_per_step if speculative.enabled else 1
+    max_seqs, max_tokens = scheduler.max_num_seqs, scheduler.max_num_tokens
+    if fused:  # the Triton path: staged inputs (and CUDA graphs on CUDA)
+        runner.use_staging(max_seqs, max_tokens, limits.max_seq_len, tokens_per_step)
+        if config.cuda_graphs:
+            graphs_s = runner.capture_graphs(max_seqs, max_tokens, tokens_per_step,
+                                             config.max_graph_tokens, config.prefill_graphs)
+    sampler = Sampler()
+    t_warm = time.perf_counter()
+    if fused and device.type == "cuda":  # what the graphs did not compile
+        warm_eager_forward(model, cache, runner.stager, tokens_per_step)
+        warm_sampler(sampler, c.vocab_size, device)
+    times = {"place_weights_s": t_model - t_start, "kv_cache_s": t_cache - t_model,
+             "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
+             "total_s": time.perf_counter() - t_start}
+    return EngineParts(device, backend, model, cache, blocks, scheduler, runner, sampler, times)
+
+
+def _resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        from kiln.runtime import kernels
+
+        if kernels.available():
+            return "triton"
+    return "torch"

@@ -1,0 +1,97 @@
+"""What one engine step carries between its stages: the tokens it commits (``StepResult``),
+a step queued on the device whose tokens the host has not read yet (``LaunchedStep``), and
+the pinned buffers those tokens come back through (``TokenReadback``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.host_copy import to_device
+from kiln.runtime.outputs import TokenLogprob
+from kiln.runtime.request import Request
+from kiln.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepResult:
+    """Tokens each request commits this step, and how many of its tokens now have KV.
+
+    ``advance`` overrides the scheduled token count (speculative steps keep fewer);
+    ``draft_logits`` holds draft plans' rows for the speculative worker to verify.
+    """
+
+    tokens: dict[Request, list[int]] = field(default_factory=dict)
+    logprobs: dict[Request, list[TokenLogprob]] = field(default_factory=dict)
+    advance: dict[Request, int] = field(default_factory=dict)
+    draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
+    verified: set[Request] = field(default_factory=set)  # requests whose draft was verified
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device, tokens not yet read.
+
+    ``tokens`` [len(reqs)] (device) is row i's sample for ``reqs[i]``; ``host`` receives
+    them (pinned on CUDA) and is valid once ``ready`` has passed.
+    """
+
+    batch: ScheduledBatch
+    reqs: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @property
+    def stale(self) -> bool:
+        """Every request it ran has stopped or was aborted: nothing to read."""
+        return all(r.is_finished for r in self.reqs)
+
+    def inputs_for(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The device token ids that are ``batch``'s inputs: this step's sample of each of
+        its requests, in ``batch``'s order (a step scheduled on top of this one)."""
+        order = [r for r, _ in batch.items]
+        if order == self.reqs:
+            return self.tokens
+        row = {r: i for i, r in enumerate(self.reqs)}
+        return self.tokens[to_device([row[r] for r in order], torch.long, self.tokens.device)]
+
+
+class TokenReadback:
+    """Device -> host copies of sampled tokens without a sync at launch: two pinned
+    buffers (one per step in flight) and an event per copy."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        self.device = device
+        pinned = device.type == "cuda"
+        self._host = [torch.empty(max_rows, dtype=torch.long, pin_memory=pinned)
+                      for _ in range(2)]
+        self._turn = 0
+
+    def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of ``tokens``; returns (host view, event to wait on)."""
+        if self.device.type != "cuda":
+            return tokens, None
+        self._turn ^= 1
+        host = self._host[self._turn][: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    @staticmethod
+    def read(step: LaunchedStep) -> list[int]:
+        """The step's tokens on the host (its one sync)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        return step.host.tolist()
+
+
+def sample_logits(fwd) -> tuple[list[Request], torch.Tensor]:
+    """The requests that sample this step and their logits rows, in order (rows 0..n-1, as
+    in every graph step: a view, no gather)."""
+    reqs = list(fwd.sample_rows)
+    rows = list(fwd.sample_rows.values())
+    logits = fwd.logits[: len(rows)] if rows == list(range(len(rows))) else fwd.logits[rows]
+    return reqs, logits
