@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.builder import QuantConfig, build_engine
-from kiln.builder.fp8 import quantize_per_tensor
+from kiln.artifact.spec import QuantConfig
+from kiln.artifact.weights import quantize_per_tensor
+from kiln.builder import build_engine
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.layers.linear import FP8, fp8_linear, fp8_scale, quantize_fp8
 from kiln.runtime.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.builder.fp8 import quantize_per_tensor
+from kiln.artifact.weights import quantize_per_tensor
 
 
 def count_launches(eng) -> list[int]:

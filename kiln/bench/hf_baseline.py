@@ -95,7 +95,7 @@ def hf_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor],
     Consumes ``weights`` (pops as it goes, so one copy lives at a time). Fused tensors are
     split on dim 0 (views); FP8 ``[N, K]`` e4m3 weights become ``(w.float() * s).to(dtype)``.
     """
-    from kiln.builder.fp8 import is_scale_name
+    from kiln.artifact.weights import is_scale_name
     from kiln.builder.weights import tensor_plan
 
     sd: dict[str, torch.Tensor] = {}
@@ -162,7 +162,7 @@ def build_hf_model(engine_dir: str, device: str | torch.device) -> tuple[Any, di
     Returns (model, info); info says the dtype and whether FP8 weights were dequantized.
     Random engines make their weights here exactly as the runtime does (same seed, device).
     """
-    from kiln.builder import load_engine
+    from kiln.artifact.loader import load_engine
     from kiln.dtypes import TORCH_DTYPES
 
     device = torch.device(device)
@@ -286,7 +286,7 @@ def run_hf_latency(
                 iters.append({"latency_s": sec, "output_tokens": toks})
                 if progress is not None:
                     progress(1)
-        except Exception as e:  # noqa: BLE001  (report the failure, try the next rung)
+        except Exception as e:
             fallbacks.append(f"{mode} failed: {_why(e)}")
             if comp:
                 compile_error = _why(e)
@@ -422,7 +422,7 @@ def run_hf_throughput(model: Any, requests: Sequence[BenchRequest], *,
             with _quiet_transformers():
                 _continuous_batching(model, warm)
                 r = _continuous_batching(model, requests)
-        except Exception as e:  # noqa: BLE001  (report it and fall back)
+        except Exception as e:
             fallbacks.append(f"continuous batching failed: {_why(e)}")
     else:
         fallbacks.append(f"transformers {transformers_version()} has no generate_batch")

@@ -1,17 +1,11 @@
-"""Engine spec, validation, weight preparation and the atomic engine writer."""
+"""Build an engine: validate, prepare the weights, write the directory atomically.
+
+What an engine is (engine.json's spec, the weight names, the directory layout, the loader)
+is kiln.artifact's, which the runtime reads without importing this package.
+"""
 
 from __future__ import annotations
 
-from kiln.builder.loader import EngineArtifact, load_engine
-from kiln.builder.spec import ENGINE_FORMAT_VERSION, EngineSpec, Limits, QuantConfig
 from kiln.builder.writer import build_engine
 
-__all__ = [
-    "ENGINE_FORMAT_VERSION",
-    "EngineArtifact",
-    "EngineSpec",
-    "Limits",
-    "QuantConfig",
-    "build_engine",
-    "load_engine",
-]
+__all__ = ["build_engine"]

@@ -1,4 +1,4 @@
-"""FP8 checkpoints → FP8 engine tensors: detection, scale fusion, KV scales, random FP8.
+"""FP8 checkpoints → FP8 engine tensors: detection, scale fusion, KV scales.
 
 Reads the two FP8 Hugging Face formats other toolchains write:
 
@@ -11,7 +11,7 @@ Reads the two FP8 Hugging Face formats other toolchains write:
   ``quant_method: compressed-tensors``, 8-bit float per-tensor weights, static or dynamic
   input activations, optional ``kv_cache_scheme``; KV scales as ``self_attn.k_scale``.
 
-Engine tensors an FP8 linear gets (runtime names, see kiln/builder/weights.py):
+Engine tensors an FP8 linear gets (runtime names, see kiln/artifact/weights.py):
 ``{name}.weight`` [N, K] e4m3, ``{name}.weight_scale`` [] f32, ``{name}.input_scale`` [] f32
 (static activations only); with an FP8 KV cache every layer has ``layers.{i}.k_scale`` and
 ``layers.{i}.v_scale`` [] f32. Fused q/k/v and gate/up shards are requantized to the largest
@@ -19,7 +19,8 @@ shard scale: w = e4m3(w_i.float() * s_i / s_max), so one scale serves the fused 
 
 The FP8 lm_head (``kiln build --quantize-lm-head``, any source) is the same layout,
 ``lm_head.weight`` [V, H] e4m3 + ``lm_head.weight_scale`` [V] f32, quantized per row from
-the engine-dtype lm_head (tied models: from the embedding, which stays as it is).
+the engine-dtype lm_head (tied models: from the embedding, which stays as it is). The
+quantization itself, and random engines' FP8 made at load: kiln/artifact/weights.py.
 """
 
 from __future__ import annotations
@@ -33,15 +34,10 @@ from typing import Any
 
 import torch
 
+from kiln.artifact.weights import FP8, FP8_MAX, LINEARS, is_scale_name
 from kiln.config import ModelConfig
 from kiln.errors import SourceError
 from kiln.sources.base import SourceModel
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-LINEARS = ("qkv", "o_proj", "gate_up", "down")
-_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".kv_scale",
-                   ".output_scale")
 
 
 @dataclass(frozen=True)
@@ -136,10 +132,6 @@ def detect_fp8_checkpoint(source: SourceModel) -> Fp8Checkpoint | None:
     return None
 
 
-def is_scale_name(name: str) -> bool:
-    return name.endswith(_SCALE_SUFFIXES)
-
-
 def without_scales(source: SourceModel) -> SourceModel:
     """A view of ``source`` whose tensor list omits scale tensors (for the shape checks)."""
     names = [n for n in source.tensor_names if not is_scale_name(n)]
@@ -167,31 +159,6 @@ def requantize_fused(
         else:
             out.append(((w.float() * s) / s_max).clamp(-FP8_MAX, FP8_MAX).to(FP8))
     return torch.cat(out, dim=0), s_max
-
-
-def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3(w / s), s) with s = amax(w) / 448 (float32, never 0)."""
-    s = (w.detach().abs().amax().float() / FP8_MAX).clamp(min=1e-12)
-    return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
-
-
-def quantize_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3(w / s[:, None]), s [N]) with s = each row's amax / 448 (float32, never 0)."""
-    s = (w.detach().abs().amax(dim=1).float() / FP8_MAX).clamp(min=1e-12)
-    return (w.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
-
-
-def quantize_lm_head(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``lm_head.weight`` → e4m3 ``lm_head.weight`` + ``lm_head.weight_scale`` [V] (each
-    row's amax / 448), in place of ``weights``; where there is none (a tied model's random
-    weights), made from ``embed_tokens.weight``, which stays. Per row, not per tensor: on
-    smollm2-135m (tied) perplexity 18.92 (bf16 head) -> 19.17 per row, 19.38 per tensor
-    (weight-only; `kiln eval` on CPU, activations quantized too: 19.27 / 19.48), at the same
-    speed."""
-    name = "lm_head.weight" if "lm_head.weight" in weights else "embed_tokens.weight"
-    q, s = quantize_per_row(weights[name])
-    weights["lm_head.weight"], weights["lm_head.weight_scale"] = q, s.to(q.device)
-    return weights
 
 
 def fp8_lm_head_layout(
@@ -302,28 +269,6 @@ def fp8_layout(
             out[f"layers.{gi - 1}.k_scale"] = ((), torch.float32)
             out[f"layers.{gi - 1}.v_scale"] = ((), torch.float32)
     return out
-
-
-def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
-                    fp8_weights: bool, kv_fp8: bool,
-                    fp8_lm_head: bool = False) -> dict[str, torch.Tensor]:
-    """Random engine weights → FP8 linears with per-tensor scales (dynamic activations),
-    with ``kv_fp8`` KV scales of 1.0, with ``fp8_lm_head`` the FP8 lm_head
-    (``quantize_lm_head``). Converts in place of the dict, one tensor at a time."""
-    if fp8_lm_head:
-        quantize_lm_head(weights)
-    for i in range(cfg.num_layers):
-        for lin in LINEARS if fp8_weights else ():
-            name = f"layers.{i}.{lin}.weight"
-            w = weights.pop(name)
-            q, s = quantize_per_tensor(w)
-            del w
-            weights[name], weights[f"layers.{i}.{lin}.weight_scale"] = q, s.to(q.device)
-        if kv_fp8:
-            dev = weights["embed_tokens.weight"].device
-            weights[f"layers.{i}.k_scale"] = torch.ones((), device=dev)
-            weights[f"layers.{i}.v_scale"] = torch.ones((), device=dev)
-    return weights
 
 
 def kv_warning(report: dict[str, Any], num_layers: int) -> str | None:

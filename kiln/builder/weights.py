@@ -1,77 +1,22 @@
-"""HF checkpoint tensors → runtime tensors (fused qkv and gate_up), and seeded random weights.
+"""HF checkpoint tensors → runtime tensors (fused qkv and gate_up), group by group.
 
-Runtime names (a contract with kiln.runtime), with shapes; nh/nkv heads, hd head_dim,
-H hidden, I intermediate, V vocab:
-
-    embed_tokens.weight              [V, H]
-    layers.{i}.input_norm.weight     [H]
-    layers.{i}.qkv.weight            [(nh + 2*nkv) * hd, H]   cat(q, k, v) on dim 0
-    layers.{i}.qkv.bias              [(nh + 2*nkv) * hd]      only when qkv_bias
-    layers.{i}.q_norm.weight         [hd]                     only when qk_norm (Qwen3)
-    layers.{i}.k_norm.weight         [hd]                     only when qk_norm
-    layers.{i}.o_proj.weight         [H, nh * hd]
-    layers.{i}.post_norm.weight      [H]
-    layers.{i}.gate_up.weight        [2*I, H]                 cat(gate, up) on dim 0
-    layers.{i}.down.weight           [H, I]
-    norm.weight                      [H]
-    lm_head.weight                   [V, H]                   omitted when tied (see below)
-
-An FP8 lm_head (engine.json ``quantization.lm_head == "fp8"``) is ``lm_head.weight`` e4m3 +
-``lm_head.weight_scale`` [V] float32, one per row (kiln/builder/fp8.py); a tied model then
-gets it as a separate head made from the embedding (``separate_head``), and keeps
-``embed_tokens.weight``.
+The runtime names and shapes they become: kiln/artifact/weights.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import torch
 
+from kiln.artifact.weights import has_lm_head, runtime_shapes
 from kiln.config import ModelConfig
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import SourceError
 from kiln.sources.base import SourceModel
 
-RANDOM_STD = 0.02
-
 # Tensors some checkpoints carry that the runtime does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    qkv = cfg.q_size + 2 * cfg.kv_size
-    p = f"layers.{i}."
-    shapes = {p + "input_norm.weight": (h,), p + "qkv.weight": (qkv, h)}
-    if cfg.qkv_bias:
-        shapes[p + "qkv.bias"] = (qkv,)
-    if cfg.qk_norm:
-        shapes[p + "q_norm.weight"] = (hd,)
-        shapes[p + "k_norm.weight"] = (hd,)
-    shapes[p + "o_proj.weight"] = (h, cfg.q_size)
-    shapes[p + "post_norm.weight"] = (h,)
-    shapes[p + "gate_up.weight"] = (2 * inter, h)
-    shapes[p + "down.weight"] = (h, inter)
-    return shapes
-
-
-def has_lm_head(cfg: ModelConfig, separate_head: bool = False) -> bool:
-    """Whether the engine holds ``lm_head.weight``: untied models always, tied ones only with
-    ``separate_head`` (the FP8 copy of the embedding)."""
-    return separate_head or not cfg.tie_word_embeddings
-
-
-def runtime_shapes(cfg: ModelConfig, separate_head: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every runtime tensor name → shape, in file order (embedding, layers, norm, lm_head)."""
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    for i in range(cfg.num_layers):
-        shapes.update(_layer_shapes(cfg, i))
-    shapes["norm.weight"] = (cfg.hidden_size,)
-    if has_lm_head(cfg, separate_head):
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    return shapes
 
 
 def _layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -167,38 +112,3 @@ def prepare_groups(
                 )
             out[name] = t.contiguous()
         yield out
-
-
-def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
-
-
-def tensor_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed per (engine seed, tensor name)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def random_weights(
-    cfg: ModelConfig,
-    seed: int,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-    std: float = RANDOM_STD,
-) -> dict[str, torch.Tensor]:
-    """Deterministic N(0, std) weights made directly on ``device`` (norms are 1).
-
-    Each tensor has its own generator seeded from (seed, name), so the result does not depend
-    on which tensors are made or in what order. Same device type + seed → same weights.
-    """
-    device = torch.device(device)
-    out = {}
-    for name, shape in runtime_shapes(cfg).items():
-        if _is_norm(name):
-            out[name] = torch.ones(shape, device=device, dtype=dtype)
-            continue
-        g = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
-        t = torch.randn(shape, generator=g, device=device, dtype=dtype)
-        out[name] = t.mul_(std)
-    return out

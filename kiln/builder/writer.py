@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +15,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kiln
+from kiln.artifact import ENGINE_JSON, TOKENIZER_DIR, WEIGHTS_FILE
+from kiln.artifact.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_version_for
+from kiln.artifact.speculative import SpeculativeConfig
+from kiln.artifact.weights import RANDOM_STD, quantize_lm_head, runtime_shapes
 from kiln.builder import fp8
 from kiln.builder.generation import GENERATION_CONFIG_MODES, resolve_generation_defaults
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
-from kiln.builder.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_version_for
-from kiln.builder.speculative import SpeculativeConfig
-from kiln.builder.weights import (
-    RANDOM_STD,
-    check_source_tensors,
-    prepare_groups,
-    runtime_shapes,
-    tensor_plan,
-)
+from kiln.builder.weights import check_source_tensors, prepare_groups, tensor_plan
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import KilnError
 from kiln.sources import SourceModel, open_source
 from kiln.sources.umask import honour_umask
-
-ENGINE_JSON = "engine.json"
-WEIGHTS_FILE = "weights.safetensors"
-TOKENIZER_DIR = "tokenizer"
-# The kernel precompilation's first start (a subprocess) is stopped after this long and the
-# build goes on without shipped kernels: an 8B engine took 17-20 s on the H200.
-PRECOMPILE_TIMEOUT_S = 900.0
-_WARM_ARGV = ["-m", "kiln.runtime.kernel_cache", "warm"]  # + the engine dir
 
 
 def _check_out_dir(out_dir: Path, force: bool) -> None:
@@ -65,7 +54,7 @@ def build_engine(
     progress: bool = True,
     force: bool = False,
     tune: bool | None = False,
-    precompile: bool | None = False,
+    finish: Callable[[Path], None] | None = None,
     generation_config: str = "auto",
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
@@ -76,10 +65,10 @@ def build_engine(
     half-written. An existing non-empty ``out_dir`` is replaced only with ``force``.
     ``tune``: time kernel launch configs on this machine's GPU and record the fastest in
     engine.json ``kernel_configs`` (None: when CUDA is available; `kiln build`'s default).
-    ``precompile``: start the built engine once on this machine's GPU and ship the Triton
-    kernels it compiled in ``kernels/`` (``kiln.runtime.kernel_cache``), so serving on a
-    machine with an empty Triton cache does not compile them again (None: when CUDA is
-    available; `kiln build`'s default).
+    ``finish``: called with the temp dir once the engine is complete in it (engine.json
+    written), before the rename, so what it adds lands atomically with the rest and an error
+    it raises fails the build, leaving nothing (`kiln build` ships precompiled kernels this
+    way: kiln/cli/precompile.py).
     ``generation_config``: "auto" records the source's sampling defaults (generation_config.json,
     a built-in's model card) in engine.json ``generation_defaults``; "none" records none.
     """
@@ -90,8 +79,6 @@ def build_engine(
         raise ValueError(f"--generation-config {generation_config!r} is not supported; use "
                          f"one of {list(GENERATION_CONFIG_MODES)}")
     _check_out_dir(out_dir, force)
-    if precompile is not False:
-        _precompile_timeout()  # a bad KILN_PRECOMPILE_TIMEOUT_S fails before any weight
     speculative = speculative or SpeculativeConfig()
     requested = quantization or QuantConfig()
     console = Console(stderr=True, quiet=not progress)
@@ -149,8 +136,8 @@ def build_engine(
         _write_tokenizer(model, tmp / TOKENIZER_DIR)
         spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
         (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
-        if precompile is not False:
-            _precompile_kernels(tmp, console)
+        if finish is not None:
+            finish(tmp)
         honour_umask(tmp)  # mkdtemp made it 0700
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -191,7 +178,7 @@ def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict
                 kv_dtype="fp8" if q.kv_cache == "fp8" else spec.dtype,
                 weights_fp8=q.weights == "fp8", tokens_per_step=sp.tokens_per_step,
                 tree_mask=sp.mode == "lookahead", lm_head_fp8=q.lm_head == "fp8")
-    except Exception as e:  # noqa: BLE001 - an engine with default configs still works
+    except Exception as e:
         Console(stderr=True).print(f"[yellow]warning:[/] kernel tuning failed ({type(e).__name__}:"
                                    f" {e}); the engine uses default kernel configs")
         return tuning.untuned(f"tuning failed: {type(e).__name__}: {e}"[:300])
@@ -201,72 +188,6 @@ def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict
         f"tuned {tuning.num_configs(section)} kernel configs on {section['gpu']} in "
         f"{section['tune_s']:.1f} s ({skipped} candidates skipped, {rejected} rejected)")
     return section
-
-
-def _precompile_timeout() -> float:
-    """KILN_PRECOMPILE_TIMEOUT_S (seconds, > 0), else PRECOMPILE_TIMEOUT_S."""
-    raw = os.environ.get("KILN_PRECOMPILE_TIMEOUT_S")
-    if raw is None:
-        return PRECOMPILE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise KilnError(f"KILN_PRECOMPILE_TIMEOUT_S={raw!r} is not a number of seconds > 0; "
-                        f"set it to e.g. {PRECOMPILE_TIMEOUT_S:g}, or unset it")
-    return value
-
-
-def _precompile_kernels(engine_dir: Path, console: Console) -> None:
-    """Ship the Triton kernels the engine compiles at start-up (see kernel_cache): its first
-    start runs in a subprocess with an empty Triton cache, which then goes into kernels/.
-    A failure leaves the engine without them (it still works) and says why."""
-    import subprocess
-    import sys
-
-    import torch
-
-    from kiln.runtime import kernel_cache
-
-    if not torch.cuda.is_available():
-        console.print("kernel precompilation skipped: no CUDA device at build time (build on "
-                      "the serving GPU type to ship compiled kernels)")
-        return
-    torch.cuda.empty_cache()  # the first start gets the memory tuning held
-    cache = Path(tempfile.mkdtemp(prefix="kiln-triton-cache-"))
-    timeout = _precompile_timeout()
-    try:
-        with console.status("Precompiling kernels (the engine's first start, on this GPU)"):
-            try:
-                proc = subprocess.run(
-                    [sys.executable, *_WARM_ARGV, str(engine_dir)],
-                    env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True,
-                    text=True, check=False, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                Console(stderr=True).print(
-                    f"[yellow]warning:[/] kernel precompilation did not finish in {timeout:g} s "
-                    "and was stopped; the engine is built without shipped kernels and compiles "
-                    "them when it first starts (KILN_PRECOMPILE_TIMEOUT_S sets the limit)")
-                return
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            Console(stderr=True).print(
-                "[yellow]warning:[/] kernel precompilation failed (the engine compiles its "
-                f"kernels when it first starts): {' | '.join(tail)}")
-            return
-        try:
-            info = json.loads(proc.stdout.strip().splitlines()[-1])
-            tag, seconds = info["tag"], float(info["seconds"])
-        except (IndexError, ValueError, KeyError, TypeError):
-            Console(stderr=True).print(
-                "[yellow]warning:[/] kernel precompilation printed no result line (the engine "
-                f"compiles its kernels when it first starts): {proc.stdout.strip()[-300:]!r}")
-            return
-        n = kernel_cache.export_kernels(cache, engine_dir, tag)
-        console.print(f"precompiled {n} kernels for {tag} in {seconds:.1f} s")
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 def _resolve_quantization(
@@ -341,7 +262,7 @@ def _write_weights(
         groups = prepare_groups(model, dtype, separate_head=fp8_head)
     if fp8_head:  # the head group's engine-dtype lm_head becomes e4m3 + scale
         layout = fp8.fp8_lm_head_layout(layout)
-        groups = (fp8.quantize_lm_head(g) if "lm_head.weight" in g else g for g in groups)
+        groups = (quantize_lm_head(g) if "lm_head.weight" in g else g for g in groups)
     writer = SafetensorsStreamWriter(
         tmp / WEIGHTS_FILE, {name: shape for name, (shape, _) in layout.items()}, target,
         metadata={"format": "pt", "kiln": "1"},

@@ -14,27 +14,25 @@ message and exit code 2, as for any click / typer program. Ctrl-C exits 130.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import traceback
 
 import typer
 
-from kiln import __version__
+from kiln import __version__, env
 
 # Command modules that register themselves on the root app, in help order.
 COMMAND_MODULES = ("quantize", "build", "inspect", "generate", "serve", "eval")
 # Command modules that register on the `bench` sub-app.
 BENCH_MODULES = ("bench",)
 
-_DEBUG_ENV = "KILN_DEBUG"
 # Help and usage errors in click's plain layout: rich's option tables cut long option names
 # at 80 columns (`--max-batch-si…`); the plain layout wraps the help text instead.
 HELP_MARKUP = None
 
 
 def _debug_enabled(argv: list[str]) -> bool:
-    if os.environ.get(_DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if env.debug_enabled():
         return True
     # `--debug` is a root option; it is only meaningful before the sub-command name, but a
     # stray one later is still a clear request for tracebacks.
@@ -58,7 +56,7 @@ def _root(
 ) -> None:
     """kiln: turn a language model into a fast engine, then run, serve and benchmark it."""
     if debug:
-        os.environ[_DEBUG_ENV] = "1"
+        env.enable_debug()
 
 
 def _register_optional(target: typer.Typer, module_name: str) -> bool:
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(1)
-    except Exception as e:  # noqa: BLE001  (a bug: still one line unless debugging)
+    except Exception as e:
         if debug or _debug_enabled([]):
             traceback.print_exc()
             print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)

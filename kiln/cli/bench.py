@@ -62,7 +62,7 @@ def _load(source: str, device: str | None, enforce_eager: bool = False,
     from kiln.cli.generate import load_engine
 
     engine_dir, _ = engine_dir_for(source, device)
-    import kiln.runtime.engine  # noqa: F401
+    import kiln.runtime.engine
 
     t0 = time.perf_counter()
     engine, _ = load_engine(engine_dir, device, enforce_eager, no_async, adaptive_spec)
@@ -219,10 +219,10 @@ def latency(
     With --baseline hf the same batches (same prompts, same lengths) then run through
     transformers' generate with a static cache and a compiled decode step.
     """
+    from kiln.artifact.speculative import parse_window
     from kiln.bench.offline import latency_batches, run_latency
     from kiln.bench.report import environment, render_latency
     from kiln.bench.speculative import PROMPT_SETS, run_speculative_latency
-    from kiln.builder.speculative import parse_window
 
     _check_baseline(baseline)
     window = parse_window(lookahead, "--lookahead") if lookahead else None

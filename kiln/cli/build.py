@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 
@@ -111,8 +112,9 @@ def build(
     ),
 ) -> None:
     """Build an engine directory (engine.json, weights, tokenizer) from a model source."""
-    from kiln.builder import QuantConfig, build_engine
-    from kiln.builder.speculative import SpeculativeConfig
+    from kiln.artifact.spec import QuantConfig
+    from kiln.artifact.speculative import SpeculativeConfig
+    from kiln.builder import build_engine
 
     speculative = SpeculativeConfig.from_cli(
         speculative_decoding_mode,
@@ -120,6 +122,9 @@ def build(
         max_draft_len=max_draft_len,
         ngram_match=ngram_match,
     )
+    finish = None
+    if precompile is not False:  # None (the default) and True: it skips itself without CUDA
+        finish = _precompile_step(quiet=as_json)
     spec = build_engine(
         source,
         output,
@@ -135,11 +140,25 @@ def build(
         progress=not as_json,
         force=force,
         tune=tune,
-        precompile=precompile,
+        finish=finish,
         generation_config=generation_config.value,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))
+
+
+def _precompile_step(quiet: bool) -> Callable[[Path], None]:
+    """The kernel precompilation, for ``build_engine`` to run on the complete temp dir
+    before its rename (so the kernels land atomically with the engine). A bad
+    KILN_PRECOMPILE_TIMEOUT_S fails here, before any weight is read."""
+    from rich.console import Console
+
+    from kiln import env
+    from kiln.cli.precompile import precompile_kernels
+
+    timeout_s = env.precompile_timeout_s()
+    console = Console(stderr=True, quiet=quiet)
+    return lambda engine_dir: precompile_kernels(engine_dir, console, timeout_s)
 
 
 def register(app: typer.Typer) -> None:

@@ -12,9 +12,8 @@ import re
 import sys
 from pathlib import Path
 
+from kiln.artifact import ENGINE_JSON
 from kiln.errors import KilnError
-
-ENGINE_JSON = "engine.json"
 
 
 def _looks_local(text: str) -> bool:
@@ -65,7 +64,7 @@ def check_engine_or_source(text: str) -> None:
 
 def cached_engine_dir(source: str, dtype: str) -> Path:
     """Where a source's engine is cached: ``$KILN_CACHE/engines/<source>-<dtype>``."""
-    from kiln.sources.builtin import cache_dir
+    from kiln.env import cache_dir
 
     path = Path(source).expanduser()
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(path.resolve()) if path.exists() else source)
@@ -104,7 +103,7 @@ def _older_sections(engine_json: Path) -> list[str]:
     import dataclasses
     import json
 
-    from kiln.builder.spec import EngineSpec
+    from kiln.artifact.spec import EngineSpec
 
     try:
         keys = set(json.loads(engine_json.read_text()))

@@ -129,7 +129,7 @@ def generate(
     """Generate a reply to PROMPT, streamed to the terminal as tokens arrive."""
     import dataclasses
 
-    from kiln.builder.speculative import parse_window, validate_request_window
+    from kiln.artifact.speculative import parse_window, validate_request_window
     from kiln.cli.engine_source import check_engine_or_source, engine_dir_for
     from kiln.runtime.sampling_params import SamplingParams
 
@@ -145,7 +145,7 @@ def generate(
     text = _read_prompt(prompt)
     engine_dir, _ = engine_dir_for(engine_or_source, device)
     if params.lookahead is not None:
-        from kiln.builder import load_engine as read_engine
+        from kiln.artifact.loader import load_engine as read_engine
 
         spec = read_engine(engine_dir, verify_checksums=False).spec.speculative
         validate_request_window(spec, *params.lookahead, flag="--lookahead")

@@ -38,7 +38,7 @@ def inspect(
     """Show an engine's model, dtype, limits, quantization, speculative settings and source."""
     from rich.console import Console
 
-    from kiln.builder import load_engine
+    from kiln.artifact.loader import load_engine
 
     artifact = load_engine(engine, verify_checksums=verify)
     spec = artifact.spec

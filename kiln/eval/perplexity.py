@@ -46,10 +46,9 @@ def perplexity(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from kiln.artifact.loader import load_engine
     from kiln.errors import KilnError
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
-
-    from kiln.builder import load_engine
 
     t0 = time.perf_counter()
     spec = load_engine(engine_dir).spec

@@ -78,6 +78,6 @@ def _fast_decode(tokenizer, vocab_len: int):
             if backend.decode(ids, skip_special_tokens=True) != tokenizer.decode(
                     ids, skip_special_tokens=True):
                 return None
-    except Exception:  # noqa: BLE001 - any doubt: keep the wrapper
+    except Exception:
         return None
     return backend.decode

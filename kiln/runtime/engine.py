@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.config import ModelConfig
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import RequestError
@@ -92,7 +92,7 @@ class LLMEngine:
     @classmethod
     def from_engine_dir(cls, path: str | Path, config: RuntimeConfig | None = None) -> LLMEngine:
         """Load a directory written by ``kiln build``."""
-        from kiln.builder import load_engine
+        from kiln.artifact.loader import load_engine
 
         config = config or RuntimeConfig()
         art = load_engine(path)
@@ -293,7 +293,7 @@ class LLMEngine:
             try:
                 committed[req] = req.commit(toks, result.logprobs.get(req),
                                             self.limits.max_seq_len, now)
-            except Exception as e:  # noqa: BLE001 - this request's tokens, its failure
+            except Exception as e:
                 self.fail_request(req, "committing its tokens", e)
                 continue
             if req in result.advance:
@@ -316,7 +316,7 @@ class LLMEngine:
                 if self.spec_worker is not None:
                     self.spec_worker.after_commit(req, n, verified)
                 self.detokenizer.update(req, final=req.is_finished)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.fail_request(req, "updating its state after the step", e)
                 continue
             if req.is_finished:
@@ -375,7 +375,7 @@ class LLMEngine:
             return False
         try:
             torch.cuda.synchronize(self.device)
-        except Exception:  # noqa: BLE001 - any failure here means the device is gone
+        except Exception:
             return True
         return False
 

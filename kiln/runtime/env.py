@@ -1,4 +1,6 @@
-"""The environment variables the runtime reads, and the one place it reads them.
+"""The environment variables the runtime reads, and the one place it reads them. Those of
+the toolchain around it (KILN_CACHE, KILN_DEBUG, KILN_PRECOMPILE_TIMEOUT_S) are in
+kiln/env.py, which the sources and the CLI read without importing the runtime.
 
 ``RuntimeConfig``'s defaults (read when a config is made; an explicit field wins):
 

@@ -11,9 +11,8 @@ engine under a tag naming the Triton version and the GPU's compute capability. L
 engine on CUDA copies the entries for this machine's tag into the active Triton cache where
 they are missing (``install_kernels``), before anything compiles. Triton keys each entry by
 kernel source, specialisation, compiler and target, so an entry this machine cannot use is
-never looked up; a whole cache of another tag is skipped.
-
-    python -m kiln.runtime.kernel_cache warm ENGINE_DIR   (what the build runs)
+never looked up; a whole cache of another tag is skipped. The build's side (the first start
+and the export) is kiln/cli/precompile.py.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNELS_DIR = "kernels"
+from kiln.artifact import KERNELS_DIR
+
 _SKIP = shutil.ignore_patterns("lock", "*.tmp*")
 
 
@@ -177,37 +177,3 @@ def shipped_kernels(engine_dir: Path) -> dict[str, int]:
 def shipped_tags(engine_dir: Path) -> list[str]:
     """The tags an engine ships compiled kernels for (messages at load)."""
     return list(shipped_kernels(engine_dir))
-
-
-# Prompt lengths the build's first start prefills: the small-batch GEMV picks its tiles per
-# row count (1..GEMV_MAX_M), and longer prompts take the tensor-core and attention paths.
-WARM_PROMPT_LENS = (*range(1, 10), 16, 17, 64, 200)
-
-
-def warm(engine_dir: Path, device: str = "cuda") -> dict:
-    """Start the engine on CUDA (capturing its graphs) and prefill and decode a few prompts
-    of the lengths in WARM_PROMPT_LENS, so the kernel variants serving needs are compiled
-    into the current Triton cache."""
-    from kiln.runtime.engine import LLMEngine, RuntimeConfig
-    from kiln.runtime.sampling_params import SamplingParams
-
-    t0 = time.perf_counter()
-    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device=device))
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    prompts = [n for n in WARM_PROMPT_LENS if n <= eng.limits.max_input_len]
-    for n in prompts:
-        eng.generate([[(7 * i + 11) % 100 + 1 for i in range(n)]], params)
-    tag = cache_tag() if device == "cuda" else None
-    return {"tag": tag, "seconds": time.perf_counter() - t0, "prompts": prompts}
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "warm":
-        print("usage: python -m kiln.runtime.kernel_cache warm ENGINE_DIR", file=sys.stderr)
-        return 2
-    print(json.dumps(warm(Path(argv[1]))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

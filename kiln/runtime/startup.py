@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.config import ModelConfig
 from kiln.runtime.config import EngineLimits, RuntimeConfig
 from kiln.runtime.kv_cache import BlockManager, KVCache, auto_num_blocks, fp8_kv_scales
-from kiln.runtime.layers.attention import get_backend
+from kiln.runtime.layers.attention_registry import get_backend
 from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import Sampler
 from kiln.runtime.model_runner import ModelRunner

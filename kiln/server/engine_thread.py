@@ -264,7 +264,7 @@ class EngineThread:
                 rid, prompt, params, fut = payload
                 try:
                     self.engine.add_request(prompt, params, rid)
-                except Exception as e:  # noqa: BLE001  (bad input fails this request alone)
+                except Exception as e:
                     self._resolve(fut, exc=e)
                 else:
                     self._resolve(fut)
@@ -274,7 +274,7 @@ class EngineThread:
                 fn, fut = payload
                 try:
                     self._resolve(fut, fn(self.engine))
-                except Exception as e:  # noqa: BLE001  (handed back to the caller)
+                except Exception as e:
                     self._resolve(fut, exc=e)
 
     def _snapshot(self) -> None:
@@ -304,7 +304,7 @@ class EngineThread:
                     if outputs:
                         self._loop.call_soon_threadsafe(self._deliver, self._items(outputs))
                 self._snapshot()
-        except BaseException as e:  # noqa: BLE001  (any failure here kills the engine)
+        except BaseException as e:
             traceback.print_exc()
             with self._cv:
                 self.dead = e

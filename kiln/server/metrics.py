@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
+    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,

@@ -28,7 +28,7 @@ class ServerProcess:
         self.url = ""
         self.log: list[str] = []
 
-    def __enter__(self) -> ServerProcess:  # noqa: PYI034
+    def __enter__(self) -> ServerProcess:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=self.env)
         ready = threading.Event()

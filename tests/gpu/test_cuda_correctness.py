@@ -48,8 +48,8 @@ def test_tiny_models_match_transformers_on_cuda(arch, backend, tiny_reference):
 @pytest.fixture(scope="module")
 def smol32(smollm2_gguf, tmp_path_factory):
     """A float32 smollm2 engine built with lookahead (7,7,7) (plain requests use (1,1,0))."""
+    from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
-    from kiln.builder.speculative import SpeculativeConfig
 
     out = tmp_path_factory.mktemp("smol32") / "engine"
     build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_num_tokens=4096,
@@ -145,11 +145,11 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
     that size can check here.
     """
     from kiln.builder import build_engine
-    from kiln.runtime.kernels import gemv
+    from kiln.runtime.kernels import gemv, gemv_configs
 
     calls = []
     if norm_form == "epilogue":
-        monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 0)
+        monkeypatch.setattr(gemv_configs, "RESIDUAL_FUSION_MAX_HIDDEN", 0)
         monkeypatch.setattr(gemv, "gemv_rms_scaled", lambda *a, _f=gemv.gemv_rms_scaled,
                             **kw: (calls.append(1), _f(*a, **kw))[1])
 
@@ -194,7 +194,7 @@ def test_lookahead_engine_measures_its_break_even_on_cuda(tiny_reference):
     """With adaptive speculation on and no break-even given, a lookahead engine on CUDA times
     whole plain and speculative steps at start-up (LLMEngine._spec_break_even), leaves nothing
     behind, and still generates plain greedy's tokens."""
-    from kiln.builder.speculative import SpeculativeConfig
+    from kiln.artifact.speculative import SpeculativeConfig
 
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,

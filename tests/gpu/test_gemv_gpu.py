@@ -40,7 +40,7 @@ def _rel(out, ref):
 
 
 def _weights(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from kiln.builder.fp8 import quantize_per_tensor
+    from kiln.artifact.weights import quantize_per_tensor
 
     w = torch.randn(n, k, device=DEV) * k**-0.5
     q, s = quantize_per_tensor(w)
@@ -85,16 +85,16 @@ def test_fp8_lm_head_per_row_scale_every_path(shape):
     """The FP8 lm_head (one scale per row) through ``linear`` at every M it meets: the W8A16
     GEMV (M 1, float32 logits), W8A8 (M 2-8, where it runs) and _scaled_mm (M 16, 64), each
     against the dequantized float32 product with the same activations."""
-    from kiln.builder.fp8 import quantize_per_row
-    from kiln.runtime.layers.linear import fp8_linear, linear
+    from kiln.artifact.weights import quantize_per_row
+    from kiln.runtime.layers.linear import Linear, fp8_linear
 
     k, n = SHAPES[shape]
     q, s = quantize_per_row(torch.randn(n, k, device=DEV) * k**-0.5)
-    w = {"h.weight": q, "h.weight_scale": s}
+    head = Linear.from_weights({"h.weight": q, "h.weight_scale": s}, "h")
     wd = q.float() * s[:, None]
     for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device=DEV).to(BF16)
-        y = linear(x, w, "h", float_out=True)
+        y = head(x, float_out=True)
         assert y.dtype == torch.float32 and y.shape == (m, n)
         if m == 1:  # W8A16: x as it is
             ref = x.float() @ wd.t()
@@ -128,7 +128,8 @@ def test_gemv_silu_and_mul_prologue_real_shapes(shape):
 def test_gemv_every_candidate_config(shape):
     """Every GEMV_CONFIGS entry and split-K variant (the tuner's candidates, bench_gemv's
     sweep) computes the same function, at M = 1 and, for 8b-down, M = 8."""
-    from kiln.runtime.kernels.gemv import GEMV_CONFIGS, gemv, gemv_ref, split_candidates
+    from kiln.runtime.kernels.gemv import gemv, gemv_ref
+    from kiln.runtime.kernels.gemv_configs import GEMV_CONFIGS, split_candidates
 
     k, n = SHAPES[shape]
     w, q, s = _weights(k, n)
@@ -151,6 +152,7 @@ def test_gemv_w8a8_equals_scaled_mm(shape):
     static and dynamic scales, M 1-8, at the default config and, at M = 1 and 8, every
     W8A8_CONFIGS x split candidate; fp8_linear at M <= 8 takes it where w8a8_wins says."""
     from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.kernels import gemv_configs
     from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
     from kiln.runtime.layers.linear import fp8_linear
 
@@ -165,8 +167,8 @@ def test_gemv_w8a8_equals_scaled_mm(shape):
             assert _rel(gm.gemv(xq[:m], q, s, x_scale=xs), ref) < TOL, (shape, m)
             assert _rel(fp8_linear(x, q, s, static), ref) < TOL, (shape, m, "fp8_linear")
         if m in (1, 8):
-            for cfg in gm.W8A8_CONFIGS:
-                for split in gm.split_candidates(n, k, cfg):
+            for cfg in gemv_configs.W8A8_CONFIGS:
+                for split in gemv_configs.split_candidates(n, k, cfg):
                     c = dict(cfg, SPLIT_K=split)
                     assert _rel(gm.gemv(xq[:m], q, s, x_scale=xs, config=c), ref) < TOL, (
                         shape, m, c)
@@ -175,11 +177,11 @@ def test_gemv_w8a8_equals_scaled_mm(shape):
 def test_fp8_linear_small_m_w8a8_captures():
     """fp8_linear at M = 4 on an 8B-sized weight (the Triton W8A8 GEMM, dynamic scale, split
     K) replays in a CUDA graph and follows x."""
-    from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.kernels import gemv_configs
     from kiln.runtime.layers.linear import fp8_linear
 
     k, n = 14336, 4096
-    assert gm.w8a8_wins(4, n, k)
+    assert gemv_configs.w8a8_wins(4, n, k)
     _, q, s = _weights(k, n)
     x = torch.randn(4, k, device=DEV).to(BF16)
     fp8_linear(x, q, s)
@@ -237,10 +239,9 @@ def test_pdl_modes_are_bit_identical_in_a_captured_chain(m, hints, monkeypatch):
     KILN_PDL 0 / 1 / 2, eager and replayed from a CUDA graph, give the same bits (a missing
     wait would show as a race here), with the GEMV's L2 hints per 128-byte line (shipped) and
     per 32-byte sector."""
-    from kiln.runtime.kernels import _pdl
-    from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.kernels import _pdl, gemv_kernel
 
-    monkeypatch.setattr(gm, "PREFETCH_HINT_BYTES", 128 if hints == "lines" else 32)
+    monkeypatch.setattr(gemv_kernel, "PREFETCH_HINT_BYTES", 128 if hints == "lines" else 32)
 
     if not _pdl.supported():
         pytest.skip("PDL needs compute capability 9.0 and a triton with launch_pdl")
@@ -312,8 +313,8 @@ def test_linear_residual_norm_linear_real_shapes(pair, fp8, form, monkeypatch):
     second's loads (prologue form) or its epilogue (1 / rms times the GEMV of h * g) ==
     linear, fused_add_rms_norm, linear (the new residual bit for bit), eager and replayed
     from a CUDA graph; the fused path really ran (two GEMV launches)."""
-    from kiln.runtime.kernels import gemv
-    from kiln.runtime.layers.linear import linear_residual_norm_linear
+    from kiln.runtime.kernels import gemv, gemv_configs
+    from kiln.runtime.layers.linear import Linear, linear_residual_norm_linear
 
     k, hidden, n, silu = PAIRS[pair]
     wa, qa, sa = _weights(k, hidden)
@@ -326,16 +327,18 @@ def test_linear_residual_norm_linear_real_shapes(pair, fp8, form, monkeypatch):
     g = (torch.rand(hidden, device=DEV) + 0.5).to(BF16)
 
     # every shape takes the form under test (8B's hidden the prologue, smollm2's the epilogue)
-    monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20 if form == "prologue" else 0)
+    monkeypatch.setattr(gemv_configs, "RESIDUAL_FUSION_MAX_HIDDEN",
+                        1 << 20 if form == "prologue" else 0)
     second = "gemv_prenormed" if form == "prologue" else "gemv_rms_scaled"
-    fusion_form = gemv.residual_fusion_form
+    fusion_form = gemv_configs.residual_fusion_form
+    a, b = Linear.from_weights(w, "a"), Linear.from_weights(w, "b")
 
     def run(fused: bool):  # unfused: GEMV, norm kernel, GEMV
-        monkeypatch.setattr(gemv, "residual_fusion_form",
-                            fusion_form if fused else lambda *a: None)
-        return linear_residual_norm_linear(x, r, w, "a", g, 1e-5, "b", silu_and_mul=silu)
+        monkeypatch.setattr(gemv_configs, "residual_fusion_form",
+                            fusion_form if fused else lambda *args: None)
+        return linear_residual_norm_linear(x, r, a, g, 1e-5, b, silu_and_mul=silu)
 
-    assert gemv.residual_fusion_form(1, hidden, k, n, w["a.weight"].dtype,
+    assert gemv_configs.residual_fusion_form(1, hidden, k, n, w["a.weight"].dtype,
                                      w["b.weight"].dtype) == form
     y_ref, h_ref = run(False)
     calls = []
@@ -378,7 +381,7 @@ def test_fp8_quant_bit_exact(m, k):
 
 
 def test_fp8_linear_fused_quant_matches_eager_and_captures():
-    from kiln.builder.fp8 import quantize_per_tensor
+    from kiln.artifact.weights import quantize_per_tensor
     from kiln.runtime.layers import linear as lin
 
     w = torch.randn(4096, 4096, device=DEV) * 4096**-0.5
@@ -411,22 +414,24 @@ def test_linear_dispatch_small_m():
     agree with F.linear / the dequantized reference; larger M keeps cuBLAS / _scaled_mm."""
     import torch.nn.functional as F
 
-    from kiln.runtime.kernels import gemv as gm
-    from kiln.runtime.layers.linear import linear
+    from kiln.runtime.kernels import gemv_configs
+    from kiln.runtime.layers.linear import Linear
 
     w, q, s = _weights(4096, 6144)
     weights = {"a.weight": w, "b.weight": q, "b.weight_scale": s,
                "b.input_scale": torch.tensor(0.02, device=DEV)}
+    la, lb = Linear.from_weights(weights, "a"), Linear.from_weights(weights, "b")
     wd = (q.float() * s).to(BF16)
-    for m in (1, 3, gm.GEMV_MAX_M, gm.GEMV_MAX_M + 1, 64):
+    for m in (1, 3, gemv_configs.GEMV_MAX_M, gemv_configs.GEMV_MAX_M + 1, 64):
         x = torch.randn(m, 4096, device=DEV).to(BF16)
-        assert _rel(linear(x, weights, "a"), F.linear(x, w)) < TOL
-        y8 = linear(x, weights, "b")
+        assert _rel(la(x), F.linear(x, w)) < TOL
+        y8 = lb(x)
         assert y8.shape == (m, 6144) and y8.dtype == BF16
-        tol = TOL if m <= gm.GEMV_MAX_M and gm.gemv_wins(m, 6144, 4096, True) else 0.08
+        tol = (TOL if m <= gemv_configs.GEMV_MAX_M and gemv_configs.gemv_wins(m, 6144, 4096, True)
+               else 0.08)
         assert _rel(y8, F.linear(x, wd)) < tol  # W8A8 adds activation quant error
     x3 = torch.randn(1, 1, 4096, device=DEV).to(BF16)
-    assert linear(x3, weights, "a").shape == (1, 1, 6144)
+    assert la(x3).shape == (1, 1, 6144)
 
 
 @pytest.mark.parametrize("shape", ["8b-down", "smol-down"])
@@ -436,8 +441,9 @@ def test_linear_silu_and_mul_routes_by_k(shape, monkeypatch):
     import torch.nn.functional as F
 
     from kiln.runtime.kernels import gemv as gm
+    from kiln.runtime.kernels import gemv_configs
     from kiln.runtime.kernels.activation import silu_and_mul_ref
-    from kiln.runtime.layers.linear import linear
+    from kiln.runtime.layers.linear import Linear
 
     k, n = SHAPES[shape]
     w, _, _ = _weights(k, n)
@@ -445,14 +451,14 @@ def test_linear_silu_and_mul_routes_by_k(shape, monkeypatch):
     real = gm.gemv
     monkeypatch.setattr(gm, "gemv", lambda *a, **kw: seen.append(kw.get("silu_and_mul"))
                         or real(*a, **kw))
-    for m in (1, 4, gm.GEMV_MAX_M + 1):
+    down = Linear.from_weights({"d.weight": w}, "d")
+    for m in (1, 4, gemv_configs.GEMV_MAX_M + 1):
         gu = torch.randn(m, 2 * k, device=DEV).to(BF16)
-        assert _rel(linear(gu, {"d.weight": w}, "d", silu_and_mul=True),
-                    F.linear(silu_and_mul_ref(gu), w)) < TOL
-    fused = [gm.silu_fusion_applies(m, k, False) for m in (1, 4, 9)]
+        assert _rel(down(gu, silu_and_mul=True), F.linear(silu_and_mul_ref(gu), w)) < TOL
+    fused = [gemv_configs.silu_fusion_applies(m, k, False) for m in (1, 4, 9)]
     # M = 1 and 4 through gemv; M = 9 through gemv's tensor-core tiles on smollm2's small
     # weights, through cuBLAS on llama-3-8b's
-    assert seen == fused[:2] + (fused[2:] if gm.gemv_wins(9, n, k, False) else [])
+    assert seen == fused[:2] + (fused[2:] if gemv_configs.gemv_wins(9, n, k, False) else [])
 
 
 @pytest.mark.parametrize("m", [9, 16, 84, 128])

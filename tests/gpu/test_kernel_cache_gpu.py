@@ -35,11 +35,15 @@ print(json.dumps({"installed": eng.kernels_installed, "times": eng.startup_times
 
 
 def test_precompiled_engine_starts_on_a_fresh_cache_without_compiling(tmp_path):
-    from kiln.builder import build_engine
+    from typer.testing import CliRunner
+
+    from kiln.cli.app import app
     from kiln.runtime import kernel_cache
 
     out = tmp_path / "e"
-    build_engine("random:tiny-llama", out, progress=False, precompile=True)
+    res = CliRunner().invoke(app, ["build", "random:tiny-llama", "-o", str(out), "--no-tune",
+                                   "--precompile-kernels"])
+    assert res.exit_code == 0, res.output
     tag = kernel_cache.cache_tag()
     assert kernel_cache.shipped_tags(out) == [tag]
     shipped = sum(1 for p in (out / "kernels" / tag).iterdir() if p.is_dir())

@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def test_tuned_paged_attention_equals_default():
-    from kiln.builder import Limits
+    from kiln.artifact.spec import Limits
     from kiln.runtime.kernels import tunables, tuning
     from kiln.runtime.kernels.paged_attention import (
         default_config,

@@ -210,7 +210,8 @@ def test_paged_attention_cuda_graph():
 def test_triton_backend_matches_torch_backend(dtype):
     from kiln.runtime.kernels.testing import tree_mask
     from kiln.runtime.kv_cache import KVCache
-    from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention, get_backend
+    from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
+    from kiln.runtime.layers.attention_registry import get_backend
 
     heads, kv_heads, dim, bs, nb = 32, 8, 128, 16, 256
     specs = [(700, 1, False), (0, 200, False), (300, 30, True), (33, 1, False)]

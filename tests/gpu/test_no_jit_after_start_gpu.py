@@ -25,8 +25,8 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
     from triton import knobs
 
+    from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
-    from kiln.builder.speculative import SpeculativeConfig
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
     from kiln.runtime.sampling_params import SamplingParams
 

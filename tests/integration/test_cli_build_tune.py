@@ -55,7 +55,8 @@ def test_build_on_cpu_records_untuned(tmp_path):
 
 
 def test_inspect_and_load_a_tuned_engine(tmp_path, capsys):
-    from kiln.builder import build_engine, load_engine
+    from kiln.artifact.loader import load_engine
+    from kiln.builder import build_engine
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
     from kiln.runtime.kernels import tuning
 

@@ -33,8 +33,8 @@ MESSAGES = [{"role": "user", "content": 'Reply with exactly this JSON: {"name":"
 
 @pytest.fixture(scope="module")
 def lookahead_server(tmp_path_factory, smollm2_gguf):
+    from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
-    from kiln.builder.speculative import SpeculativeConfig
 
     out = tmp_path_factory.mktemp("crash") / "smol-la"
     build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_batch_size=8,

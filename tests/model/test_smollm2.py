@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.bench.prompts import CHAT_PROMPTS, CODE_PROMPTS
 from kiln.builder import build_engine
-from kiln.builder.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import mixed_prompts
 
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.break_even import measure_step_ms

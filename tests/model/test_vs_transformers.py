@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import hf_greedy, mixed_prompts
+
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 

@@ -10,15 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.builder import (
-    ENGINE_FORMAT_VERSION,
-    EngineSpec,
-    Limits,
-    build_engine,
-    load_engine,
-)
-from kiln.builder.speculative import SpeculativeConfig
-from kiln.builder.weights import runtime_shapes
+from kiln.artifact.loader import load_engine
+from kiln.artifact.spec import ENGINE_FORMAT_VERSION, EngineSpec, Limits
+from kiln.artifact.speculative import SpeculativeConfig
+from kiln.artifact.weights import runtime_shapes
+from kiln.builder import build_engine
 from kiln.errors import EngineFormatError, KilnError, SourceError
 from kiln.sources.random import PRESETS
 

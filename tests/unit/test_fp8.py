@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from kiln.builder.fp8 import quantize_per_tensor, requantize_fused
+from kiln.artifact.weights import quantize_per_tensor
+from kiln.builder.fp8 import requantize_fused
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import read_kv, write_kv
-from kiln.runtime.layers.linear import FP8, fp8_linear, linear, place_weights
+from kiln.runtime.layers.linear import FP8, Linear, fp8_linear, place_weights
 
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative
 
@@ -70,8 +71,8 @@ def test_linear_dispatch_and_place_weights():
     assert weights["a.weight"].dtype == torch.bfloat16
     assert weights["b.weight"].dtype == FP8 and weights["b.weight_scale"].dtype == torch.float32
     x = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert linear(x, weights, "a").dtype == torch.bfloat16
-    y = linear(x, weights, "b")
+    assert Linear.from_weights(weights, "a")(x).dtype == torch.bfloat16
+    y = Linear.from_weights(weights, "b")(x)
     assert y.dtype == torch.bfloat16
     ref = x.float() @ w.T
     assert (y.float() - ref).abs().max() < 0.1 * ref.abs().max()
@@ -123,7 +124,9 @@ def test_stream_writer_mixed_dtypes(tmp_path):
 
 
 def test_random_fp8_engine_runs(tmp_path, capsys):
-    from kiln.builder import QuantConfig, build_engine, load_engine
+    from kiln.artifact.loader import load_engine
+    from kiln.artifact.spec import QuantConfig
+    from kiln.builder import build_engine
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
     from kiln.runtime.sampling_params import SamplingParams
 

@@ -10,7 +10,8 @@ import torch
 from helpers import write_compressed_tensors
 from safetensors.torch import load_file, save_file
 
-from kiln.builder import build_engine, load_engine
+from kiln.artifact.loader import load_engine
+from kiln.builder import build_engine
 from kiln.errors import SourceError
 from kiln.eval.perplexity import perplexity
 from kiln.quantize.calib import load_text_set
@@ -57,7 +58,7 @@ def test_compressed_tensors_fp8_builds_and_runs(tiny_hf_model, tmp_path, capsys,
 
 
 def test_kv_fp8_without_scales_warns(tiny_hf_model, tmp_path, capsys):
-    from kiln.builder import QuantConfig
+    from kiln.artifact.spec import QuantConfig
 
     spec = build_engine(str(tiny_hf_model("llama")), tmp_path / "e", dtype="float32",
                         quantization=QuantConfig(kv_cache="fp8"), progress=False)
@@ -101,7 +102,7 @@ def test_unsupported_quantization_is_refused(tiny_hf_model, tmp_path):
 
 
 def test_fp8_weights_need_a_checkpoint(tiny_hf_model, tmp_path):
-    from kiln.builder import QuantConfig
+    from kiln.artifact.spec import QuantConfig
     from kiln.errors import KilnError
 
     with pytest.raises(KilnError, match="kiln quantize"):

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kiln.builder import build_engine, load_engine
-from kiln.builder.generation import GenerationDefaults, resolve_generation_defaults
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.artifact.generation import GenerationDefaults
+from kiln.artifact.loader import load_engine
+from kiln.artifact.speculative import SpeculativeConfig
+from kiln.builder import build_engine
+from kiln.builder.generation import resolve_generation_defaults
 from kiln.sources import open_source
 from kiln.sources.base import read_generation_defaults
 from kiln.sources.builtin import BuiltinModel, extract_verified

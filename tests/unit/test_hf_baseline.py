@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from kiln.artifact.weights import random_weights
 from kiln.bench.hf_baseline import (
     build_hf_model,
     hf_model_from_weights,
@@ -19,7 +20,6 @@ from kiln.bench.hf_baseline import (
     run_hf_throughput,
 )
 from kiln.bench.offline import BenchRequest
-from kiln.builder.weights import random_weights
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -62,7 +62,9 @@ def test_random_engine_greedy_equals_kiln(tmp_path):
 
 
 def test_fp8_engine_is_dequantized_to_the_compute_dtype(tmp_path, capsys):
-    from kiln.builder import QuantConfig, build_engine, load_engine
+    from kiln.artifact.loader import load_engine
+    from kiln.artifact.spec import QuantConfig
+    from kiln.builder import build_engine
 
     out = tmp_path / "e"
     spec = build_engine("random:tiny-llama", out, dtype="float32", progress=False,

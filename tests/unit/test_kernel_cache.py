@@ -1,7 +1,7 @@
 """Compiled Triton kernels shipped in an engine (kiln/runtime/kernel_cache.py): the copy in
-and out of Triton's cache, the build flag off CUDA, and what `kiln inspect` shows. The GPU
-side (the build's first start, a fresh cache served from the engine) is
-tests/gpu/test_kernel_cache_gpu.py."""
+and out of Triton's cache, the build's precompile step (kiln/cli/precompile.py) off CUDA and
+when it fails, and what `kiln inspect` shows. The GPU side (the build's first start, a fresh
+cache served from the engine) is tests/gpu/test_kernel_cache_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 from typer.testing import CliRunner
 
 from kiln.builder import build_engine
+from kiln.cli import precompile
+from kiln.cli.app import app
 from kiln.runtime import kernel_cache
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 
@@ -79,18 +81,18 @@ def test_installed_entries_are_cache_hits_for_triton(tmp_path, monkeypatch):
     assert kernel_cache.install_kernels(engine, "triton-9.9-sm90", fresh)["installed"] == 0
 
 
-def test_build_precompile_without_cuda_says_so_and_ships_nothing(tmp_path, capsys):
+def test_build_precompile_without_cuda_says_so_and_ships_nothing(tmp_path):
     out = tmp_path / "e"
-    build_engine("random:tiny-llama", out, progress=True, precompile=True)
-    assert "kernel precompilation skipped: no CUDA" in capsys.readouterr().err
+    res = CliRunner().invoke(app, ["build", "random:tiny-llama", "-o", str(out),
+                                   "--precompile-kernels"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "kernel precompilation skipped: no CUDA" in res.stderr
     assert kernel_cache.shipped_tags(out) == []
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
     assert eng.kernels_installed == {} and "install_kernels_s" not in eng.startup_times
 
 
 def test_inspect_lists_shipped_kernels(tmp_path):
-    from kiln.cli.app import app
-
     out = tmp_path / "e"
     build_engine("random:tiny-llama", out, progress=False)
     runner = CliRunner()
@@ -106,13 +108,13 @@ def test_warm_prefills_every_length_the_engine_takes(tmp_path):
     """The build's first start (run here on CPU: the same engine calls, no Triton cache)."""
     out = tmp_path / "e"
     build_engine("random:tiny-llama", out, progress=False, max_seq_len=64, max_input_len=20)
-    info = kernel_cache.warm(out, device="cpu")
-    assert info["prompts"] == [n for n in kernel_cache.WARM_PROMPT_LENS if n <= 20]
+    info = precompile.warm(out, device="cpu")
+    assert info["prompts"] == [n for n in precompile.WARM_PROMPT_LENS if n <= 20]
     assert info["tag"] is None and info["seconds"] > 0
 
 
 def test_warm_entry_point_usage():
-    res = subprocess.run([sys.executable, "-m", "kiln.runtime.kernel_cache"],
+    res = subprocess.run([sys.executable, "-m", "kiln.cli.precompile"],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 2 and "usage" in res.stderr
 
@@ -148,15 +150,15 @@ def _fake_cuda_build(tmp_path, monkeypatch, argv):
     import torch
     from rich.console import Console
 
-    from kiln.builder import writer
+    from kiln import env
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(writer, "_WARM_ARGV", argv)
+    monkeypatch.setattr(precompile, "WARM_ARGV", argv)
     err = io.StringIO()
-    monkeypatch.setattr(writer, "Console", lambda **kw: Console(file=err, width=400))
+    monkeypatch.setattr(precompile, "Console", lambda **kw: Console(file=err, width=400))
     engine = tmp_path / "engine"
     engine.mkdir(parents=True)
-    writer._precompile_kernels(engine, Console(file=io.StringIO()))
+    precompile.precompile_kernels(engine, Console(file=io.StringIO()), env.precompile_timeout_s())
     assert not (engine / "kernels").exists()  # nothing shipped, and the build goes on
     return err.getvalue()
 
@@ -176,13 +178,40 @@ def test_precompile_that_fails_or_prints_no_result_warns(tmp_path, monkeypatch):
 
 
 def test_bad_precompile_timeout_fails_before_the_build_starts(tmp_path, monkeypatch):
-    import pytest
-
     from kiln.errors import KilnError
 
     monkeypatch.setenv("KILN_PRECOMPILE_TIMEOUT_S", "soon")
-    with pytest.raises(KilnError, match="KILN_PRECOMPILE_TIMEOUT_S='soon'"):
-        build_engine("random:tiny-llama", tmp_path / "e", progress=False, precompile=None)
+    build = ["build", "random:tiny-llama", "-o", str(tmp_path / "e")]
+    res = CliRunner().invoke(app, build)  # the default: precompile when CUDA is available
+    assert isinstance(res.exception, KilnError)
+    assert "KILN_PRECOMPILE_TIMEOUT_S='soon'" in str(res.exception)
     assert not (tmp_path / "e").exists()
     # not asked to precompile: the variable is not read
-    build_engine("random:tiny-llama", tmp_path / "e", progress=False, precompile=False)
+    res = CliRunner().invoke(app, [*build, "--no-precompile-kernels"])
+    assert res.exit_code == 0, res.output
+
+
+def test_precompiled_kernels_land_with_the_engine_or_not_at_all(tmp_path):
+    """The precompile step runs on the complete temp dir before the rename: what it adds is
+    in the engine when it appears; when it fails, no engine (and no temp dir) is left."""
+    import pytest
+
+    out = tmp_path / "e"
+    seen = []
+
+    def finish(tmp):
+        assert (tmp / "engine.json").is_file() and not out.exists()
+        kernel_cache.export_kernels(_fake_triton_cache(tmp_path / "c", ["k1"]), tmp,
+                                    "triton-9.9-sm90")
+        seen.append(tmp)
+
+    build_engine("random:tiny-llama", out, progress=False, finish=finish)
+    assert kernel_cache.shipped_kernels(out) == {"triton-9.9-sm90": 1}
+    assert not seen[0].exists()
+
+    def fail(tmp):
+        raise RuntimeError("export failed")
+
+    with pytest.raises(RuntimeError, match="export failed"):
+        build_engine("random:tiny-llama", tmp_path / "f", progress=False, finish=fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "e"]

@@ -18,12 +18,8 @@ from kiln.runtime.kernels.paged_attention import (
 )
 from kiln.runtime.kernels.testing import random_paged_batch, rel_err, tree_mask
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.layers.attention import (
-    AttentionMetadata,
-    SeqAttention,
-    TorchAttention,
-    get_backend,
-)
+from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention, TorchAttention
+from kiln.runtime.layers.attention_registry import get_backend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -184,3 +180,10 @@ def test_triton_backend_matches_torch_backend(dtype, cache_dtype):
     assert torch.equal(caches[1].k.view(torch.uint8), caches[0].k.view(torch.uint8))
     assert torch.equal(caches[1].v.view(torch.uint8), caches[0].v.view(torch.uint8))
     assert backend.device_metadata(meta, caches[1], q.device) is backend._dev  # reused
+
+
+def test_backends_are_chosen_by_name_and_an_unknown_one_lists_the_valid_ones():
+    assert isinstance(get_backend("torch"), TorchAttention)
+    assert get_backend("triton").name == "triton"
+    with pytest.raises(ValueError, match=r"'flash' is unknown; choose one of \['torch', 'trit"):
+        get_backend("flash")

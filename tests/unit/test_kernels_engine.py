@@ -15,7 +15,7 @@ from helpers import mixed_prompts
 
 pytest.importorskip("triton")
 
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 

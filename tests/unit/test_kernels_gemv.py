@@ -7,23 +7,19 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are built on import)
 
-import sys
-import types
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kiln.runtime import kernels
-from kiln.runtime.kernels import fp8_quant, gemv
+from kiln.runtime.kernels import fp8_quant, gemv, gemv_configs, tuned_configs
 from kiln.runtime.kernels.testing import rel_err
 
 FP8 = torch.float8_e4m3fn
 # the interpreter truncates float32 -> bf16 casts (the GPU rounds to nearest)
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-CUDA_CORE = gemv._cfg(8, 32, False)
-TENSOR_CORE = gemv._cfg(16, 32, True, stages=2)
+CUDA_CORE = gemv_configs._cfg(8, 32, False)
+TENSOR_CORE = gemv_configs._cfg(16, 32, True, stages=2)
 
 
 def _w(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,9 +65,9 @@ def test_gemv_mid_m_tensor_core_tiles(wdtype, cfg):
 
 def test_gemv_wins_mid_m_rule():
     """Past GEMV_MAX_M rows linear() keeps cuBLAS (gemv itself takes up to GEMM_MAX_M)."""
-    assert not gemv.gemv_wins(84, 960, 576, False)
-    assert not gemv.gemv_wins(gemv.GEMV_MAX_M + 1, 960, 576, False)
-    assert not gemv.gemv_wins(gemv.GEMM_MAX_M + 1, 960, 576, False)
+    assert not gemv_configs.gemv_wins(84, 960, 576, False)
+    assert not gemv_configs.gemv_wins(gemv_configs.GEMV_MAX_M + 1, 960, 576, False)
+    assert not gemv_configs.gemv_wins(gemv_configs.GEMM_MAX_M + 1, 960, 576, False)
 
 
 @pytest.fixture
@@ -178,12 +174,12 @@ def test_gemv_float32_out_is_the_widened_result(wdtype, cfg, m):
 
 
 def test_linear_float_out_off_the_gemv_path():
-    from kiln.runtime.layers.linear import linear
+    from kiln.runtime.layers.linear import Linear
 
     x = torch.randn(2, 24).to(torch.bfloat16)
-    w = {"p.weight": torch.randn(10, 24).to(torch.bfloat16)}
-    y = linear(x, w, "p", float_out=True)
-    assert y.dtype == torch.float32 and torch.equal(y, linear(x, w, "p").float())
+    layer = Linear.from_weights({"p.weight": torch.randn(10, 24).to(torch.bfloat16)}, "p")
+    y = layer(x, float_out=True)
+    assert y.dtype == torch.float32 and torch.equal(y, layer(x).float())
 
 
 @pytest.mark.parametrize("m", [1, 2, 8])
@@ -197,10 +193,10 @@ def test_gemv_default_config_and_one_element_scale(m):
 
 
 def test_gemv_default_config_rule():
-    for m in range(1, gemv.GEMV_MAX_M + 1):
+    for m in range(1, gemv_configs.GEMV_MAX_M + 1):
         for n, k in ((6144, 4096), (4096, 14336), (576, 1536), (128256, 4096)):
             for fp8 in (False, True):
-                cfg = gemv.check_config(gemv.default_config(m, n, k, fp8))
+                cfg = gemv_configs.check_config(gemv_configs.default_config(m, n, k, fp8))
                 assert cfg["SPLIT_K"] * cfg["BLOCK_K"] <= 2 * k
 
 
@@ -211,10 +207,7 @@ def test_gemv_asks_the_tuning_table(monkeypatch):
         asked.append((kernel, key))
         return dict(CUDA_CORE, SPLIT_K=2)
 
-    fake = types.SimpleNamespace(lookup=lookup)
-    monkeypatch.setitem(sys.modules, "kiln.runtime.kernels.tuning", fake)
-    monkeypatch.setattr(kernels, "tuning", fake, raising=False)
-    monkeypatch.setattr(gemv, "_TUNING", None)
+    monkeypatch.setattr(tuned_configs, "lookup", lookup)
     w, s = _w(24, 64, FP8)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     y = gemv.gemv(x, w, s)
@@ -222,16 +215,15 @@ def test_gemv_asks_the_tuning_table(monkeypatch):
     wb = torch.randn(24, 64, dtype=torch.float16)
     gemv.gemv(x.half(), wb)
     assert asked == [("gemv", "3x24x64:fp8"), ("gemv", "3x24x64:float16")]
-    assert gemv.tuning_key(1, 2, 3, torch.bfloat16) == "1x2x3:bfloat16"
+    assert gemv_configs.tuning_key(1, 2, 3, torch.bfloat16) == "1x2x3:bfloat16"
 
 
-def test_gemv_without_tuning_module(monkeypatch):
-    monkeypatch.setitem(sys.modules, "kiln.runtime.kernels.tuning", None)  # ImportError
-    monkeypatch.delattr(kernels, "tuning", raising=False)
-    monkeypatch.setattr(gemv, "_TUNING", None)
+def test_gemv_untuned_takes_the_default_config():
+    tuned_configs.clear()
+    assert gemv_configs.resolve_config(None, 1, 8, 64, torch.bfloat16) == \
+        gemv_configs.check_config(gemv_configs.default_config(1, 8, 64, False))
     x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     assert rel_err(gemv.gemv(x, w), gemv.gemv_ref(x, w)) < TOL[torch.bfloat16]
-    assert gemv._TUNING is False
 
 
 def test_gemv_wrapper_errors():
@@ -311,7 +303,8 @@ def test_linear_silu_and_mul_off_the_gemv_path():
     weights = {"d.weight": torch.randn(16, 32)}
     gu = torch.randn(3, 64)
     want = torch.nn.functional.linear(silu_and_mul_ref(gu), weights["d.weight"])
-    assert rel_err(lin.linear(gu, weights, "d", silu_and_mul=True), want) < 1e-5
+    layer = lin.Linear.from_weights(weights, "d")
+    assert rel_err(layer(gu, silu_and_mul=True), want) < 1e-5
 
 
 def test_linear_on_cpu_never_takes_the_kernels(monkeypatch):
@@ -326,12 +319,14 @@ def test_linear_on_cpu_never_takes_the_kernels(monkeypatch):
     weights = {"a.weight": torch.randn(16, 32, dtype=torch.bfloat16), "b.weight": w8,
                "b.weight_scale": s}
     x = torch.randn(1, 32, dtype=torch.bfloat16)
-    assert lin.linear(x, weights, "a").shape == (1, 16)
-    assert lin.linear(x, weights, "b").shape == (1, 16)
+    for prefix in ("a", "b"):
+        layer = lin.Linear.from_weights(weights, prefix)
+        assert layer.gemv_dtypes == () and layer(x).shape == (1, 16)
 
 
 @pytest.mark.parametrize("cfg", [TENSOR_CORE, dict(TENSOR_CORE, SPLIT_K=2),
-                                 gemv.w8a8_config(1, 40, 96)], ids=["tc", "tc-sk", "default"])
+                                 gemv_configs.w8a8_config(1, 40, 96)],
+                         ids=["tc", "tc-sk", "default"])
 def test_gemv_w8a8_e4m3_x(cfg):
     """W8A8: e4m3 x (quantize_fp8_padded's rows, the pad rows unread) with x_scale times e4m3
     weights == the dequantized product, in out_dtype (ragged N and K, bias, M = 1 and 5)."""
@@ -374,12 +369,12 @@ def test_gemv_w8a8_errors():
 
 
 def test_gemv_w8a8_default_config_rule():
-    assert not gemv.w8a8_wins(1, 576, 576) and gemv.w8a8_wins(8, 28672, 4096)
-    assert gemv.w8a8_wins(2, 4096, 14336) and not gemv.w8a8_wins(8, 6144, 4096)
-    assert not gemv.w8a8_wins(gemv.GEMV_MAX_M + 1, 28672, 4096)
-    for m in range(1, gemv.GEMV_MAX_M + 1):
+    assert not gemv_configs.w8a8_wins(1, 576, 576) and gemv_configs.w8a8_wins(8, 28672, 4096)
+    assert gemv_configs.w8a8_wins(2, 4096, 14336) and not gemv_configs.w8a8_wins(8, 6144, 4096)
+    assert not gemv_configs.w8a8_wins(gemv_configs.GEMV_MAX_M + 1, 28672, 4096)
+    for m in range(1, gemv_configs.GEMV_MAX_M + 1):
         for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)):
-            cfg = gemv.check_config(gemv.w8a8_config(m, n, k))
+            cfg = gemv_configs.check_config(gemv_configs.w8a8_config(m, n, k))
             assert cfg["USE_DOT"] and cfg["SPLIT_K"] * cfg["BLOCK_K"] <= k
 
 
@@ -546,15 +541,16 @@ def test_residual_fusion_rule(monkeypatch):
     statistics)."""
     bf = torch.bfloat16
     for dt in (bf, FP8):
-        assert gemv.residual_fusion_applies(1, 576, 576, 3072, dt, dt)
-        assert gemv.residual_fusion_applies(1, 576, 1536, 960, dt, dt)
-        assert not gemv.residual_fusion_applies(2, 576, 576, 3072, dt, dt)
-        assert not gemv.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)  # measured loss
-    monkeypatch.setattr(gemv, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20)
+        assert gemv_configs.residual_fusion_applies(1, 576, 576, 3072, dt, dt)
+        assert gemv_configs.residual_fusion_applies(1, 576, 1536, 960, dt, dt)
+        assert not gemv_configs.residual_fusion_applies(2, 576, 576, 3072, dt, dt)
+        # measured loss
+        assert not gemv_configs.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)
+    monkeypatch.setattr(gemv_configs, "RESIDUAL_FUSION_MAX_HIDDEN", 1 << 20)
     for dt in (bf, FP8):
-        assert gemv.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)
-        assert gemv.residual_fusion_applies(1, 4096, 14336, 6144, dt, dt)
-    assert not gemv.residual_fusion_applies(1, 256, 4096, 1024, bf, bf)  # split-K
+        assert gemv_configs.residual_fusion_applies(1, 4096, 4096, 28672, dt, dt)
+        assert gemv_configs.residual_fusion_applies(1, 4096, 14336, 6144, dt, dt)
+    assert not gemv_configs.residual_fusion_applies(1, 256, 4096, 1024, bf, bf)  # split-K
 
 
 def test_residual_fusion_form_rule():
@@ -562,28 +558,29 @@ def test_residual_fusion_form_rule():
     consumer keeps the plain loop's registers); one row only."""
     bf = torch.bfloat16
     for dt in (bf, FP8):
-        assert gemv.residual_fusion_form(1, 576, 576, 3072, dt, dt) == "prologue"
-        assert gemv.residual_fusion_form(1, 4096, 4096, 28672, dt, dt) == "epilogue"
-        assert gemv.residual_fusion_form(1, 4096, 14336, 6144, dt, dt) == "epilogue"
-        assert gemv.residual_fusion_form(2, 4096, 4096, 28672, dt, dt) is None
+        assert gemv_configs.residual_fusion_form(1, 576, 576, 3072, dt, dt) == "prologue"
+        assert gemv_configs.residual_fusion_form(1, 4096, 4096, 28672, dt, dt) == "epilogue"
+        assert gemv_configs.residual_fusion_form(1, 4096, 14336, 6144, dt, dt) == "epilogue"
+        assert gemv_configs.residual_fusion_form(2, 4096, 4096, 28672, dt, dt) is None
 
 
 def test_norm_prologue_rule(monkeypatch):
     """On for one row at K <= NORM_PROLOGUE_MAX_K where gemv runs on CUDA-core tiles (the
     measured rule: smollm2's K 576 gained, llama-3-8b's K 4096 lost)."""
-    assert gemv.norm_prologue_applies(1, 960, 576, torch.bfloat16)  # smollm2 qkv
-    assert gemv.norm_prologue_applies(1, 3072, 576, FP8)  # smollm2 gate_up
-    assert not gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)  # over the max K
-    assert not gemv.norm_prologue_applies(2, 960, 576, torch.bfloat16)
-    monkeypatch.setattr(gemv, "NORM_PROLOGUE_MAX_K", 4096)
-    assert gemv.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
-    assert gemv.norm_prologue_applies(1, 28672, 4096, FP8)
+    assert gemv_configs.norm_prologue_applies(1, 960, 576, torch.bfloat16)  # smollm2 qkv
+    assert gemv_configs.norm_prologue_applies(1, 3072, 576, FP8)  # smollm2 gate_up
+    assert not gemv_configs.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)  # over the max K
+    assert not gemv_configs.norm_prologue_applies(2, 960, 576, torch.bfloat16)
+    monkeypatch.setattr(gemv_configs, "NORM_PROLOGUE_MAX_K", 4096)
+    assert gemv_configs.norm_prologue_applies(1, 6144, 4096, torch.bfloat16)
+    assert gemv_configs.norm_prologue_applies(1, 28672, 4096, FP8)
 
 
 def test_silu_fusion_rule():
     """SiLU-and-mul goes into the down GEMV up to SILU_FUSION_MAX_K, and for FP8 weights at
     one row whatever K (the measured rule under PDL)."""
-    assert gemv.silu_fusion_applies(1, 1536, False) and gemv.silu_fusion_applies(8, 1536, True)
-    assert not gemv.silu_fusion_applies(1, 14336, False)
-    assert gemv.silu_fusion_applies(1, 14336, True)
-    assert not gemv.silu_fusion_applies(2, 14336, True)
+    assert gemv_configs.silu_fusion_applies(1, 1536, False)
+    assert gemv_configs.silu_fusion_applies(8, 1536, True)
+    assert not gemv_configs.silu_fusion_applies(1, 14336, False)
+    assert gemv_configs.silu_fusion_applies(1, 14336, True)
+    assert not gemv_configs.silu_fusion_applies(2, 14336, True)

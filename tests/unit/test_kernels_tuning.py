@@ -10,8 +10,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are b
 import pytest
 import torch
 
-from kiln.builder import EngineSpec, Limits
-from kiln.builder.speculative import SpeculativeConfig
+from kiln.artifact.spec import EngineSpec, Limits
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.kernels import tuning
 from kiln.sources.random import PRESETS
 
@@ -207,7 +207,7 @@ def test_paged_attention_config_changes_nothing_but_speed(monkeypatch):
 def test_gemv_problems_tune_the_lm_head_in_its_engine_dtype(weights_fp8, lm_head_fp8):
     """The tuned lm_head key is the one the runtime looks up: FP8 only with an FP8 lm_head
     (kiln build --quantize-lm-head), whatever the other linears are."""
-    from kiln.runtime.kernels.gemv import tuning_key
+    from kiln.runtime.kernels.gemv_configs import tuning_key
 
     gm = tuning.registered()["gemv"]
     target = tuning.TuneTarget(TINY, Limits(max_seq_len=64, max_batch_size=2,

@@ -18,9 +18,11 @@ from helpers import hf_greedy, mixed_prompts, write_compressed_tensors
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from kiln.artifact.loader import load_engine
+from kiln.artifact.spec import QuantConfig
+from kiln.artifact.weights import FP8, FP8_MAX, quantize_per_row
 from kiln.bench.hf_baseline import build_hf_model
-from kiln.builder import QuantConfig, build_engine, load_engine
-from kiln.builder.fp8 import FP8, FP8_MAX, quantize_per_row
+from kiln.builder import build_engine
 from kiln.errors import EngineFormatError
 from kiln.eval.perplexity import window_nll
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -166,7 +168,7 @@ def test_engine_json_without_the_key_loads_as_none(tiny_hf_model, tmp_path):
 def test_format_version_is_the_oldest_that_holds_the_engine(tmp_path, monkeypatch):
     """Format 2 only for an FP8 lm_head; every other engine stays 1, readable by older kiln
     (which says "upgrade kiln" for a 2)."""
-    from kiln.builder import loader
+    from kiln.artifact import loader
 
     build_engine("random:tiny-llama", tmp_path / "plain", progress=False)
     build_engine("random:tiny-llama", tmp_path / "head", quantization=FP8_HEAD, progress=False)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kiln.builder.speculative import tokens_per_step
+from kiln.artifact.speculative import tokens_per_step
 from kiln.runtime.speculative.lookahead_math import (
     NgramPool,
     build_step_layout,

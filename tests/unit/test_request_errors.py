@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.builder.speculative import SpeculativeConfig, validate_request_window
+from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.errors import RequestError
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.guided import GuidedSpec

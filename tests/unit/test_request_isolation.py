@@ -20,8 +20,8 @@ from helpers import count_launches, mixed_prompts
 
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.guided import GuidedSpec
-from kiln.runtime.request import Request
 from kiln.runtime.layers import sampler as sampler_mod
+from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
 
 VICTIM = 2

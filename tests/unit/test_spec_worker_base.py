@@ -105,7 +105,7 @@ def test_failure_inside_save_hook_is_also_restored():
 def test_defining_step_is_rejected_at_class_creation():
     with pytest.raises(TypeError, match=r"defines step\(\).*_step_impl"):
 
-        class Bad(SpeculativeWorker):  # noqa: F841
+        class Bad(SpeculativeWorker):
             def step(self, *a, **k):
                 return None
 
@@ -117,8 +117,8 @@ def test_defining_step_is_rejected_at_class_creation():
 
     with pytest.raises(TypeError, match="defines step"):
 
-        class Bad2(Indirect):  # noqa: F841
-            step = lambda self: None  # noqa: E731
+        class Bad2(Indirect):
+            step = lambda self: None
 
 
 def test_saving_outside_step_and_nesting_raise_with_message():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.builder.speculative import (
+from kiln.artifact.speculative import (
     SpeculativeConfig,
     check_limits,
     max_draft_len,

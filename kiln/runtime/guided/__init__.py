@@ -79,7 +79,7 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[GuidedMatcher | None],
     for j, i in enumerate(rows):
         try:
             matchers[i].fill_mask(mask[j])
-        except Exception as e:  # noqa: BLE001 - its row stays all masked
+        except Exception as e:
             on_error(i, e)
     idx = torch.tensor(rows, device=logits.device)
     allowed = mask.to(logits.device, non_blocking=True)

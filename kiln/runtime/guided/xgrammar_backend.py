@@ -153,7 +153,7 @@ class XGrammarCompiler(GuidedCompiler):
                 "compile timeout; simplify it (compilation continues in the background and a "
                 "retry may hit the cache)"
             ) from None
-        except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError & co.)
+        except Exception as e:
             self._forget(spec, fut)
             msg = _XGR_PREFIX.sub("", " ".join(str(e).split())) or type(e).__name__
             if isinstance(e, ValueError) and msg.startswith(spec.kind):

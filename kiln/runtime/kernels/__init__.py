@@ -16,6 +16,11 @@ triton is installed (``kiln.runtime.kernels.available()`` says whether it is).
 | fp8_quant | ``quantize_fp8_padded`` (static or dynamic scale) | ``quantize_fp8_padded_ref`` |
 | sampling | ``sample_tokens`` (greedy argmax / Gumbel-max temperature sampling) | ``sample_tokens_ref`` |
 
+The GEMV is four files: gemv (the wrappers), gemv_kernel (the kernel and its launch),
+gemv_tiles (its tile operations) and gemv_configs (launch configs and the routing rules,
+no triton). Tuned launch configs: tuned_configs (the table a wrapper reads at launch),
+tuning (tune at build, install at load), tunable / tunables (the built-in tunables).
+
 Every kernel follows the programmatic-dependent-launch protocol of ``_pdl.py`` (checked by
 tests/unit/test_pdl_protocol.py) and compiles for sm_90 on CPU-only machines
 (tests/unit/test_kernels_compile_sm90.py).

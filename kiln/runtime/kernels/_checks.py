@@ -42,6 +42,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (``triton.cdiv``, without importing triton)."""
+    return (a + b - 1) // b
+
+
 def scale_tensor(name: str, scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A per-tensor scale as a 1-element float32 device tensor the kernel reads (no sync).
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kiln.runtime import env
-from kiln.runtime.kernels import _pdl, tuning
+from kiln.runtime.kernels import _pdl, tuned_configs
 from kiln.runtime.kernels._checks import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -193,7 +193,7 @@ def _paged_attn_kernel(
     row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
 
-    if MULTI:  # noqa: SIM102 - a compile-time branch around a runtime one
+    if MULTI:
         if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
             # split count allows): mark the partial empty for the reduce and stop
             ph = (tok * num_heads + head) * num_splits + split
@@ -333,7 +333,7 @@ def query_class(max_query_len: int, qpk: int) -> str:
 @functools.lru_cache(maxsize=256)
 def tuning_key(kv_heads: int, qpk: int, head_dim: int, dtype: torch.dtype | str,
                kv_dtype: torch.dtype | str, max_query_len: int) -> str:
-    """The key of ``tuning.lookup("paged_attention", key)``, e.g.
+    """The key of ``tuned_configs.lookup("paged_attention", key)``, e.g.
     ``kvh8-qpk4-d128-bfloat16-kvbfloat16-decode``."""
     def name(dt: torch.dtype | str) -> str:
         return str(dt).removeprefix("torch.")
@@ -367,7 +367,7 @@ def paged_attention(
     v_scale (floats or 1-element float32 device tensors, e.g.
     ``cache.k_scale[layer : layer + 1]``). num_splits fixes the key-split count (CUDA graphs
     want a static one). ``config`` forces a launch config (BLOCK_N, num_warps, num_stages,
-    tiles_per_split); by default the one tuned for this shape (``tuning.lookup``, see
+    tiles_per_split); by default the one tuned for this shape (``tuned_configs.lookup``, see
     ``tuning_key``) or ``default_config``. Returns
     [T, H, D] in q's dtype.
     """
@@ -423,7 +423,7 @@ def paged_attention(
     key = None
     if config is None:
         key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len)
-        config = tuning.lookup("paged_attention", key) or default
+        config = tuned_configs.lookup("paged_attention", key) or default
     args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
             mask_offsets, scale * LOG2E, ks, vs, max_query_len, max_context_len, num_splits)
     try:

@@ -47,7 +47,7 @@ def _sample_partial_kernel(
     # NaN is the largest value, as in torch.argmax (the first NaN wins a greedy row): without
     # this a NaN row's comparisons all fail and the winner may be a masked lane, a token id
     # past the vocabulary that the next step's embedding lookup turns into a device assert
-    x = tl.where(x == x, x, float("inf"))  # noqa: PLR0124 - x != x only for NaN
+    x = tl.where(x == x, x, float("inf"))
     if PER_ROW:
         inv_temp = tl.load(inv_temp_ptr + row)
     if inv_temp > 0:

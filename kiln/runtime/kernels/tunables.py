@@ -1,4 +1,6 @@
-"""The built-in tunables (paged_attention, gemv) registered by kiln/runtime/kernels/tuning.py.
+"""The built-in tunables, ``BUILTINS`` (paged_attention, gemv), which
+kiln/runtime/kernels/tuning.py tunes. This module imports the kernels; none imports it back
+(a kernel's wrapper finds its tuned configs in kiln/runtime/kernels/tuned_configs.py).
 
 Inputs are made once per problem (seeded, on the device) and shared by run and bench;
 ``release`` drops them. Several copies of the KV cache / weight are cycled through so a
@@ -13,12 +15,10 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.kernels.tuning import Tunable, TuneTarget, _dtype, time_cuda
-
-# ---- built-in tunables: paged_attention, gemv -------------------------------------------
-# Inputs are made once per problem (seeded, on the device) and shared by run and bench;
-# ``release`` drops them. Several copies of the KV cache / weight are cycled through so a
-# shape that fits in L2 is timed as it runs in a model (a different layer every call).
+from kiln.runtime.kernels import gemv, gemv_configs, paged_attention
+from kiln.runtime.kernels._checks import next_pow2
+from kiln.runtime.kernels.testing import random_paged_batch
+from kiln.runtime.kernels.tunable import Tunable, TuneTarget, time_cuda, torch_dtype
 
 _INPUTS: dict[str, Any] = {}
 _L2_BYTES = 192 << 20  # cycle through copies until this many bytes are touched
@@ -65,21 +65,16 @@ def _attention_problems(t: TuneTarget) -> list[dict]:
 
 
 def _attention_key(p: dict) -> str:
-    from kiln.runtime.kernels.paged_attention import tuning_key
-
-    return tuning_key(p["kv_heads"], p["heads"] // p["kv_heads"], p["head_dim"], p["dtype"],
-                      p["kv_dtype"], p["query_len"])
+    return paged_attention.tuning_key(p["kv_heads"], p["heads"] // p["kv_heads"],
+                                      p["head_dim"], p["dtype"], p["kv_dtype"], p["query_len"])
 
 
 def _attention_candidates(p: dict) -> list[dict]:
     """BLOCK_N x warps x stages at the default split rule, then the split rule per BLOCK_N
     (24 configs). 16-row tiles (decode, speculative steps) try 2 and 4 warps, 64-row 4 and 8."""
-    from kiln.runtime.kernels._checks import next_pow2
-    from kiln.runtime.kernels.paged_attention import query_class
-
     wide = next_pow2(max(p["head_dim"], 16)) > 128
     block_ns = (16, 32, 64) if wide else (32, 64, 128)
-    big = query_class(p["query_len"], p["heads"] // p["kv_heads"]) == "prefill"
+    big = paged_attention.query_class(p["query_len"], p["heads"] // p["kv_heads"]) == "prefill"
     warps = (4, 8) if big else (2, 4)
     out = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "tiles_per_split": 2}
            for bn in block_ns for w in warps for st in (1, 2, 3)]
@@ -89,10 +84,8 @@ def _attention_candidates(p: dict) -> list[dict]:
 
 
 def _attention_inputs(p: dict, device: torch.device) -> tuple:
-    from kiln.runtime.kernels.testing import random_paged_batch
-
     def make() -> tuple:
-        dtype, kv = _dtype(p["dtype"]), _dtype(p["kv_dtype"])
+        dtype, kv = torch_dtype(p["dtype"]), torch_dtype(p["kv_dtype"])
         q = p["query_len"]
         specs = [(p["context"] - q, q, bool(p["tree"]))] * p["batch"]
         b = random_paged_batch(specs, p["heads"], p["kv_heads"], p["head_dim"],
@@ -107,28 +100,24 @@ def _attention_inputs(p: dict, device: torch.device) -> tuple:
 
 
 def _attention_call(p: dict, config: dict, device: torch.device, i: int) -> torch.Tensor:
-    from kiln.runtime.kernels.paged_attention import paged_attention
-
     b, caches, scale, out = _attention_inputs(p, device)
     kc, vc = caches[i]
-    return paged_attention(
+    return paged_attention.paged_attention(
         b.q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
         p["head_dim"] ** -0.5, max_query_len=b.max_query_len,
         max_context_len=b.max_context_len, k_scale=scale, v_scale=scale, out=out,
         config=config, **b.kwargs())
 
 
-def paged_attention_tunable() -> Tunable:
-    from kiln.runtime.kernels.paged_attention import default_config
-
-    return Tunable(
-        name="paged_attention", problems=_attention_problems, key=_attention_key,
-        candidates=_attention_candidates, default=lambda p: default_config(p["head_dim"]),
-        run=lambda p, c, d: _attention_call(p, c, d, 0).clone(),
-        bench=lambda p, c, d: time_cuda(lambda i: _attention_call(p, c, d, i), d,
-                                        len(_attention_inputs(p, d)[1])),
-        release=_release,
-    )
+PAGED_ATTENTION = Tunable(
+    name="paged_attention", problems=_attention_problems, key=_attention_key,
+    candidates=_attention_candidates,
+    default=lambda p: paged_attention.default_config(p["head_dim"]),
+    run=lambda p, c, d: _attention_call(p, c, d, 0).clone(),
+    bench=lambda p, c, d: time_cuda(lambda i: _attention_call(p, c, d, i), d,
+                                    len(_attention_inputs(p, d)[1])),
+    release=_release,
+)
 
 
 def _gemv_problems(t: TuneTarget) -> list[dict]:
@@ -150,7 +139,7 @@ def _gemv_problems(t: TuneTarget) -> list[dict]:
 
 def _gemv_inputs(p: dict, device: torch.device) -> tuple:
     def make() -> tuple:
-        dtype = _dtype(p["dtype"])
+        dtype = torch_dtype(p["dtype"])
         x = torch.randn(p["m"], p["k"], device=device).to(dtype)
         w = torch.randn(p["n"], p["k"], device=device) * p["k"] ** -0.5
         fp8 = p["weight"] == "fp8"
@@ -162,26 +151,21 @@ def _gemv_inputs(p: dict, device: torch.device) -> tuple:
     return _cached(p, device, make)
 
 
-def gemv_tunable() -> Tunable | None:
-    try:
-        from kiln.runtime.kernels import gemv as g
-    except ImportError:
-        return None
-
-    def call(p: dict, c: dict, d: torch.device, i: int) -> torch.Tensor:
-        x, ws, scale = _gemv_inputs(p, d)
-        return g.gemv(x, ws[i], scale, config=c)
-
-    return Tunable(
-        name="gemv", problems=_gemv_problems,
-        key=lambda p: g.tuning_key(p["m"], p["n"], p["k"], p["weight"]),
-        candidates=lambda p: [dict(c, SPLIT_K=s) for c in g.GEMV_CONFIGS
-                              for s in g.split_candidates(p["n"], p["k"], c)],
-        default=lambda p: g.default_config(p["m"], p["n"], p["k"], p["weight"] == "fp8"),
-        run=lambda p, c, d: call(p, c, d, 0),
-        bench=lambda p, c, d: time_cuda(lambda i: call(p, c, d, i), d,
-                                        len(_gemv_inputs(p, d)[1])),
-        release=_release,
-    )
+def _gemv_call(p: dict, c: dict, d: torch.device, i: int) -> torch.Tensor:
+    x, ws, scale = _gemv_inputs(p, d)
+    return gemv.gemv(x, ws[i], scale, config=c)
 
 
+GEMV = Tunable(
+    name="gemv", problems=_gemv_problems,
+    key=lambda p: gemv_configs.tuning_key(p["m"], p["n"], p["k"], p["weight"]),
+    candidates=lambda p: [dict(c, SPLIT_K=s) for c in gemv_configs.GEMV_CONFIGS
+                          for s in gemv_configs.split_candidates(p["n"], p["k"], c)],
+    default=lambda p: gemv_configs.default_config(p["m"], p["n"], p["k"], p["weight"] == "fp8"),
+    run=lambda p, c, d: _gemv_call(p, c, d, 0),
+    bench=lambda p, c, d: time_cuda(lambda i: _gemv_call(p, c, d, i), d,
+                                    len(_gemv_inputs(p, d)[1])),
+    release=_release,
+)
+
+BUILTINS: tuple[Tunable, ...] = (PAGED_ATTENTION, GEMV)

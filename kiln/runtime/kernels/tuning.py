@@ -1,12 +1,12 @@
 """Kernel launch configs: tuned once at build, recorded in engine.json, installed at load.
 
-A ``Tunable`` describes one kernel: the problems an engine runs (shapes from its model and
-limits), a stable key per problem (what the kernel's wrapper looks up at launch), the
-candidate launch configs, a runner (one call's output) and a timer. ``tune`` picks, per key,
-the fastest candidate whose output matches the kernel's default config on the same inputs
-(a tuned config never changes results beyond rounding) and returns the engine.json section;
-``install`` makes a section's configs active in this process; ``lookup`` is what a wrapper
-calls at launch (two dict lookups; None means "use your default").
+A ``Tunable`` (kiln/runtime/kernels/tunable.py) describes one kernel: the problems an engine
+runs, a stable key per problem (what the kernel's wrapper looks up at launch), the candidate
+launch configs, a runner and a timer. ``tune`` picks, per key, the fastest candidate whose
+output matches the kernel's default config on the same inputs (a tuned config never changes
+results beyond rounding) and returns the engine.json section; ``install`` makes a section's
+configs the active ones in this process (kiln/runtime/kernels/tuned_configs.py, where a
+wrapper's ``lookup`` finds them at launch).
 
 engine.json "kernel_configs"::
 
@@ -16,12 +16,15 @@ engine.json "kernel_configs"::
      "stats": {kernel: {key: {"default_us", "best_us", "speedup", "candidates"}}},
      "skipped": {kernel: n}, "rejected": {kernel: n}}   # failed to run / output differed
 
-or ``{"tuned": false, "reason": "..."}``. Importing this module does not import triton.
+or ``{"tuned": false, "reason": "..."}``. The tunables are the built-in ones
+(kiln/runtime/kernels/tunables.py: paged_attention, gemv) and those given to ``register``.
+Importing this module does not import triton (an engine installs its configs on any machine).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import platform
@@ -29,14 +32,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.runtime.kernels import tuned_configs
+from kiln.runtime.kernels.tunable import Tunable, TuneTarget, torch_dtype
+from kiln.runtime.kernels.tuned_configs import active, clear, lookup
+
 if TYPE_CHECKING:
-    from kiln.builder.spec import Limits
+    from kiln.artifact.spec import Limits
     from kiln.config import ModelConfig
+
+__all__ = ["Tunable", "TuneTarget", "active", "clear", "close", "device_identity", "install",
+           "lookup", "num_configs", "register", "registered", "tune", "untuned"]
 
 # A non-default candidate must beat the default by this factor (geometric mean over the
 # key's problems) to be chosen: timing noise never flips a config.
@@ -46,85 +55,35 @@ WIN_MARGIN = 0.97
 TOLERANCES = {torch.bfloat16: (2**-7, 2**-8), torch.float16: (2**-10, 2**-11),
               torch.float32: (1e-4, 1e-5)}
 
-
-@dataclass(frozen=True)
-class TuneTarget:
-    """What one engine runs: everything a Tunable needs to list its problems."""
-
-    model: ModelConfig
-    limits: Limits
-    dtype: torch.dtype
-    kv_dtype: torch.dtype | None = None  # None: the engine dtype
-    weights_fp8: bool = False
-    tokens_per_step: int = 1  # > 1 with speculative decoding (1 + max_draft_len)
-    tree_mask: bool = False  # speculative steps use a tree mask (lookahead)
-    lm_head_fp8: bool = False  # the lm_head is FP8 (kiln build --quantize-lm-head)
-
-    @property
-    def kv(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
-
-
-@dataclass(frozen=True)
-class Tunable:
-    """One tunable kernel. Problems and configs are JSON-able dicts.
-
-    ``problems(target)`` lists the shapes to tune (several may share a key: the winner is
-    best over all of them); ``key(problem)`` is the string the wrapper looks up;
-    ``candidates(problem)`` the configs to try; ``default(problem)`` what the wrapper uses
-    untuned; ``run(problem, config, device)`` one call's output on seeded inputs (the same
-    inputs every time); ``bench(problem, config, device)`` seconds per call (warmup, CUDA
-    events, median). ``release()`` frees cached inputs; ``devices``: device types it tunes on.
-    """
-
-    name: str
-    problems: Callable[[TuneTarget], list[dict]]
-    key: Callable[[dict], str]
-    candidates: Callable[[dict], list[dict]]
-    bench: Callable[[dict, dict, torch.device], float]
-    default: Callable[[dict], dict]
-    run: Callable[[dict, dict, torch.device], torch.Tensor]
-    devices: tuple[str, ...] = ("cuda",)
-    release: Callable[[], None] | None = None
-
-
 _REGISTRY: dict[str, Tunable] = {}
-_ACTIVE: dict[str, dict[str, dict]] = {}
 _WARNED: set[str] = set()
 
 
 def register(t: Tunable) -> None:
-    """Add (or replace) a tunable kernel by name."""
+    """Add (or replace) a tunable kernel by name; it wins over a built-in of that name."""
     _REGISTRY[t.name] = t
 
 
 def registered() -> dict[str, Tunable]:
-    """The registered tunables, built-in ones (paged_attention, gemv if present) included."""
-    _load_builtins()
-    return dict(_REGISTRY)
+    """The tunables ``tune`` runs: the built-in ones (none without triton), then those
+    registered."""
+    return {**_builtins(), **_REGISTRY}
 
 
-def lookup(kernel: str, key: str) -> dict | None:
-    """The installed config of ``kernel`` for ``key``, or None (use the default)."""
-    configs = _ACTIVE.get(kernel)
-    return configs.get(key) if configs else None
-
-
-def active() -> dict[str, dict[str, dict]]:
-    """A copy of the configs installed in this process."""
-    return {k: dict(v) for k, v in _ACTIVE.items()}
-
-
-def clear() -> None:
-    """Forget installed configs (every kernel uses its default)."""
-    _ACTIVE.clear()
+@functools.cache
+def _builtins() -> dict[str, Tunable]:
+    try:  # the built-ins import their Triton kernels: triton is an optional dependency
+        from kiln.runtime.kernels.tunables import BUILTINS
+    except ImportError:  # no triton: nothing to tune
+        return {}
+    return {t.name: t for t in BUILTINS}
 
 
 def device_identity(device: torch.device | str) -> dict[str, Any]:
     """GPU name, compute capability, triton and torch versions of ``device``."""
     device = torch.device(device)
     try:
-        import triton
+        import triton  # optional: its version only
 
         triton_version = triton.__version__
     except ImportError:
@@ -155,7 +114,7 @@ def install(section: dict | None, device: torch.device | str) -> None:
     GPU, or with another triton major.minor, warns once (one line naming both) and leaves
     the defaults in place.
     """
-    _ACTIVE.clear()
+    tuned_configs.clear()
     if not section or not section.get("tuned"):
         return
     device = torch.device(device)
@@ -170,7 +129,7 @@ def install(section: dict | None, device: torch.device | str) -> None:
             "configs (rebuild the engine on this GPU to tune it)")
         return
     for kernel, configs in (section.get("configs") or {}).items():
-        _ACTIVE[kernel] = {str(k): dict(v) for k, v in configs.items()}
+        tuned_configs.set_configs(kernel, configs)
 
 
 def untuned(reason: str) -> dict[str, Any]:
@@ -222,8 +181,9 @@ def tune(
     default config's is rejected; neither is fatal.
     """
     device = torch.device(device)
-    target = TuneTarget(model, limits, _dtype(dtype), _dtype(kv_dtype) if kv_dtype else None,
-                        weights_fp8, tokens_per_step, tree_mask, lm_head_fp8)
+    kv = torch_dtype(kv_dtype) if kv_dtype else None
+    target = TuneTarget(model, limits, torch_dtype(dtype), kv, weights_fp8, tokens_per_step,
+                        tree_mask, lm_head_fp8)
     t0 = time.perf_counter()
     plan: list[tuple[Tunable, str, list[dict], list[dict]]] = []
     for name, t in registered().items():
@@ -276,7 +236,7 @@ def _tune_key(
     try:
         refs = [t.run(p, default, device) for p in problems]
         base = [t.bench(p, default, device) for p in problems]
-    except Exception as e:  # noqa: BLE001 - the default itself fails: leave the key untuned
+    except Exception as e:
         for _ in candidates:
             tick(label)
         return None, {"error": f"default config failed: {type(e).__name__}: {e}"[:300]}, \
@@ -297,78 +257,10 @@ def _tune_key(
                     math.log(max(x, 1e-12) / max(b, 1e-12)) for x, b in zip(times, base)))
                 if score < WIN_MARGIN and score < best_score:
                     best, best_score, best_times = cand, score, times
-        except Exception:  # noqa: BLE001 - does not compile / launch: skip it
+        except Exception:
             n_skip += 1
         tick(label)
     stat = {"default_us": [round(b * 1e6, 2) for b in base],
             "best_us": [round(b * 1e6, 2) for b in best_times],
             "speedup": round(1.0 / best_score, 3), "candidates": len(candidates)}
     return best, stat, n_skip, n_rej
-
-
-def _dtype(d: torch.dtype | str) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    dt = getattr(torch, {"fp8": "float8_e4m3fn"}.get(d, d), None)
-    if isinstance(dt, torch.dtype):
-        return dt
-    raise ValueError(f"unknown dtype {d!r}; use e.g. bfloat16, float16, float32 or fp8")
-
-
-def time_cuda(fn: Callable[[int], Any], device: torch.device, variants: int = 1,
-              reps: int = 15) -> float:
-    """Seconds per call of ``fn(i)`` (i cycles over ``variants`` input copies, so a shape
-    that fits in L2 is not timed hot): the calls are captured in a CUDA graph (no launch
-    overhead in the number) and replayed; CUDA events; median of ``reps`` replays."""
-    n = variants * max(1, -(-16 // variants))
-    fn(0)  # compile and warm up outside the graph
-    torch.cuda.synchronize(device)
-
-    def eager() -> None:
-        for i in range(n):
-            fn(i % variants)
-
-    replay = eager
-    stream = torch.cuda.Stream(device)
-    try:
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            eager()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            eager()
-        replay = graph.replay
-    except RuntimeError:
-        torch.cuda.synchronize(device)
-    for _ in range(2):
-        replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / n)
-    return statistics.median(times)
-
-
-_BUILTINS_LOADED = False
-
-
-def _load_builtins() -> None:
-    """Register paged_attention and gemv (each only when its module imports)."""
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    _BUILTINS_LOADED = True
-    from kiln.runtime.kernels import tunables
-
-    try:
-        _REGISTRY.setdefault("paged_attention", tunables.paged_attention_tunable())
-    except ImportError:  # no triton: nothing to tune
-        pass
-    gemv_t = tunables.gemv_tunable()
-    if gemv_t is not None:
-        _REGISTRY.setdefault("gemv", gemv_t)

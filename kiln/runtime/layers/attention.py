@@ -3,7 +3,8 @@
 A backend writes the step's new K/V into the cache (at ``slot_mapping``) and attends each
 sequence's queries to its cached prefix plus its in-step tokens. The in-step part is causal
 unless the sequence carries a ``step_mask`` (lookahead / verification tree masks).
-Backends are chosen by name from ``BACKENDS``.
+This module holds the interface and the torch reference; backends are chosen by name in
+kiln/runtime/layers/attention_registry.py (``get_backend``).
 """
 
 from __future__ import annotations
@@ -118,16 +119,3 @@ def _seq_mask(s: SeqAttention, device: torch.device) -> torch.Tensor:
             s.query_len, s.query_len, dtype=torch.bool, device=device
         ).tril()
     return mask
-
-
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
-
-
-def get_backend(name: str) -> AttentionBackend:
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(
-            f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}"
-        ) from None
-from kiln.runtime.layers import triton_attention as _triton  # noqa: E402,F401 (registers it)

@@ -1,6 +1,6 @@
 """Linear layers over prepared engine weights: plain (bf16/fp16/fp32) and FP8 E4M3.
 
-An FP8 linear ``prefix`` has, in the weights dict (see kiln/builder/weights.py):
+An FP8 linear ``prefix`` has, in the weights dict (see kiln/artifact/weights.py):
 
     {prefix}.weight        [N, K] float8_e4m3fn    W ~= weight.float() * weight_scale
     {prefix}.weight_scale  [] float32              per-tensor dequantization scale, or [N]:
@@ -11,7 +11,7 @@ An FP8 linear ``prefix`` has, in the weights dict (see kiln/builder/weights.py):
 
 CUDA runs ``torch._scaled_mm`` (FP8 tensor cores) after one fused Triton kernel quantizes
 the activations into an M-padded buffer (kiln/runtime/kernels/fp8_quant.py; dynamic scales
-add an amax kernel), or, at M <= 8 on large weights (``gemv.w8a8_wins``), the Triton FP8
+add an amax kernel), or, at M <= 8 on large weights (``gemv_configs.w8a8_wins``), the Triton FP8
 tensor-core skinny GEMM on the same quantized activations; everything else, and shapes
 _scaled_mm refuses, runs the dequantized matmul. Both paths quantize activations the same
 way (x -> e4m3(x / s), bit-exact), so the CPU result is the GPU result up to accumulation
@@ -20,24 +20,31 @@ float32 _scaled_mm.
 
 Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
 the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than cuBLAS
-(``gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
+(``gemv_configs.gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
 e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
 used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32
 weights, CPU and every other case keep the paths above unchanged.
+
+Each layer is a ``Linear``, made once when the model is built (``Linear.from_weights``): its
+tensors, and what its weight allows, decided then (whether the skinny GEMM and its fused
+forms can take it, and for which activation dtypes). A call decides only what depends on
+the batch: its rows against the measured rules of kiln/runtime/kernels/gemv_configs.py.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from kiln.runtime.fp8 import FP8, FP8_MAX, fp8_scale, quantize_fp8  # noqa: F401 - re-exported
-
-
-def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype == FP8
+from kiln.runtime import kernels
+from kiln.runtime.fp8 import FP8, FP8_MAX, fp8_scale, quantize_fp8
+from kiln.runtime.kernels import gemv_configs
+from kiln.runtime.kernels.gemv_configs import GEMV_DTYPES
 
 
 def scaled_mm_ok(m: int, k: int, n: int) -> bool:
@@ -60,10 +67,10 @@ def fp8_linear(
     m = x2.shape[0]
     if x.is_cuda and scaled_mm_ok(m, k, n):
         xq, x_scale = _quantize_padded(x2, input_scale)  # [M rounded up to 16, K] e4m3
-        gemv = _w8a8_gemv(m, n, k, x, weight_scale)
-        if gemv is not None:  # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
-            y = gemv.gemv(xq[:m], weight, weight_scale.reshape(-1), x_scale=x_scale,
-                          out_dtype=x.dtype)
+        if _w8a8_gemv_takes(m, n, k, x, weight_scale):
+            # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
+            y = _kernels().gemv.gemv(xq[:m], weight, weight_scale.reshape(-1),
+                                     x_scale=x_scale, out_dtype=x.dtype)
         elif weight_scale.numel() > 1:  # x's scale per tensor, then each row's scale
             y = (torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
                                   scale_b=torch.ones((), device=x.device),
@@ -89,14 +96,11 @@ def fp8_linear(
     return y.reshape(*shape[:-1], n)
 
 
-def _w8a8_gemv(m: int, n: int, k: int, x: torch.Tensor, weight_scale: torch.Tensor):
-    """The gemv module where its W8A8 form takes this GEMM (``gemv.w8a8_wins``), else None."""
-    if (x.dtype not in (torch.bfloat16, torch.float16) or weight_scale.dtype != torch.float32
-            or not _triton()):
-        return None
-    from kiln.runtime.kernels import gemv
-
-    return gemv if gemv.w8a8_wins(m, n, k) else None
+def _w8a8_gemv_takes(m: int, n: int, k: int, x: torch.Tensor,
+                     weight_scale: torch.Tensor) -> bool:
+    """Whether gemv's W8A8 form takes this GEMM (``gemv_configs.w8a8_wins``)."""
+    return (x.dtype in GEMV_DTYPES and weight_scale.dtype == torch.float32 and _triton()
+            and gemv_configs.w8a8_wins(m, n, k))
 
 
 def _quantize_padded(
@@ -106,9 +110,8 @@ def _quantize_padded(
     M % 16 too), and s: one Triton kernel (two with a dynamic scale), eager without triton."""
     xs = None if input_scale is None else input_scale.float()
     if _triton():
-        from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
-
-        return quantize_fp8_padded(x2 if x2.stride(-1) == 1 else x2.contiguous(), xs)
+        return _kernels().fp8_quant.quantize_fp8_padded(
+            x2 if x2.stride(-1) == 1 else x2.contiguous(), xs)
     x_scale = fp8_scale(x2) if xs is None else xs
     xq = quantize_fp8(x2, x_scale)
     pad = -x2.shape[0] % 16
@@ -119,149 +122,180 @@ def _quantize_padded(
 
 @functools.cache
 def _triton() -> bool:
-    from kiln.runtime.kernels import available
-
-    return available()
+    return kernels.available()
 
 
-def _kernel_operands(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
-                     prefix: str, bias: torch.Tensor | None,
-                     k: int) -> tuple[bool, torch.Tensor | None]:
-    """(whether gemv's kernels take this weight, its FP8 scale): [N, K] row-major in x's
-    dtype, or FP8 with a per-tensor float32 scale; a bias in x's dtype."""
-    fp8 = weight.dtype == FP8
-    scale = w.get(prefix + ".weight_scale") if fp8 else None
-    ok = ((fp8 or weight.dtype == x.dtype) and weight.shape[1] == k
-          and weight.stride(-1) == 1 and (bias is None or bias.dtype == x.dtype)
-          and (not fp8 or (scale is not None and scale.dtype == torch.float32
-                           and scale.numel() in (1, weight.shape[0]))))
-    return ok, scale
+class _Kernels(NamedTuple):
+    activation: ModuleType
+    fp8_quant: ModuleType
+    gemv: ModuleType
+    rms_norm: ModuleType
 
 
-def _small_m_gemv(x: torch.Tensor, weight: torch.Tensor, w: dict[str, torch.Tensor],
-                  prefix: str, bias: torch.Tensor | None,
-                  silu_and_mul: bool = False,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-    """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or not _triton():
-        return None
-    from kiln.runtime.kernels import gemv
+@functools.cache
+def _kernels() -> _Kernels:
+    """The Triton kernel modules linear launches. Imported at their first use, not with this
+    module: triton is an optional dependency, and whether its kernels run in the interpreter
+    (TRITON_INTERPRET) is fixed when they are built, at import."""
+    from kiln.runtime.kernels import activation, fp8_quant, gemv, rms_norm
 
-    k = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
-    m = x.numel() // x.shape[-1] if k else 0
-    n = weight.shape[0]
-    ok, scale = _kernel_operands(x, weight, w, prefix, bias, k)
-    if not (ok and 1 <= m <= gemv.GEMM_MAX_M and gemv.gemv_wins(m, n, k, weight.dtype == FP8)):
-        return None
-    x2 = x.reshape(m, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = gemv.gemv(x2, weight, scale, bias, silu_and_mul=silu_and_mul, out_dtype=out_dtype)
-    return y.reshape(*x.shape[:-1], n)
+    return _Kernels(activation, fp8_quant, gemv, rms_norm)
 
 
-def linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
-           silu_and_mul: bool = False, float_out: bool = False) -> torch.Tensor:
-    """The linear layer ``prefix`` of a prepared weights dict (plain or FP8, see above).
+@dataclass(frozen=True, eq=False)
+class Linear:
+    """One linear layer of a prepared weights dict (plain or FP8, see above), with the
+    kernel path its weight allows chosen once, at load (``from_weights``).
 
-    ``silu_and_mul``: x is a gate_up output [..., 2K]; the layer takes silu(gate) * up, fused
-    into the small-batch GEMV where that runs, else through the Triton activation kernel.
-    ``float_out``: the result in x's dtype, then ``.float()``; the small-batch GEMV stores
-    that float32 value itself (no conversion kernel after it).
+    ``gemv_dtypes``: the activation dtypes for which gemv's kernels take this weight on
+    CUDA: a [N, K] row-major weight in that dtype, or FP8 with a float32 scale per tensor or
+    per row; a bias in that dtype. Empty: never (a CPU weight, no triton, float32).
     """
-    weight = w[prefix + ".weight"]
-    bias = w.get(prefix + ".bias")
-    if silu_and_mul and not (x.is_cuda and _silu_fusion_applies(x, weight)):
-        x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses here
-    if x.is_cuda and weight.dtype != torch.float32:
-        y = _small_m_gemv(x, weight, w, prefix, bias, silu_and_mul,
-                          torch.float32 if float_out else None)
-        if y is not None:
-            return y
-    if silu_and_mul:  # no small-batch GEMV here: the activation kernel, then the GEMM
-        x = _silu_and_mul(x)
-    if weight.dtype != FP8:
-        y = F.linear(x, weight, bias)
-    else:
-        y = fp8_linear(x, weight, w[prefix + ".weight_scale"], w.get(prefix + ".input_scale"),
-                       bias)
-    return y.float() if float_out else y
+
+    weight: torch.Tensor  # [N, K]
+    bias: torch.Tensor | None = None  # [N]
+    weight_scale: torch.Tensor | None = None  # FP8 only: [] or [N] float32
+    input_scale: torch.Tensor | None = None  # FP8 only: static activation scale, or dynamic
+    gemv_dtypes: tuple[torch.dtype, ...] = ()
+
+    @classmethod
+    def from_weights(cls, w: dict[str, torch.Tensor], prefix: str) -> Linear:
+        """The layer ``prefix`` of ``w`` (``{prefix}.weight``, optional ``.bias``; FP8:
+        ``.weight_scale``, optional ``.input_scale``)."""
+        weight = w[prefix + ".weight"]
+        bias = w.get(prefix + ".bias")
+        scale = input_scale = None
+        if weight.dtype == FP8:
+            scale, input_scale = w.get(prefix + ".weight_scale"), w.get(prefix + ".input_scale")
+            if scale is None:
+                raise ValueError(f"{prefix}.weight is FP8 but the weights have no "
+                                 f"{prefix}.weight_scale (its dequantization scale)")
+        gemv_dtypes = _gemv_dtypes(weight, bias, scale) if weight.is_cuda and _triton() else ()
+        return cls(weight, bias, scale, input_scale, gemv_dtypes)
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight.dtype == FP8
+
+    def gemv_takes(self, x: torch.Tensor, k: int) -> bool:
+        """Whether gemv's kernels take this weight for x (its dtype, K = ``k`` columns)."""
+        return x.dtype in self.gemv_dtypes and self.weight.shape[1] == k
+
+    def __call__(self, x: torch.Tensor, silu_and_mul: bool = False,
+                 float_out: bool = False) -> torch.Tensor:
+        """y = x @ W.T (+ bias), x [..., K] in the compute dtype.
+
+        ``silu_and_mul``: x is a gate_up output [..., 2K]; the layer takes silu(gate) * up,
+        fused into the small-batch GEMV where that runs, else through the Triton activation
+        kernel. ``float_out``: the result in x's dtype, then ``.float()``; the small-batch
+        GEMV stores that float32 value itself (no conversion kernel after it).
+        """
+        if silu_and_mul and not (x.is_cuda and self._silu_fuses(x)):
+            x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses here
+        if x.is_cuda:
+            y = self._small_m_gemv(x, silu_and_mul, torch.float32 if float_out else None)
+            if y is not None:
+                return y
+        if silu_and_mul:  # no small-batch GEMV here: the activation kernel, then the GEMM
+            x = _silu_and_mul(x)
+        if not self.fp8:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        return y.float() if float_out else y
+
+    def _small_m_gemv(self, x: torch.Tensor, silu_and_mul: bool,
+                      out_dtype: torch.dtype | None) -> torch.Tensor | None:
+        """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
+        k = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
+        m = x.numel() // x.shape[-1] if k else 0
+        n = self.weight.shape[0]
+        if not (self.gemv_takes(x, k) and 1 <= m <= gemv_configs.GEMM_MAX_M
+                and gemv_configs.gemv_wins(m, n, k, self.fp8)):
+            return None
+        x2 = x.reshape(m, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = _kernels().gemv.gemv(x2, self.weight, self.weight_scale, self.bias,
+                                 silu_and_mul=silu_and_mul, out_dtype=out_dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    def _silu_fuses(self, x: torch.Tensor) -> bool:
+        """Whether the SiLU-and-mul of x goes into this layer's GEMV loads."""
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return gemv_configs.silu_fusion_applies(m, self.weight.shape[-1], self.fp8)
+
+
+def _gemv_dtypes(weight: torch.Tensor, bias: torch.Tensor | None,
+                 scale: torch.Tensor | None) -> tuple[torch.dtype, ...]:
+    """``Linear.gemv_dtypes`` of a CUDA weight (its bias, its FP8 scale)."""
+    fp8 = weight.dtype == FP8
+    if weight.stride(-1) != 1 or (fp8 and not (scale is not None and scale.dtype == torch.float32
+                                               and scale.numel() in (1, weight.shape[0]))):
+        return ()
+    return tuple(d for d in GEMV_DTYPES if (fp8 or weight.dtype == d)
+                 and (bias is None or bias.dtype == d))
 
 
 def linear_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    w: dict[str, torch.Tensor], prefix: str,
+    layer: Linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual) * norm_weight), x + residual) on the Triton path: one
-    kernel where the GEMV takes the norm as its prologue (``gemv.norm_prologue_applies``:
-    batch 1 on CUDA), else the fused add + RMSNorm kernel, then ``linear``."""
-    from kiln.runtime.kernels.rms_norm import fused_add_rms_norm
-
-    weight = w[prefix + ".weight"]
-    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and _triton():
-        from kiln.runtime.kernels import gemv
-
-        if gemv.norm_prologue_applies(x.shape[0], weight.shape[0], x.shape[1], weight.dtype):
-            bias = w.get(prefix + ".bias")
-            ok, scale = _kernel_operands(x, weight, w, prefix, bias, x.shape[1])
-            if ok and x.stride(-1) == 1 and residual.stride(-1) == 1:
-                return gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, weight, scale,
-                                              bias)
-    xn, h = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(xn, w, prefix), h
+    """(layer(rms_norm(x + residual) * norm_weight), x + residual) on the Triton path: one
+    kernel where the GEMV takes the norm as its prologue (``norm_prologue_applies``: batch 1
+    on CUDA), else the fused add + RMSNorm kernel, then the layer."""
+    if (x.is_cuda and x.dim() == 2 and layer.gemv_takes(x, x.shape[1])
+            and x.stride(-1) == 1 and residual.stride(-1) == 1
+            and gemv_configs.norm_prologue_applies(x.shape[0], layer.weight.shape[0],
+                                                   x.shape[1], layer.weight.dtype)):
+        return _kernels().gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, layer.weight,
+                                                 layer.weight_scale, layer.bias)
+    xn, h = _kernels().rms_norm.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return layer(xn), h
 
 
 def linear_residual_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
-    norm_weight: torch.Tensor, eps: float, next_prefix: str, silu_and_mul: bool = False,
+    x: torch.Tensor, residual: torch.Tensor, a: Linear, norm_weight: torch.Tensor, eps: float,
+    b: Linear, silu_and_mul: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(h) * norm_weight, next_prefix), h) with h = linear(x, prefix) +
-    residual: a projection, the residual add and the RMSNorm before the next projection
-    (o_proj -> post-attention norm -> gate_up; down -> next layer's input norm -> qkv).
+    """(b(rms_norm(h) * norm_weight), h) with h = a(x) + residual: a projection, the
+    residual add and the RMSNorm before the next projection (o_proj -> post-attention norm
+    -> gate_up; down -> next layer's input norm -> qkv).
 
-    At batch 1 on CUDA, where ``gemv.residual_fusion_form`` says so, two kernels: the first
-    GEMV adds the residual and writes per-tile sums of squares in its epilogue, the second
-    normalises as it loads (``"prologue"``) or runs on h * g and scales by 1 / rms(h) in
-    its epilogue (``"epilogue"``); no norm kernel between them. Else linear, then
+    At batch 1 on CUDA, where ``gemv_configs.residual_fusion_form`` says so, two kernels: the
+    first GEMV adds the residual and writes per-tile sums of squares in its epilogue, the
+    second normalises as it loads (``"prologue"``) or runs on h * g and scales by 1 / rms(h)
+    in its epilogue (``"epilogue"``); no norm kernel between them. Else a, then
     ``linear_add_rms_norm``."""
-    wa, wb = w[prefix + ".weight"], w[next_prefix + ".weight"]
+    wa, wb = a.weight, b.weight
     k_in = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
-    if (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and _triton() and residual.shape == (x.shape[0], wa.shape[0])):
-        from kiln.runtime.kernels import gemv
-
-        form = gemv.residual_fusion_form(x.shape[0], wa.shape[0], k_in, wb.shape[0],
-                                         wa.dtype, wb.dtype)
+    if (x.is_cuda and x.dim() == 2 and x.dtype in GEMV_DTYPES and a.gemv_dtypes
+            and residual.shape == (x.shape[0], wa.shape[0])):
+        form = gemv_configs.residual_fusion_form(x.shape[0], wa.shape[0], k_in, wb.shape[0],
+                                                 wa.dtype, wb.dtype)
         if form is not None:
-            if silu_and_mul and not _silu_fusion_applies(x, wa):
+            if silu_and_mul and not a._silu_fuses(x):
                 x, silu_and_mul = _silu_and_mul(x), False  # the activation kernel first
-            ba, bb = w.get(prefix + ".bias"), w.get(next_prefix + ".bias")
-            ok_a, sa = _kernel_operands(x, wa, w, prefix, ba, k_in)
-            ok_b, sb = _kernel_operands(residual, wb, w, next_prefix, bb, wa.shape[0])
-            if (ok_a and ok_b and x.stride(-1) == 1 and residual.stride(-1) == 1
+            if (a.gemv_takes(x, k_in) and b.gemv_takes(residual, wa.shape[0])
+                    and x.stride(-1) == 1 and residual.stride(-1) == 1
                     and norm_weight.dtype == x.dtype):
+                gemv = _kernels().gemv
                 if form == "epilogue":
                     h, hg, ss = gemv.gemv_add_residual_weighted(
-                        x, wa, sa, ba, residual, norm_weight, silu_and_mul=silu_and_mul)
-                    return gemv.gemv_rms_scaled(hg, ss, eps, wb, sb, bb), h
-                h, ss = gemv.gemv_add_residual(x, wa, sa, ba, residual,
+                        x, wa, a.weight_scale, a.bias, residual, norm_weight,
+                        silu_and_mul=silu_and_mul)
+                    return gemv.gemv_rms_scaled(hg, ss, eps, wb, b.weight_scale, b.bias), h
+                h, ss = gemv.gemv_add_residual(x, wa, a.weight_scale, a.bias, residual,
                                                silu_and_mul=silu_and_mul)
-                return gemv.gemv_prenormed(h, ss, norm_weight, eps, wb, sb, bb), h
-    y = linear(x, w, prefix, silu_and_mul=silu_and_mul)
-    return linear_add_rms_norm(y, residual, norm_weight, eps, w, next_prefix)
+                return gemv.gemv_prenormed(h, ss, norm_weight, eps, wb, b.weight_scale,
+                                           b.bias), h
+    y = a(x, silu_and_mul=silu_and_mul)
+    return linear_add_rms_norm(y, residual, norm_weight, eps, b)
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    from kiln.runtime.kernels.activation import silu_and_mul
-
+    silu_and_mul = _kernels().activation.silu_and_mul
     return silu_and_mul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
-
-
-def _silu_fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from kiln.runtime.kernels.gemv import silu_fusion_applies
-
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return silu_fusion_applies(m, weight.shape[-1], weight.dtype == FP8)
 
 
 def place_weights(

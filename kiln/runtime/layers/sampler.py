@@ -275,13 +275,13 @@ class Sampler:
 
         try:
             return run(logits, reqs)
-        except Exception:  # noqa: BLE001 - find the row it belongs to
+        except Exception:
             tokens: list[int] = []
             logprobs: list[TokenLogprob | None] = []
             for i, req in enumerate(reqs):
                 try:
                     (tok,), (lp,) = run(logits[i : i + 1], [req])
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     on_error(i, e)
                     tok, lp = INVALID_TOKEN, None
                 tokens.append(tok)

@@ -1,6 +1,6 @@
 """Triton attention backend: paged-cache KV write + paged attention kernels (CUDA).
 
-Registered as ``"triton"`` in ``BACKENDS``; the torch backend stays the default. Triton is
+Named ``"triton"`` in attention_registry.py; the torch backend stays the default. Triton is
 imported on first use, so kiln imports without it. Per step it turns the model runner's
 ``AttentionMetadata`` into device tensors once (``TritonAttentionMetadata``, reused by every
 layer of that forward) and launches two kernels per layer.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.layers.attention import BACKENDS, AttentionBackend, AttentionMetadata
+from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,3 @@ class TritonAttention(AttentionBackend):
             mask=dm.mask, mask_offsets=dm.mask_offsets, k_scale=k_scale, v_scale=v_scale,
             num_splits=dm.num_splits,
         )
-
-
-BACKENDS.setdefault("triton", TritonAttention)

@@ -2,7 +2,7 @@
 
 Covers Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
 Weights use the engine's prepared names (fused ``qkv`` and ``gate_up``), see
-kiln/builder/weights.py. Tokens of all sequences are flattened into one batch.
+kiln/artifact/weights.py. Tokens of all sequences are flattened into one batch.
 
 Two formulations of the same layer: the reference (plain torch ops, the oracle) and the
 fused one (Triton kernels: add+RMSNorm, which at batch 1 the next projection's GEMV may take
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
-from kiln.runtime.layers.linear import linear, linear_residual_norm_linear
+from kiln.runtime.layers.linear import Linear, linear_residual_norm_linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
@@ -53,6 +53,13 @@ class LlamaModel:
         # (an FP8 lm_head is one even when tied), else the tied embedding matrix
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in weights
         self.lm_head = "embed_tokens" if tied else "lm_head"
+        # each projection's kernel path, chosen once for its weight
+        self.linears = {p: Linear.from_weights(weights, p) for p in self.linear_prefixes()}
+
+    def linear_prefixes(self) -> list[str]:
+        """The linear layers' prefixes: per layer qkv, o_proj, gate_up, down; the head."""
+        return [f"layers.{i}.{n}" for i in range(self.cfg.num_layers)
+                for n in ("qkv", "o_proj", "gate_up", "down")] + [self.lm_head]
 
     def expected_names(self) -> list[str]:
         cfg = self.cfg
@@ -80,7 +87,7 @@ class LlamaModel:
         """
         if self.fused:
             return self._forward_fused(input_ids, positions, cache, meta, logit_rows)
-        cfg, w = self.cfg, self.w
+        cfg, w, lin = self.cfg, self.w, self.linears
         h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         n = len(input_ids)
@@ -91,15 +98,15 @@ class LlamaModel:
             q = Rotary.apply(q, cos, sin)
             k = Rotary.apply(k, cos, sin)
             o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
-            h = h + linear(o.reshape(n, cfg.q_size), w, p + "o_proj")
+            h = h + lin[p + "o_proj"](o.reshape(n, cfg.q_size))
             x = rms_norm(h, w[p + "post_norm.weight"], cfg.rms_norm_eps)
-            gate, up = linear(x, w, p + "gate_up").chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, w, p + "down")
+            gate, up = lin[p + "gate_up"](x).chunk(2, dim=-1)
+            h = h + lin[p + "down"](F.silu(gate) * up)
         h = rms_norm(h.index_select(0, logit_rows), w["norm.weight"], cfg.rms_norm_eps)
-        return linear(h, w, self.lm_head).float()
+        return lin[self.lm_head](h).float()
 
     def _qkv(self, x: torch.Tensor, p: str, n: int):
-        return self._split_qkv(linear(x, self.w, p + "qkv"), p, n)
+        return self._split_qkv(self.linears[p + "qkv"](x), p, n)
 
     def _split_qkv(self, qkv: torch.Tensor, p: str, n: int):
         """q, k, v [n, heads, head_dim] of the qkv projection (per-head q/k norms applied)."""
@@ -117,12 +124,12 @@ class LlamaModel:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
         from kiln.runtime.kernels.rms_norm import embed_rms_norm, gather_add_rms_norm
 
-        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        cfg, w, lin, eps = self.cfg, self.w, self.linears, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
         # the embedding rows (h, the residual) and layer 0's norm: one kernel
         x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
                               w["layers.0.input_norm.weight"], eps)
-        qkv = linear(x, w, "layers.0.qkv")
+        qkv = lin["layers.0.qkv"](x)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             q, k, v = self._split_qkv(qkv, p, n)
@@ -132,16 +139,16 @@ class LlamaModel:
             # each projection, its residual add, the RMSNorm and the next projection: two
             # GEMVs at batch 1 (the add and the statistics in the first one's epilogue)
             gate_up, h = linear_residual_norm_linear(
-                o.reshape(n, cfg.q_size), h, w, p + "o_proj", w[p + "post_norm.weight"], eps,
-                p + "gate_up")
+                o.reshape(n, cfg.q_size), h, lin[p + "o_proj"], w[p + "post_norm.weight"], eps,
+                lin[p + "gate_up"])
             if i + 1 < cfg.num_layers:
                 nxt = f"layers.{i + 1}."
                 qkv, h = linear_residual_norm_linear(
-                    gate_up, h, w, p + "down", w[nxt + "input_norm.weight"], eps, nxt + "qkv",
-                    silu_and_mul=True)
+                    gate_up, h, lin[p + "down"], w[nxt + "input_norm.weight"], eps,
+                    lin[nxt + "qkv"], silu_and_mul=True)
             else:
-                y = linear(gate_up, w, p + "down", silu_and_mul=True)
+                y = lin[p + "down"](gate_up, silu_and_mul=True)
                 # the last add, the logit rows and the final norm: one kernel
                 h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
         # float_out: the GEMV stores the float32 logits; .float() is then a no-op
-        return linear(h, w, self.lm_head, float_out=True).float()
+        return lin[self.lm_head](h, float_out=True).float()

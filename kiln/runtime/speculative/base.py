@@ -133,13 +133,13 @@ class SavedState:
             name, fn = self._restores.pop()
             try:
                 fn()
-            except BaseException as e:  # noqa: BLE001 - keep restoring the rest
+            except BaseException as e:
                 errors.append((f"restore {name}", e))
         while self._rewinds:
             name, fn = self._rewinds.pop(0)
             try:
                 fn()
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 errors.append((f"kv rewind {name}", e))
         return errors
 

@@ -51,7 +51,7 @@ def warm_layouts(window: tuple[int, int, int]) -> None:
     0..G, so no request pays for them inside its decode steps (engine start-up)."""
     w, n, g = window
     for g_actual in range(g + 1):
-        step_layout(w, n, g_actual).row_lists  # noqa: B018 - cached_property, built here
+        step_layout(w, n, g_actual).row_lists
 
 
 class LookaheadWorker(DraftWorker):

@@ -101,7 +101,7 @@ class DraftWorker(SpeculativeWorker):
                     and (req.spec_pace is None or req.spec_pace.speculating)):
                 try:
                     req.draft = self.propose(req)
-                except Exception as e:  # noqa: BLE001 - this request's state, its failure
+                except Exception as e:
                     req.draft = None
                     on_error(req, "speculative proposal", e)
 
@@ -140,7 +140,7 @@ class DraftWorker(SpeculativeWorker):
             off += logits.shape[0]
             try:
                 accepted, moves = self.verify(req, logits, argmax)
-            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+            except Exception as e:
                 on_error(req, "speculative verification", e)
                 result.tokens.pop(req, None)
                 continue

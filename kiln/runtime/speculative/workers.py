@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.builder.speculative import SpeculativeConfig, validate_request_window
+from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker

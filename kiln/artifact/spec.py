@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.builder.generation import GenerationDefaults
-from kiln.builder.speculative import SpeculativeConfig, check_limits
+from kiln.artifact.generation import GenerationDefaults
+from kiln.artifact.speculative import SpeculativeConfig, check_limits
 from kiln.config import ModelConfig
 
 # The newest engine format this kiln reads and writes. 2: an FP8 lm_head
@@ -22,6 +22,8 @@ ENGINE_FORMAT_VERSION = 2
 def format_version_for(quantization: QuantConfig) -> int:
     """The oldest engine format version that holds an engine with this quantization."""
     return 2 if quantization.lm_head != "none" else 1
+
+
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_MAX_BATCH_SIZE = 64
@@ -179,7 +181,7 @@ class EngineSpec:
     {"tuned": true, "gpu", "triton", ..., "configs": {kernel: {key: config}}} or
     {"tuned": false, "reason"}; empty in engines built before tuning existed).
     ``generation_defaults``: sampling values for the fields a request omits (see
-    kiln.builder.generation).
+    kiln.artifact.generation).
     """
 
     format_version: int

@@ -10,10 +10,15 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.builder.fp8 import FP8, is_scale_name, quantize_random
-from kiln.builder.spec import ENGINE_FORMAT_VERSION, EngineSpec
-from kiln.builder.weights import random_weights, runtime_shapes
-from kiln.builder.writer import ENGINE_JSON, TOKENIZER_DIR
+from kiln.artifact import ENGINE_JSON, TOKENIZER_DIR
+from kiln.artifact.spec import ENGINE_FORMAT_VERSION, EngineSpec
+from kiln.artifact.weights import (
+    FP8,
+    is_scale_name,
+    quantize_random,
+    random_weights,
+    runtime_shapes,
+)
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import EngineFormatError
 from kiln.sources.base import sha256_file
@@ -45,7 +50,7 @@ class EngineArtifact:
     def load_weights(
         self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        """Runtime-named tensors (see kiln.builder.weights) on ``device``.
+        """Runtime-named tensors (see kiln.artifact.weights) on ``device``.
 
         ``dtype`` defaults to the engine dtype. Random engines generate their weights here,
         deterministically from the recorded seed.

@@ -1,0 +1,26 @@
+"""The attention backends by name: ``get_backend(name)``.
+
+``"torch"``: the plain-torch reference (attention.py), the oracle every kernel is checked
+against and the CPU backend. ``"triton"``: the Triton kernels over the paged cache
+(triton_attention.py; CUDA, or Triton's CPU interpreter in tests). Which one an engine runs
+is ``RuntimeConfig.attention_backend`` (``KILN_ATTENTION_BACKEND``, kiln/runtime/env.py),
+"auto" resolved at start-up (kiln/runtime/startup.py).
+"""
+
+from __future__ import annotations
+
+from kiln.runtime.layers.attention import AttentionBackend, TorchAttention
+from kiln.runtime.layers.triton_attention import TritonAttention
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new instance of the backend ``name``; an unknown name is a ValueError listing the
+    valid ones."""
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"attention backend {name!r} is unknown; choose one of {sorted(BACKENDS)}"
+        ) from None
