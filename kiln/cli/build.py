@@ -25,9 +25,11 @@ def build(
     source: str = typer.Argument(
         ...,
         metavar="SOURCE",
-        help="Model: a local HF directory, a .gguf file, a hub id org/name, the built-in "
-        "alias smollm2-135m, or random:<preset>[:seed] (tiny-llama, tiny-qwen2, tiny-qwen3, "
-        "smollm2-135m, llama-3-8b).",
+        help="Model: a local HF directory, a .gguf file, a hub id org/name, a built-in "
+        "alias (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: real Instruct weights "
+        "stored as 4-5 bit GGUF, dequantized at build), or random:<preset>[:seed] "
+        "(tiny-llama, tiny-qwen2, tiny-qwen3, smollm2-135m, llama-3-8b, qwen2.5-0.5b, "
+        "qwen2.5-1.5b, qwen2.5-7b, llama-3-70b).",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Engine directory to write."),
     dtype: Dtype = typer.Option(Dtype.bfloat16, "--dtype", help="Weight and activation dtype."),

@@ -11,7 +11,8 @@ import typer
 def quantize(
     source: str = typer.Argument(
         ..., metavar="SOURCE",
-        help="Model: a local HF directory, a .gguf file, a hub id org/name or smollm2-135m.",
+        help="Model: a local HF directory, a .gguf file, a hub id org/name or a built-in "
+        "alias (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b).",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Checkpoint directory to write."),
     qformat: str = typer.Option(
