@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln import env
 from kiln.errors import SourceError
 from kiln.sources.umask import honour_umask
 
@@ -128,8 +129,8 @@ BUILTINS = {
 
 
 def cache_dir() -> Path:
-    """``$KILN_CACHE``, default ``~/.cache/kiln``."""
-    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
+    """``$KILN_CACHE``, default ``~/.cache/kiln`` (read by kiln/env.py)."""
+    return env.cache_dir()
 
 
 def cached_path(model: BuiltinModel) -> Path:
