@@ -115,21 +115,33 @@ def test_pool_dedup_evict_and_recency():
     pool = NgramPool(3, 2)
     pool.add([1, 2, 3])
     pool.add([1, 4, 5])
-    pool.add([1, 2, 3])  # duplicate: becomes most recent, no growth
-    assert pool.candidates(1) == [(2, 3), (4, 5)]
+    pool.add([1, 2, 3])  # duplicate: nothing changes (no refresh: the bucket is a ring)
+    assert pool.candidates(1) == [(4, 5), (2, 3)]
     assert len(pool) == 2
-    pool.add([1, 6, 7])  # evicts the oldest, (4, 5)
-    assert pool.candidates(1) == [(6, 7), (2, 3)]
-    assert [1, 4, 5] not in pool and [1, 6, 7] in pool
+    pool.add([1, 6, 7])  # overwrites the oldest write, (2, 3)
+    assert pool.candidates(1) == [(6, 7), (4, 5)]
+    assert [1, 2, 3] not in pool and [1, 6, 7] in pool
     assert pool.candidates(1, 1) == [(6, 7)]
     assert pool.candidates(99) == []
+
+
+def test_pool_keys_sharing_a_bucket_share_its_entries():
+    pool = NgramPool(2, 2, buckets=4)
+    pool.add([1, 10])
+    pool.add([5, 50])  # 5 % 4 == 1: same bucket as key 1
+    assert pool.candidates(1) == [(10,)] and pool.candidates(5) == [(50,)]
+    pool.add([9, 90])  # bucket 1 again: overwrites the oldest, key 1's entry
+    assert pool.candidates(1) == [] and pool.candidates(5) == [(50,)]
+    assert pool.candidates(9) == [(90,)]
+    with pytest.raises(ValueError, match="buckets"):
+        NgramPool(2, 2, buckets=0)
 
 
 def test_pool_seed_from_prompt():
     pool = NgramPool(3, 4)
     pool.seed_from_tokens([5, 6, 7, 5, 6, 8, 5, 6, 7])
-    # n-grams: 567 675 756 568 685 856 567(dup -> most recent)
-    assert pool.candidates(5) == [(6, 7), (6, 8)]
+    # n-grams: 567 675 756 568 685 856 567 (a duplicate: ignored)
+    assert pool.candidates(5) == [(6, 8), (6, 7)]
     assert pool.candidates(6) == [(8, 5), (7, 5)]
     assert pool.candidates(7) == [(5, 6)]
     assert pool.candidates(8) == [(5, 6)]

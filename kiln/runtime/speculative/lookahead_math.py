@@ -15,7 +15,6 @@ T = (W+g)(N-1) tokens for N > 1 (= tokens_per_step when g == G); T = 1 for N == 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -134,20 +133,39 @@ def build_step_layout(w: int, n: int, g_actual: int) -> StepLayout:
     return StepLayout(w, n, g_actual, pos, mask, window, cands)
 
 
-class NgramPool:
-    """n-gram pool of one request: key token -> (n-1)-token continuations.
+POOL_BUCKETS = 4096  # hash buckets of a request's n-gram pool (key token % buckets)
 
-    Deduplicated, at most ``g`` per key; the oldest is evicted, and re-adding an existing
-    continuation makes it the most recent. Seeded with the prompt's n-grams and fed with
-    the n-grams the lookahead branch produces (and committed output).
+
+class NgramPool:
+    """n-gram pool of one request: a fixed-size table of (key, n-1 continuation tokens).
+
+    The definition the device table (kiln/runtime/speculative/device_lookahead.py) keeps too,
+    so host and device agree entry for entry: ``buckets`` buckets of ``g`` entries each; an
+    n-gram goes to bucket ``key % buckets``. Adding an n-gram already in its bucket does
+    nothing (deduplicated); otherwise it overwrites the bucket's entry at its write cursor
+    (the oldest, once the bucket is full) and the cursor moves on. Keys that share a bucket
+    share its ``g`` entries. ``candidates(key)`` lists the bucket's entries of that key, most
+    recently written first. Seeded with the prompt's n-grams and fed with the n-grams the
+    lookahead branch produces (and committed output).
+
+    (Until 2026-12-02 the pool was a per-key LRU list: re-adding an n-gram made it the most
+    recent. A ring per bucket needs no reordering, which is what lets the device insert W+N
+    n-grams per step in place; acceptance is unchanged in practice because every candidate
+    of a key is verified each step, order only breaks ties.)
     """
 
-    def __init__(self, n: int, g: int) -> None:
-        if n < 2 or g < 0:
-            raise ValueError(f"NgramPool(n={n}, g={g}) is invalid: need n >= 2 and g >= 0")
+    def __init__(self, n: int, g: int, buckets: int = POOL_BUCKETS) -> None:
+        if n < 2 or g < 0 or buckets < 1:
+            raise ValueError(
+                f"NgramPool(n={n}, g={g}, buckets={buckets}) is invalid: need n >= 2, "
+                f"g >= 0 and buckets >= 1"
+            )
         self.n = n
         self.g = g
-        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self.buckets = buckets
+        # bucket -> [entries (key, continuation) or None] and its write cursor
+        self._table: dict[int, list[tuple[int, tuple[int, ...]] | None]] = {}
+        self._cursor: dict[int, int] = {}
 
     def add(self, ngram: Sequence[int]) -> None:
         """Insert one n-gram (key followed by n-1 tokens)."""
@@ -157,14 +175,14 @@ class NgramPool:
             )
         if self.g == 0:
             return
-        key, cont = int(ngram[0]), tuple(int(t) for t in ngram[1:])
-        bucket = self._pool.setdefault(key, OrderedDict())
-        if cont in bucket:
-            bucket.move_to_end(cont)
+        entry = (int(ngram[0]), tuple(int(t) for t in ngram[1:]))
+        h = entry[0] % self.buckets
+        bucket = self._table.setdefault(h, [None] * self.g)
+        if entry in bucket:
             return
-        bucket[cont] = None
-        while len(bucket) > self.g:
-            bucket.popitem(last=False)
+        c = self._cursor.get(h, 0)
+        bucket[c] = entry
+        self._cursor[h] = (c + 1) % self.g
 
     def seed_from_tokens(self, tokens: Iterable[int]) -> None:
         """Insert every n-gram of ``tokens`` (e.g. the prompt) in order."""
@@ -174,19 +192,27 @@ class NgramPool:
 
     def candidates(self, key: int, g: int | None = None) -> list[tuple[int, ...]]:
         """Up to ``g`` (default: the pool's g) continuations of ``key``, most recent first."""
-        bucket = self._pool.get(int(key))
-        if not bucket:
+        key = int(key)
+        h = key % self.buckets
+        bucket = self._table.get(h)
+        if bucket is None:
             return []
+        c = self._cursor[h]
+        out = []
+        for k in range(1, self.g + 1):
+            e = bucket[(c - k) % self.g]
+            if e is not None and e[0] == key:
+                out.append(e[1])
         limit = self.g if g is None else g
-        out = list(reversed(bucket))
         return out[: max(limit, 0)]
 
     def __len__(self) -> int:
-        return sum(len(b) for b in self._pool.values())
+        return sum(e is not None for b in self._table.values() for e in b)
 
     def __contains__(self, ngram: Sequence[int]) -> bool:
-        b = self._pool.get(int(ngram[0]))
-        return b is not None and tuple(int(t) for t in ngram[1:]) in b
+        key = int(ngram[0])
+        b = self._table.get(key % self.buckets)
+        return b is not None and (key, tuple(int(t) for t in ngram[1:])) in b
 
 
 def greedy_verify(
