@@ -1,0 +1,206 @@
+"""Lookahead state and step logic as batched tensor ops (issue 25, stage 1).
+
+The same algorithm as the host worker (lookahead.py with lookahead_math.py, the oracle),
+kept per request *slot* in device tensors so a speculative step can be proposed, verified
+and folded back into the state without the host:
+
+    window  [S, L, W]        the Jacobi window (L = N-1 levels; level 0 col 0 is x)
+    keys    [S, H, G]        the n-gram pool's table (``NgramPool``'s definition): bucket
+    conts   [S, H, G, N-1]   ``key % H``, G entries per bucket (key -1: empty), a write
+    cursor  [S, H]           cursor per bucket, deduplicated inserts
+    recent  [S, N-1]         the last N-1 committed tokens (x last; -1 before the prompt)
+    total   [S]              committed tokens so far (prompt included)
+
+One step of a batch of slots, for the engine's window (W, N, G) at fixed T = (W+G)(N-1)
+(candidate slots a bucket does not fill are padded and never accepted):
+
+    tokens, valid = state.propose(slots)              # the step's input ids [B, T]
+    ... forward with step_layout(W, N, G)'s mask; argmax of every row [B, T] ...
+    out = state.verify(tokens, argmax, valid)         # committed [B, N], count [B], KV rows
+    state.update(slots, tokens, argmax, out)          # window shift, pool inserts, recent
+
+Everything is tensor ops with fixed shapes and no host sync (no ``.item()``, no
+data-dependent shapes), so it runs on the CPU for tests and inside a CUDA graph later.
+Greedy verification only; sampled verification stays on the host for now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.runtime.speculative.lookahead_math import POOL_BUCKETS, NgramPool, step_layout
+
+
+@dataclass
+class StepVerdict:
+    """What one verified step commits, per request of the batch.
+
+    committed [B, N]  accepted draft tokens then the bonus token; 0 past ``count``
+    count     [B]     tokens committed (1 .. N)
+    src_rows  [B, N-1] in-step rows whose KV belongs at offsets 1 .. N-1 from x (the best
+                      candidate's rows; only the first ``count - 1`` are moved)
+    """
+
+    committed: torch.Tensor
+    count: torch.Tensor
+    src_rows: torch.Tensor
+
+
+class DeviceLookahead:
+    """Lookahead windows and n-gram pools of ``num_slots`` requests, one window (W, N, G)."""
+
+    def __init__(self, num_slots: int, window: tuple[int, int, int], device: torch.device,
+                 buckets: int = POOL_BUCKETS):
+        w, n, g = window
+        if n < 2:
+            raise ValueError(f"device lookahead needs n >= 2, got window {window}")
+        self.w, self.n, self.g, self.buckets = w, n, g, buckets
+        self.device = torch.device(device)
+        self.levels = n - 1
+        layout = step_layout(w, n, g)
+        self.num_tokens = layout.num_tokens
+        self.window_rows = layout.window_rows.to(self.device)  # [L, W]
+        self.last_rows = layout.last_level_rows.to(self.device)  # [W]
+        self.cand_rows = layout.candidate_rows.to(self.device)  # [G, N-1]
+        dev, long = self.device, torch.long
+        self.window = torch.zeros(num_slots, self.levels, w, dtype=long, device=dev)
+        self.keys = torch.full((num_slots, buckets, max(g, 1)), -1, dtype=long, device=dev)
+        self.conts = torch.zeros(num_slots, buckets, max(g, 1), n - 1, dtype=long, device=dev)
+        self.cursor = torch.zeros(num_slots, buckets, dtype=long, device=dev)
+        self.recent = torch.full((num_slots, n - 1), -1, dtype=long, device=dev)
+        self.total = torch.zeros(num_slots, dtype=long, device=dev)
+
+    # -- admission (host side, once per request) --------------------------------------------
+    def admit(self, slot: int, window: list[list[int]], pool: NgramPool,
+              tokens: list[int]) -> None:
+        """Load a request's initial state into ``slot``: its window grid ``[L][W]``, its
+        seeded host pool (the same table definition) and its tokens so far (prompt)."""
+        if (pool.n, pool.g, pool.buckets) != (self.n, self.g, self.buckets):
+            raise ValueError(f"pool (n={pool.n}, g={pool.g}, buckets={pool.buckets}) does not "
+                             f"match the device table (n={self.n}, g={self.g}, "
+                             f"buckets={self.buckets})")
+        g = max(self.g, 1)
+        keys = torch.full((self.buckets, g), -1, dtype=torch.long)
+        conts = torch.zeros(self.buckets, g, self.n - 1, dtype=torch.long)
+        cursor = torch.zeros(self.buckets, dtype=torch.long)
+        for h, bucket in pool._table.items():
+            for i, e in enumerate(bucket):
+                if e is not None:
+                    keys[h, i] = e[0]
+                    conts[h, i] = torch.tensor(e[1])
+            cursor[h] = pool._cursor.get(h, 0)
+        recent = [-1] * (self.n - 1) + list(tokens)
+        dev = self.device
+        self.window[slot] = torch.tensor(window, dtype=torch.long).to(dev)
+        self.keys[slot] = keys.to(dev)
+        self.conts[slot] = conts.to(dev)
+        self.cursor[slot] = cursor.to(dev)
+        self.recent[slot] = torch.tensor(recent[-(self.n - 1):], dtype=torch.long).to(dev)
+        self.total[slot] = len(tokens)
+
+    # -- one step --------------------------------------------------------------------------
+    def _bucket(self, slots: torch.Tensor, key: torch.Tensor):
+        """Bucket index, entries (keys [B, G], conts [B, G, N-1]) and cursor of ``key``."""
+        h = key % self.buckets
+        return h, self.keys[slots, h], self.conts[slots, h], self.cursor[slots, h]
+
+    def propose(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's input ids [B, T] (x, the window, G candidate slots) and which
+        candidate slots hold a real candidate [B, G] (the pool's entries of x, most recent
+        first, as ``NgramPool.candidates``; the rest repeat x and are never accepted)."""
+        x = self.recent[slots, -1]
+        b = slots.shape[0]
+        win = self.window[slots]
+        parts = [x[:, None], win[:, 0, 1:], win[:, 1:].reshape(b, -1)]
+        valid = torch.zeros(b, self.g, dtype=torch.bool, device=self.device)
+        if self.g:
+            _, keys, conts, cursor = self._bucket(slots, x)
+            g = self.g
+            order = (cursor[:, None] - 1 - torch.arange(g, device=self.device)) % g
+            keys = keys.gather(1, order)
+            conts = conts.gather(1, order[:, :, None].expand(-1, -1, self.n - 1))
+            hit = keys == x[:, None]
+            # stable compaction: matching entries first, in recency order
+            pos = torch.sort((~hit).to(torch.int8), dim=1, stable=True).indices
+            valid = hit.gather(1, pos)
+            cands = conts.gather(1, pos[:, :, None].expand(-1, -1, self.n - 1))
+            cands = torch.where(valid[:, :, None], cands, x[:, None, None])
+            parts.append(cands.reshape(b, -1))
+        return torch.cat(parts, dim=1), valid
+
+    def verify(self, tokens: torch.Tensor, argmax: torch.Tensor,
+               valid: torch.Tensor) -> StepVerdict:
+        """Greedy verification (``lookahead_math.greedy_verify`` per row): the longest
+        matching valid candidate (first on ties), its matched tokens plus the bonus."""
+        b, n1 = tokens.shape[0], self.n - 1
+        dev = self.device
+        x_next = argmax[:, 0]
+        if not self.g:
+            committed = torch.zeros(b, self.n, dtype=torch.long, device=dev)
+            committed[:, 0] = x_next
+            return StepVerdict(committed, torch.ones(b, dtype=torch.long, device=dev),
+                               torch.zeros(b, n1, dtype=torch.long, device=dev))
+        cand = tokens[:, self.cand_rows]  # [B, G, N-1]
+        after = argmax[:, self.cand_rows]  # model's token after each candidate token
+        target = torch.cat([x_next[:, None, None].expand(-1, self.g, 1), after[:, :, :-1]], 2)
+        match = (cand == target) & valid[:, :, None]
+        mlen = match.long().cumprod(2).sum(2)  # [B, G]
+        best = mlen.argmax(1)  # first of the longest
+        m = mlen.gather(1, best[:, None])[:, 0]
+        best_cand = cand[torch.arange(b, device=dev), best]  # [B, N-1]
+        best_after = after[torch.arange(b, device=dev), best]
+        bonus = torch.where(m > 0, best_after.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0],
+                            x_next)
+        k = torch.arange(self.n, device=dev)[None, :]
+        padded = torch.cat([best_cand, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
+        committed = torch.where(k < m[:, None], padded,
+                                torch.where(k == m[:, None], bonus[:, None], 0))
+        return StepVerdict(committed, m + 1, self.cand_rows[best])
+
+    def update(self, slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
+               verdict: StepVerdict) -> None:
+        """Fold a verified step into the slots' state, as the host worker does: insert the
+        lookahead branch's W n-grams, then the n-grams ending at each committed token;
+        shift the window one level (the top level takes the new tokens); advance ``recent``."""
+        b, n, n1 = tokens.shape[0], self.n, self.n - 1
+        dev = self.device
+        new = argmax[:, self.last_rows]  # [B, W]
+        chains = tokens[:, self.window_rows].transpose(1, 2)  # [B, W, L]
+        grams = [torch.cat([chains[:, :, :n1], new[:, :, None]], 2)]  # [B, W, N]
+        ok = [torch.ones(b, self.w, dtype=torch.bool, device=dev)]
+        seq = torch.cat([self.recent[slots], verdict.committed], 1)  # [B, 2N-1]
+        ends = torch.arange(n, device=dev)
+        idx = ends[:, None] + torch.arange(n, device=dev)[None, :]  # n-gram e = seq[e : e+N]
+        grams.append(seq[:, idx])  # [B, N, N]
+        ok.append((ends[None, :] < verdict.count[:, None]) & (seq[:, idx] >= 0).all(2))
+        self._insert(slots, torch.cat(grams, 1), torch.cat(ok, 1))
+        # recent: the last N-1 tokens of seq up to the committed count
+        take = verdict.count[:, None] + torch.arange(n1, device=dev)[None, :]
+        self.recent[slots] = seq.gather(1, take)
+        self.total[slots] += verdict.count
+        win = self.window[slots]
+        if self.levels > 1:
+            shifted = torch.cat([win[:, 1:2], win[:, 2:], new[:, None]], 1)
+        else:
+            shifted = new[:, None].clone()
+        shifted[:, 0, 0] = 0  # level 0 col 0 is x, refreshed at every proposal
+        self.window[slots] = shifted
+
+    def _insert(self, slots: torch.Tensor, grams: torch.Tensor, ok: torch.Tensor) -> None:
+        """Insert n-grams [B, K, N] (``ok`` [B, K]) in order k = 0 .. K-1, each one as
+        ``NgramPool.add``: skipped when its bucket holds it, else written at the cursor."""
+        if not self.g:
+            return
+        rows = torch.arange(slots.shape[0], device=self.device)
+        for k in range(grams.shape[1]):
+            key, cont = grams[:, k, 0], grams[:, k, 1:]
+            h, keys, conts, cursor = self._bucket(slots, key)
+            dup = ((keys == key[:, None]) & (conts == cont[:, None, :]).all(2)).any(1)
+            write = ok[:, k] & ~dup
+            old_key = keys[rows, cursor]
+            old_cont = conts[rows, cursor]
+            self.keys[slots, h, cursor] = torch.where(write, key, old_key)
+            self.conts[slots, h, cursor] = torch.where(write[:, None], cont, old_cont)
+            self.cursor[slots, h] = torch.where(write, (cursor + 1) % self.g, cursor)
