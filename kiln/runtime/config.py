@@ -48,6 +48,11 @@ class RuntimeConfig:
     # The break-even in committed tokens per speculative step; None: measured at start-up on
     # CUDA (speculative/break_even.py), and no pacing where there is nothing to measure.
     spec_break_even: float | None = None
+    # Lookahead state (window, n-gram table), proposal, greedy verification and the KV move
+    # of accepted rows on the device (kiln/runtime/speculative/device_lookahead.py) for
+    # greedy requests at the engine's window; the host worker stays for the rest.
+    device_speculation: bool = field(
+        default_factory=lambda: env_flag("KILN_DEVICE_SPECULATION", False))
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.spec_worker = make_worker(self.speculative)
+        self.spec_worker = make_worker(self.speculative, config.device_speculation,
+                                       self.scheduler.max_num_seqs, self.device)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed in the running step; reported with its outputs
@@ -162,7 +163,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None or req.is_finished:
             return
-        self.scheduler.finish(req)
+        self._finish(req)
         req.finish("abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -320,7 +321,7 @@ class LLMEngine:
                 self.fail_request(req, "updating its state after the step", e)
                 continue
             if req.is_finished:
-                self.scheduler.finish(req)
+                self._finish(req)
                 self._requests.pop(req.request_id, None)
             outputs.append(request_output(req))
         return outputs
@@ -349,6 +350,7 @@ class LLMEngine:
         for req, (first, count) in fwd.draft_rows.items():
             if not req.is_finished:
                 result.draft_logits[req] = fwd.logits[first : first + count]
+        result.draft_starts, result.slot_mapping = fwd.draft_starts, fwd.slot_mapping
         return result
 
     def fail_request(self, req: Request, stage: str, cause: BaseException | str) -> None:
@@ -361,12 +363,18 @@ class LLMEngine:
             cause = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
         req.error = f"{stage} failed: {cause}"
         req.draft = None
-        self.scheduler.finish(req)
+        self._finish(req)
         req.finish("error")
         self._requests.pop(req.request_id, None)
         self._failed.append(req)
         print(f"warning: request {req.request_id} failed ({req.error}); the engine goes on",
               file=sys.stderr, flush=True)
+
+    def _finish(self, req: Request) -> None:
+        """A request leaves the engine: its KV blocks and its speculative state go."""
+        self.scheduler.finish(req)
+        if self.spec_worker is not None and req.spec_state is not None:
+            self.spec_worker.release(req)
 
     def _device_broken(self) -> bool:
         """Whether the device still runs work after an exception (a CUDA fault is sticky:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.cuda_graph import CudaGraphRunner, report_capture_failures
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
@@ -21,11 +22,15 @@ class ForwardOutput:
 
     ``sample_rows``: requests whose step reached their last token -> their one logits row.
     ``draft_rows``: requests that ran a draft plan -> (first row, count) of the plan's rows.
+    ``draft_starts``: the same requests -> the input row of the plan's first token;
+    ``slot_mapping`` [num_tokens] (device): the cache slot each input row wrote its KV to.
     """
 
     logits: torch.Tensor
     sample_rows: dict[Request, int] = field(default_factory=dict)
     draft_rows: dict[Request, tuple[int, int]] = field(default_factory=dict)
+    draft_starts: dict[Request, int] = field(default_factory=dict)
+    slot_mapping: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -107,13 +112,16 @@ class ModelRunner:
                 seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device),
                                          step_mask=plan.step_mask))
                 out.draft_rows[req] = (len(logit_rows), n)
+                out.draft_starts[req] = q0
                 logit_rows.extend(range(q0, q0 + n))
         dev = self.device
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
+        out.slot_mapping = meta.slot_mapping
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         if input_patch is not None:  # clamped: a failed row's INVALID_TOKEN (-1) stays valid
             ids[: len(input_patch)] = input_patch
             ids[: len(input_patch)].clamp_(min=0)
+        patch_device_tokens(ids, out.draft_starts)
         out.logits = self.model.forward(
             ids,
             torch.cat(positions).to(dev),
@@ -140,6 +148,8 @@ class ModelRunner:
             ids = stager.d["input_ids"][: len(input_patch)]
             ids.copy_(input_patch)
             ids.clamp_(min=0)
+        patch_device_tokens(stager.d["input_ids"], out.draft_starts)
+        out.slot_mapping = stager.d["slots"][: st.num_tokens]
         if bucket is not None:
             out.logits = self.graphs.replay(bucket, st.num_rows)
         else:
@@ -151,3 +161,17 @@ class ModelRunner:
                                             self.cache, meta, d["logit_rows"][: st.num_rows])
         stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out
+
+
+def patch_device_tokens(input_ids: torch.Tensor, draft_starts: dict[Request, int]) -> None:
+    """Copy the tokens of plans proposed on the device into the step's input ids (one
+    scatter for all of them; placeholders were staged at those rows)."""
+    rows, toks = [], []
+    for req, q0 in draft_starts.items():
+        dt = req.draft.device_tokens
+        if dt is not None:
+            rows.append(torch.arange(q0, q0 + dt.shape[0]))
+            toks.append(dt)
+    if rows:
+        idx = to_device(torch.cat(rows).tolist(), torch.long, input_ids.device)
+        input_ids[idx] = torch.cat(toks).to(input_ids.dtype)

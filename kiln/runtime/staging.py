@@ -176,6 +176,7 @@ class StepStager:
                         plan.step_mask.cpu().numpy().reshape(-1))
                     mask_used += n * n
                 out.draft_rows[req] = (nrows, n)
+                out.draft_starts[req] = q0
                 rows[nrows : nrows + n] = np.arange(q0, q0 + n)
                 nrows += n
             q0 += n

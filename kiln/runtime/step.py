@@ -19,7 +19,9 @@ class StepResult:
     """Tokens each request commits this step, and how many of its tokens now have KV.
 
     ``advance`` overrides the scheduled token count (speculative steps keep fewer);
-    ``draft_logits`` holds draft plans' rows for the speculative worker to verify.
+    ``draft_logits`` holds draft plans' rows for the speculative worker to verify, with the
+    input row of each plan's first token (``draft_starts``) and the step's cache slot per
+    input row (``slot_mapping``, device) for the KV moves verified on the device.
     """
 
     tokens: dict[Request, list[int]] = field(default_factory=dict)
@@ -27,6 +29,8 @@ class StepResult:
     advance: dict[Request, int] = field(default_factory=dict)
     draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
     verified: set[Request] = field(default_factory=set)  # requests whose draft was verified
+    draft_starts: dict[Request, int] = field(default_factory=dict)
+    slot_mapping: torch.Tensor | None = None
 
 
 @dataclass

@@ -34,12 +34,17 @@ def _repetitive_prompts():
     return [p + p[: max(3, len(p) // 2)] + p for p in base[:4]] + base[4:]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# device_speculation: the engine window's greedy requests keep their lookahead state on the
+# device (here the CPU, the same tensor ops) and verify there; the host worker is the oracle
+@pytest.fixture(scope="module", params=[("llama", False), ("qwen3", False), ("llama", True)],
+                ids=["llama", "qwen3", "llama-device-state"])
 def la_engine(request, tiny_reference):
+    arch, on_device = request.param
     _, out = tiny_reference(
-        request.param, max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
+        arch, max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
-    return LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    return LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu",
+                                                        device_speculation=on_device))
 
 
 def test_lookahead_greedy_equals_plain_greedy_for_every_window(la_engine):
@@ -56,7 +61,8 @@ def test_lookahead_greedy_equals_plain_greedy_for_every_window(la_engine):
     la_engine.blocks.check_all_free()
 
 
-def test_mixed_windows_in_one_batch_with_preemption(tiny_reference):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-state", "device-state"])
+def test_mixed_windows_in_one_batch_with_preemption(tiny_reference, on_device):
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
@@ -64,7 +70,8 @@ def test_mixed_windows_in_one_batch_with_preemption(tiny_reference):
     prompts = _repetitive_prompts()
     plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
     small = LLMEngine.from_engine_dir(
-        out, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=80, max_num_tokens=200))
+        out, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=80, max_num_tokens=200,
+                           device_speculation=on_device))
     windows = [PLAIN, *WINDOWS, None, (4, 3, 4)]  # None: the engine's own (7,7,7)
     params = [_greedy(window=w) for w in windows]
     outs = small.generate(prompts, params)
@@ -81,12 +88,14 @@ def _kv(eng, slots):
             v.view(v.shape[0], -1, *v.shape[-2:])[:, slots].clone())
 
 
-def test_kv_after_lookahead_steps_equals_plain_forward(tiny_reference):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-state", "device-state"])
+def test_kv_after_lookahead_steps_equals_plain_forward(tiny_reference, on_device):
     _, out = tiny_reference(
         "qwen3", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", block_size=4,
-                                                       enable_prefix_caching=False))
+                                                       enable_prefix_caching=False,
+                                                       device_speculation=on_device))
     prompt = mixed_prompts()[0]
     rid = eng.add_request(prompt, _greedy(60))
     req = eng._requests[rid]
@@ -231,23 +240,36 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     eng.blocks.check_all_free()
 
 
-@pytest.mark.parametrize("fault", ["verify", "oom-in-forward"])
+@pytest.mark.parametrize("fault", ["verify", "oom-in-forward", "device-update"])
 def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, monkeypatch,
                                                                 fault):
     """The second field report: a failure inside a speculative step (an exception in one
-    request's verification, or an out-of-memory error in the batch's forward) must leave
-    nothing saved behind, and the engine goes on: a verification failure fails that request
-    alone (the others equal plain greedy), a failed forward fails the requests of that step,
-    and later requests run correctly. step() never raises for either."""
+    request's verification, an out-of-memory error in the batch's forward, or a failure
+    after the device state was advanced) must leave nothing saved behind, and the engine
+    goes on: a verification failure fails that request alone (the others equal plain
+    greedy), a failed forward or device step fails the requests of that step, and later
+    requests run correctly. step() never raises for any."""
     _, out = tiny_reference(
         "qwen3", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
-    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cpu", device_speculation=fault == "device-update"))
     prompts = _repetitive_prompts()
     plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
     worker = eng.spec_worker
     calls = {"n": 0, "victim": None}
-    if fault == "verify":
+    if fault == "device-update":
+        real_update = type(worker.device).update
+
+        def update_then_fail(self, slots, *args):
+            real_update(self, slots, *args)  # the device state has advanced
+            calls["n"] += 1
+            if calls["n"] == 3:
+                calls["victims"] = len(slots)
+                raise RuntimeError("injected failure after the device update")
+
+        monkeypatch.setattr(type(worker.device), "update", update_then_fail)
+    elif fault == "verify":
         real = type(worker).verify
 
         def flaky(self, req, logits, argmax):
@@ -280,6 +302,11 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
     if fault == "verify":
         assert failed == [calls["victim"]]
         assert "speculative verification failed: RuntimeError: injected" in done[failed[0]].error
+    elif fault == "device-update":
+        assert len(failed) == calls["victims"] > 0
+        assert all("speculative verification failed: RuntimeError: injected failure after "
+                   "the device update" in done[i].error for i in failed)
+        assert sorted(worker._free_slots) == list(range(worker.device.num_slots))
     else:
         assert failed and all("OutOfMemoryError" in done[i].error for i in failed)
     for i, want in zip(ids, plain):

@@ -60,6 +60,7 @@ def cases():
         fp8_quant,
         gemv_kernel,
         kv_write,
+        lookahead,
         paged_attention,
         rms_norm,
         rotary,
@@ -129,6 +130,13 @@ def cases():
         "PER_ROW": False, "ROW_KEYS": True, "BLOCK": 2048, "PDL": True}, samp, 4
     yield "sampling final", sampling._sample_final_kernel, {"BLOCK_P": 64, "PDL": True}, dict(
         samp, out_ptr="*i64"), 1
+    la = {"W": 7, "N": 7, "G": 7, "WL_PAD": 64, "G_PAD": 8, "N1_PAD": 8, "PDL": True}
+    la_ptrs = {a: "*i64" for a in lookahead._lookahead_commit_kernel.arg_names
+               + lookahead._lookahead_propose_kernel.arg_names if a.endswith("_ptr")}
+    yield "lookahead propose (7,7,7)", lookahead._lookahead_propose_kernel, la, dict(
+        la_ptrs, valid_ptr="*i1"), 1
+    yield "lookahead commit (7,7,7)", lookahead._lookahead_commit_kernel, dict(la, N_PAD=8), \
+        la_ptrs, 1
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
     yield "fp8 quant", fp8_quant._quant_kernel, {
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4

@@ -84,7 +84,7 @@ def run_lockstep(window, buckets, prompts, slots, vocab, steps, seed):
                 == moves, (step, b)
             accepted_any += count - 1
             req.commit(accepted, None, 1 << 30, 0.0)
-            worker.on_commit(req, len(accepted))
+            worker.on_commit(req, len(accepted), True)
             req.draft = None
             st = req.spec_state
             win = dev.window[slots[b]].clone()

@@ -15,6 +15,7 @@ triton is installed (``kiln.runtime.kernels.available()`` says whether it is).
 | gemv | ``gemv`` (M <= 8 rows, tensor-core tiles up to 128; bf16/fp16 or FP8 W8A16 weights), ``gemv_add_rms_norm`` (one row, the add + RMSNorm as its prologue) | ``gemv_ref`` |
 | fp8_quant | ``quantize_fp8_padded`` (static or dynamic scale) | ``quantize_fp8_padded_ref`` |
 | sampling | ``sample_tokens`` (greedy argmax / Gumbel-max temperature sampling) | ``sample_tokens_ref`` |
+| lookahead | ``lookahead_propose`` / ``lookahead_commit`` (a lookahead step's proposal; verification, n-gram inserts and window shift; one program per request) | ``DeviceLookahead`` (kiln/runtime/speculative/device_lookahead.py) |
 
 The GEMV is four files: gemv (the wrappers), gemv_kernel (the kernel and its launch),
 gemv_tiles (its tile operations) and gemv_configs (launch configs and the routing rules,

@@ -57,6 +57,8 @@ class DeviceLookahead:
         if n < 2:
             raise ValueError(f"device lookahead needs n >= 2, got window {window}")
         self.w, self.n, self.g, self.buckets = w, n, g, buckets
+        self.window_size = (w, n, g)
+        self.num_slots = num_slots
         self.device = torch.device(device)
         self.levels = n - 1
         layout = step_layout(w, n, g)
@@ -162,24 +164,14 @@ class DeviceLookahead:
     def update(self, slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
                verdict: StepVerdict) -> None:
         """Fold a verified step into the slots' state, as the host worker does: insert the
-        lookahead branch's W n-grams, then the n-grams ending at each committed token;
-        shift the window one level (the top level takes the new tokens); advance ``recent``."""
-        b, n, n1 = tokens.shape[0], self.n, self.n - 1
-        dev = self.device
+        lookahead branch's W n-grams, then the committed tokens (``commit_tokens``); shift
+        the window one level (the top level takes the new tokens)."""
+        b, n1 = tokens.shape[0], self.n - 1
         new = argmax[:, self.last_rows]  # [B, W]
         chains = tokens[:, self.window_rows].transpose(1, 2)  # [B, W, L]
-        grams = [torch.cat([chains[:, :, :n1], new[:, :, None]], 2)]  # [B, W, N]
-        ok = [torch.ones(b, self.w, dtype=torch.bool, device=dev)]
-        seq = torch.cat([self.recent[slots], verdict.committed], 1)  # [B, 2N-1]
-        ends = torch.arange(n, device=dev)
-        idx = ends[:, None] + torch.arange(n, device=dev)[None, :]  # n-gram e = seq[e : e+N]
-        grams.append(seq[:, idx])  # [B, N, N]
-        ok.append((ends[None, :] < verdict.count[:, None]) & (seq[:, idx] >= 0).all(2))
-        self._insert(slots, torch.cat(grams, 1), torch.cat(ok, 1))
-        # recent: the last N-1 tokens of seq up to the committed count
-        take = verdict.count[:, None] + torch.arange(n1, device=dev)[None, :]
-        self.recent[slots] = seq.gather(1, take)
-        self.total[slots] += verdict.count
+        grams = torch.cat([chains[:, :, :n1], new[:, :, None]], 2)  # [B, W, N]
+        self._insert(slots, grams, torch.ones(b, self.w, dtype=torch.bool, device=self.device))
+        self.commit_tokens(slots, verdict.committed, verdict.count)
         win = self.window[slots]
         if self.levels > 1:
             shifted = torch.cat([win[:, 1:2], win[:, 2:], new[:, None]], 1)
@@ -187,6 +179,25 @@ class DeviceLookahead:
             shifted = new[:, None].clone()
         shifted[:, 0, 0] = 0  # level 0 col 0 is x, refreshed at every proposal
         self.window[slots] = shifted
+
+    def commit_tokens(self, slots: torch.Tensor, tokens: torch.Tensor,
+                      count: torch.Tensor) -> None:
+        """Tokens committed to the slots' requests (``tokens[b, :count[b]]``, any width K):
+        insert the n-gram ending at each (once the history holds N tokens), as the host
+        worker's ``on_commit``; advance ``recent`` and ``total``. Verified steps call it
+        through ``update``; plain steps of a speculating request call it directly."""
+        n, n1 = self.n, self.n - 1
+        dev = self.device
+        k_max = tokens.shape[1]
+        seq = torch.cat([self.recent[slots], tokens.long()], 1)  # [B, N-1+K]
+        ends = torch.arange(k_max, device=dev)
+        idx = ends[:, None] + torch.arange(n, device=dev)[None, :]  # n-gram e = seq[e : e+N]
+        grams = seq[:, idx]  # [B, K, N]
+        ok = (ends[None, :] < count[:, None]) & (grams >= 0).all(2)
+        self._insert(slots, grams, ok)
+        take = count[:, None] + torch.arange(n1, device=dev)[None, :]
+        self.recent[slots] = seq.gather(1, take)
+        self.total[slots] += count
 
     def _insert(self, slots: torch.Tensor, grams: torch.Tensor, ok: torch.Tensor) -> None:
         """Insert n-grams [B, K, N] (``ok`` [B, K]) in order k = 0 .. K-1, each one as

@@ -14,14 +14,17 @@ verification alone decides what is committed.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kiln.runtime.layers.sampler import warp
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.request import Request
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.lookahead_math import (
+    POOL_BUCKETS,
     NgramPool,
     StepLayout,
     greedy_verify,
@@ -29,6 +32,7 @@ from kiln.runtime.speculative.lookahead_math import (
     verify_position,
 )
 from kiln.runtime.speculative.worker import DraftWorker
+from kiln.runtime.step import StepResult
 
 
 @dataclass
@@ -40,7 +44,10 @@ class LookaheadState:
     n: int
     g: int
     window: list[list[int]]
-    pool: NgramPool
+    pool: NgramPool | None
+    slot: int | None = None  # the DeviceLookahead slot holding this state (window, pool)
+    pending: list[int] = field(default_factory=list)  # committed by plain steps, not on
+    # the device yet (folded in before the next device proposal)
 
     def layout(self, g_actual: int) -> StepLayout:
         return step_layout(self.w, self.n, g_actual)  # shared by all requests
@@ -55,9 +62,22 @@ def warm_layouts(window: tuple[int, int, int]) -> None:
 
 
 class LookaheadWorker(DraftWorker):
-    """Proposes lookahead steps and verifies them (greedy or sampled)."""
+    """Proposes lookahead steps and verifies them (greedy or sampled).
+
+    With a ``DeviceLookahead`` (``device``), greedy requests without a grammar at its window
+    keep their window and pool in one of its slots: proposal, verification, the state update
+    and the KV move of accepted rows run as tensor ops on the device, one host read per step
+    (``propose_batch`` / ``verify_on_device``). The rest, and every request once the slots
+    are taken, use the host state (the oracle the device state is tested against).
+    """
 
     name = "lookahead"
+
+    def __init__(self, device: DeviceLookahead | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
+        self._proposed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         w, n, g = window
@@ -65,9 +85,84 @@ class LookaheadWorker(DraftWorker):
         rng = random.Random(0 if req.params.seed is None else req.params.seed)
         levels = max(n - 1, 1)
         grid = [[rng.choice(prompt) for _ in range(w)] for _ in range(levels)]
-        pool = NgramPool(n, g)
+        dev = self.device
+        on_device = (dev is not None and self._free_slots and (w, n, g) == dev.window_size
+                     and req.params.greedy and req.matcher is None)
+        pool = NgramPool(n, g, dev.buckets if on_device else POOL_BUCKETS)
         pool.seed_from_tokens(prompt)
         req.spec_state = LookaheadState(w, n, g, grid, pool)
+        if on_device:
+            slot = self._free_slots.pop()
+            dev.admit(slot, grid, pool, prompt)
+            # the device slot holds the state from here on
+            req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
+
+    def release(self, req: Request) -> None:
+        st = req.spec_state
+        if isinstance(st, LookaheadState) and st.slot is not None:
+            self._free_slots.append(st.slot)
+            st.slot = None
+
+    def propose_batch(self, reqs: list[Request], on_error) -> None:
+        """Host requests one by one; the device slots' plans in one batched proposal (after
+        their pending plain-step tokens are folded in)."""
+        on_dev = [r for r in reqs if r.spec_state.slot is not None]
+        super().propose_batch([r for r in reqs if r.spec_state.slot is None], on_error)
+        self._proposed = None
+        if not on_dev:
+            return
+        try:
+            dev = self.device
+            slots = to_device([r.spec_state.slot for r in on_dev], torch.long, dev.device)
+            pending = [r.spec_state.pending for r in on_dev]
+            if any(pending):
+                width = max(len(p) for p in pending)
+                toks = to_device([p + [0] * (width - len(p)) for p in pending], torch.long,
+                                 dev.device).view(len(on_dev), width)
+                dev.commit_tokens(slots, toks, to_device([len(p) for p in pending],
+                                                         torch.long, dev.device))
+                for r in on_dev:
+                    r.spec_state.pending = []
+            tokens, valid = dev.propose(slots)
+        except Exception as e:
+            for r in on_dev:
+                on_error(r, "speculative proposal", e)
+            return
+        self._proposed = (slots, tokens, valid)
+        layout = step_layout(*dev.window_size)
+        filler = [0] * (layout.num_tokens - 1)
+        for b, req in enumerate(on_dev):
+            req.draft = DraftPlan([req.all_token_ids[-1]] + filler, layout.position_offsets,
+                                  layout.mask, data=b, device_tokens=tokens[b])
+
+    def verify_on_device(self, reqs: list[Request], result: StepResult, cache,
+                         on_error) -> None:
+        """Greedy verification of the device plans that ran, the state update and the KV
+        move of accepted rows on the device; one host read of the committed tokens."""
+        dev = self.device
+        slots, tokens, valid = self._proposed
+        rows = [r.draft.data for r in reqs]
+        if rows != list(range(len(slots))):  # some proposed plans did not run this step
+            pick = to_device(rows, torch.long, dev.device)
+            slots, tokens, valid = slots[pick], tokens[pick], valid[pick]
+        argmax = torch.stack([result.draft_logits[r].argmax(-1) for r in reqs])
+        verdict = dev.verify(tokens, argmax, valid)
+        dev.update(slots, tokens, argmax, verdict)
+        # KV of accepted draft k (row src_rows[k]) moves to x's index + 1 + k
+        q0 = to_device([result.draft_starts[r] for r in reqs], torch.long, dev.device)
+        n1 = dev.n - 1
+        k = torch.arange(n1, device=dev.device)
+        dst_rows = q0[:, None] + 1 + k
+        src_rows = torch.where(k < verdict.count[:, None] - 1, q0[:, None] + verdict.src_rows,
+                               dst_rows)  # not accepted: a copy onto itself
+        sm = result.slot_mapping
+        cache.move_slots(sm[src_rows.reshape(-1)].long(), sm[dst_rows.reshape(-1)].long())
+        host = torch.cat([verdict.committed, verdict.count[:, None]], 1).tolist()
+        for req, row in zip(reqs, host):
+            accepted = row[: row[-1]]
+            result.tokens[req] = accepted
+            result.advance[req] = len(accepted)
+            result.verified.add(req)
 
     def propose(self, req: Request) -> DraftPlan | None:
         st: LookaheadState = req.spec_state
@@ -138,8 +233,12 @@ class LookaheadWorker(DraftWorker):
         accepted.append(tok)
         return (alive[0] if depth and alive and len(accepted) > 1 else None), accepted
 
-    def on_commit(self, req: Request, num_new: int) -> None:
+    def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
         st: LookaheadState = req.spec_state
         ids = req.all_token_ids
+        if st.slot is not None:  # device state: verified steps updated it already
+            if not verified:
+                st.pending += ids[len(ids) - num_new:]
+            return
         for end in range(max(len(ids) - num_new + 1, st.n), len(ids) + 1):
             st.pool.add(ids[end - st.n : end])

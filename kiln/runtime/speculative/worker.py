@@ -48,8 +48,27 @@ class DraftWorker(SpeculativeWorker):
         from x's index (the accepted draft's final position).
         """
 
-    def on_commit(self, req: Request, num_new: int) -> None:
-        """Called after ``num_new`` tokens were committed to ``req``."""
+    def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
+        """Called after ``num_new`` tokens were committed to ``req`` (``verified``: by a
+        verified speculative step)."""
+
+    def release(self, req: Request) -> None:
+        """``req`` finished or left the engine: free what the worker holds for it."""
+
+    def propose_batch(self, reqs: list[Request], on_error: OnError) -> None:
+        """Set ``req.draft`` for each request (all may speculate now); a proposal that
+        raises goes to ``on_error`` and the rest go on."""
+        for req in reqs:
+            try:
+                req.draft = self.propose(req)
+            except Exception as e:
+                req.draft = None
+                on_error(req, "speculative proposal", e)
+
+    def verify_on_device(self, reqs: list[Request], result: StepResult, cache: KVCache,
+                         on_error: OnError) -> None:
+        """Verify the plans proposed on the device (``DraftPlan.device_tokens``)."""
+        raise NotImplementedError(f"{type(self).__name__} proposes no plans on the device")
 
     @staticmethod
     def guided_chain(req: Request, logits: torch.Tensor, chain: list[int],
@@ -96,21 +115,17 @@ class DraftWorker(SpeculativeWorker):
     def propose_all(self, reqs: list[Request], on_error: OnError) -> None:
         """Plan the next step of every request that may speculate now; a proposal that
         raises goes to ``on_error`` (the engine fails that request) and the rest go on."""
-        for req in reqs:
+        self.propose_batch([
+            req for req in reqs
             if (req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1
-                    and (req.spec_pace is None or req.spec_pace.speculating)):
-                try:
-                    req.draft = self.propose(req)
-                except Exception as e:
-                    req.draft = None
-                    on_error(req, "speculative proposal", e)
+                and (req.spec_pace is None or req.spec_pace.speculating))], on_error)
 
     def after_commit(self, req: Request, num_new: int, verified: bool) -> None:
         """The worker's state and pacing after ``req`` committed ``num_new`` tokens
         (``verified``: in a verified speculative step)."""
         if req.spec_state is None:
             return
-        self.on_commit(req, num_new)
+        self.on_commit(req, num_new, verified)
         if req.spec_pace is not None:
             if verified:
                 req.spec_pace.on_spec_step(num_new)
@@ -128,7 +143,16 @@ class DraftWorker(SpeculativeWorker):
 
     def _step_impl(self, batch: ScheduledBatch, result: StepResult, cache: KVCache,
                    on_error: OnError) -> StepResult:
-        drafts = result.draft_logits
+        on_device = [r for r in result.draft_logits if r.draft.device_tokens is not None]
+        if on_device:
+            try:
+                self.verify_on_device(on_device, result, cache, on_error)
+            except Exception as e:
+                for req in on_device:
+                    on_error(req, "speculative verification", e)
+                    result.tokens.pop(req, None)
+        drafts = {r: lg for r, lg in result.draft_logits.items()
+                  if r.draft.device_tokens is None}
         # Every draft row's argmax in one host copy (one sync per step, not per request).
         flat = torch.cat([lg.argmax(-1) for lg in drafts.values()]).tolist() if drafts else []
         bs = cache.block_size

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import torch
+
 from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 
 
-def make_worker(spec: SpeculativeConfig) -> DraftWorker | None:
-    """The engine's speculative worker for its recorded mode (None: plain decoding)."""
+def make_worker(spec: SpeculativeConfig, on_device: bool = False, max_seqs: int = 1,
+                device: torch.device | str = "cpu") -> DraftWorker | None:
+    """The engine's speculative worker for its recorded mode (None: plain decoding);
+    ``on_device``: lookahead state of up to ``max_seqs`` greedy requests on ``device``."""
     if spec.mode == "lookahead":
         warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
-        return LookaheadWorker()
+        n = spec.lookahead[1]
+        state = (DeviceLookahead(max_seqs, spec.lookahead, torch.device(device))
+                 if on_device and n >= 2 else None)
+        return LookaheadWorker(state)
     if spec.mode == "ngram":
         return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
     return None

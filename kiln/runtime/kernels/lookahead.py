@@ -1,0 +1,309 @@
+"""Lookahead speculative decoding's per-step state logic as two Triton kernels.
+
+``DeviceLookahead`` (kiln/runtime/speculative/device_lookahead.py) keeps each request slot's
+Jacobi window, n-gram pool, last tokens and token count in device tensors and runs a step
+as batched torch ops: ``propose``, ``verify`` and ``update`` (whose ``_insert`` loop alone
+is about a dozen ops per inserted n-gram). These kernels do the same work with one program
+per request of the batch, two launches per step:
+
+    tokens, valid = lookahead_propose(state, slots)           # = state.propose(slots)
+    ... forward; argmax of every row [B, T] ...
+    verdict = lookahead_commit(state, slots, tokens, argmax)  # = state.verify(...) then
+                                                              #   state.update(...)
+
+They read and write the ``DeviceLookahead`` instance's tensors in place (window, keys,
+conts, cursor, recent, total) and return bit-identical results: the torch ops of
+device_lookahead.py are the reference, and tests/unit/test_lookahead_kernels.py runs both
+side by side (TRITON_INTERPRET) and compares every output and every state tensor after each
+step.
+
+``valid`` (which candidate slots hold a real candidate) is not an argument of the commit:
+its kernel recomputes it from the same pool lookup the proposal made (the number of entries
+of x's bucket whose key is x: the proposal compacts them to the front), before this step's
+inserts touch the pool. The pool does not change between the two launches, so this is the
+proposal's ``valid`` exactly.
+
+Per commit program, in ``update``'s order: verification (longest matching valid candidate,
+first on ties, its matched tokens plus the bonus) from the pool as it was; then the W
+lookahead n-grams and the N committed n-grams, inserted one after another with
+``NgramPool.add``'s semantics (a barrier after each, so the next one reads its writes);
+then ``recent``, ``total`` and the window shift. In-step rows come from the state's layout
+tensors (window_rows, last_rows, cand_rows); the proposal writes the same layout (x, the
+window, the candidates: lookahead_math's module docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.runtime.kernels import _pdl
+from kiln.runtime.kernels._checks import check_shape, check_tensor, next_pow2
+from kiln.runtime.kernels._pdl import pdl_begin
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
+
+INDEX_DTYPES = (torch.int64,)
+
+
+@triton.jit
+def _pymod(a, m):
+    """``a % m`` with Python's (torch's) sign: the result is in [0, m) for m > 0."""
+    r = a % m
+    return tl.where(r < 0, r + m, r)
+
+
+@triton.jit
+def _committed_at(k, ok, m, best, bonus, tok, crows_ptr, N1: tl.constexpr):
+    """committed[k] (0 past the bonus): candidate ``best``'s token k for k < m, the bonus
+    at k == m; ``ok`` masks lanes that are not read."""
+    take = ok & (k >= 0) & (k < m)
+    row = tl.load(crows_ptr + best * N1 + k, mask=take, other=0)
+    t = tl.load(tok + row, mask=take, other=0)
+    return tl.where(take, t, tl.where(k == m, bonus, 0))
+
+
+@triton.jit
+def _seq_at(i, ok, rec, m, best, bonus, tok, crows_ptr, N1: tl.constexpr):
+    """seq[i] of ``update``: the old recent tokens [N-1] then committed [N]."""
+    old = tl.load(rec + i, mask=ok & (i < N1), other=0)
+    k = i - N1  # committed[k], as _committed_at (inlined: the interpreter pays per call)
+    take = ok & (k >= 0) & (k < m)
+    row = tl.load(crows_ptr + best * N1 + k, mask=take, other=0)
+    new = tl.where(take, tl.load(tok + row, mask=take, other=0), tl.where(k == m, bonus, 0))
+    return tl.where(i < N1, old, new)
+
+
+@triton.jit
+def _insert_one(keys_ptr, conts_ptr, cursor_ptr, slot, key, cont, ok, H, GM,
+                G: tl.constexpr, N1: tl.constexpr, G_PAD: tl.constexpr, N1_PAD: tl.constexpr):
+    """``NgramPool.add`` of (key, cont [N1_PAD]) where ``ok``: nothing when the bucket holds
+    the same entry, else write it at the bucket's cursor and advance the cursor."""
+    h = key % H
+    bucket = slot * H + tl.where(h < 0, h + H, h)  # _pymod, inlined
+    i = tl.arange(0, G_PAD)
+    c = tl.arange(0, N1_PAD)
+    gm = i < G
+    cm = c < N1
+    bkeys = tl.load(keys_ptr + bucket * GM + i, mask=gm, other=0)
+    bconts = tl.load(conts_ptr + (bucket * GM + i)[:, None] * N1 + c[None, :],
+                     mask=gm[:, None] & cm[None, :], other=0)
+    diff = tl.sum(tl.where(cm[None, :] & (bconts != cont[None, :]), 1, 0), axis=1)
+    ndup = tl.sum(tl.where(gm & (bkeys == key) & (diff == 0), 1, 0), axis=0)
+    write = ok & (ndup == 0)
+    cur = tl.load(cursor_ptr + bucket)
+    tl.store(keys_ptr + bucket * GM + cur, key, mask=write)
+    # write as a block: TRITON_INTERPRET mistypes a broadcast scalar comparison of an int64
+    # (a bool flagged int64: "mask has unsupported dtype")
+    write_c = (c * 0 + tl.where(write, 1, 0)) > 0
+    tl.store(conts_ptr + (bucket * GM + cur) * N1 + c, cont, mask=write_c & cm)
+    tl.store(cursor_ptr + bucket, (cur + 1) % G, mask=write)
+
+
+@triton.jit
+def _lookahead_propose_kernel(
+    slots_ptr, window_ptr, keys_ptr, conts_ptr, cursor_ptr, recent_ptr, tokens_ptr, valid_ptr,
+    H, GM,
+    W: tl.constexpr, N: tl.constexpr, G: tl.constexpr, WL_PAD: tl.constexpr,
+    G_PAD: tl.constexpr, N1_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    N1: tl.constexpr = N - 1
+    CB: tl.constexpr = W * N1  # x and the window: rows 0 .. W(N-1)-1; candidates after
+    T: tl.constexpr = (W + G) * N1
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + b)
+    x = tl.load(recent_ptr + slot * N1 + (N1 - 1))
+    tok = tokens_ptr + b * T
+    # row l*W + j is (level l, col j): the window flattened, level 0 col 0 replaced by x
+    r = tl.arange(0, WL_PAD)
+    rm = r < CB
+    win = tl.load(window_ptr + slot * CB + r, mask=rm, other=0)
+    tl.store(tok + r, tl.where(r == 0, x, win), mask=rm)
+    if G > 0:
+        h = _pymod(x, H)
+        bucket = slot * H + h
+        cur = tl.load(cursor_ptr + bucket)
+        i = tl.arange(0, G_PAD)
+        c = tl.arange(0, N1_PAD)
+        gm = i < G
+        cm = c < N1
+        order = _pymod(cur - 1 - i, G)  # most recent first
+        keys = tl.load(keys_ptr + bucket * GM + order, mask=gm, other=0)
+        hit = gm & (keys == x)
+        nhit = tl.sum(tl.where(hit, 1, 0), axis=0)
+        # stable compaction: hit i goes to the number of hits before it
+        dest = tl.sum(tl.where(hit[None, :] & (i[None, :] < i[:, None]), 1, 0), axis=1)
+        hm = hit[:, None] & cm[None, :]
+        conts = tl.load(conts_ptr + (bucket * GM + order)[:, None] * N1 + c[None, :],
+                        mask=hm, other=0)
+        tl.store(tok + CB + dest[:, None] * N1 + c[None, :], conts, mask=hm)
+        pad = (gm & (i >= nhit))[:, None] & cm[None, :]
+        fill = tl.zeros([G_PAD, N1_PAD], dtype=tl.int64) + x
+        tl.store(tok + CB + i[:, None] * N1 + c[None, :], fill, mask=pad)
+        tl.store(valid_ptr + b * G + i, i < nhit, mask=gm)
+
+
+@triton.jit
+def _lookahead_commit_kernel(
+    slots_ptr, tokens_ptr, argmax_ptr, window_ptr, keys_ptr, conts_ptr, cursor_ptr,
+    recent_ptr, total_ptr, wrows_ptr, lrows_ptr, crows_ptr, committed_ptr, count_ptr,
+    src_ptr, stride_tok, stride_am, H, GM,
+    W: tl.constexpr, N: tl.constexpr, G: tl.constexpr, WL_PAD: tl.constexpr,
+    G_PAD: tl.constexpr, N_PAD: tl.constexpr, N1_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    N1: tl.constexpr = N - 1
+    CB: tl.constexpr = W * N1
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + b)
+    tok = tokens_ptr + b * stride_tok
+    am = argmax_ptr + b * stride_am
+    rec = recent_ptr + slot * N1
+    x = tl.load(rec + (N1 - 1))
+    x_next = tl.load(am).to(tl.int64)
+    c = tl.arange(0, N1_PAD)
+    cm = c < N1
+
+    # -- verify (greedy), from the pool as the proposal saw it ------------------------------
+    if G > 0:
+        i = tl.arange(0, G_PAD)
+        gm = i < G
+        bucket = slot * H + _pymod(x, H)
+        keys = tl.load(keys_ptr + bucket * GM + i, mask=gm, other=0)
+        nhit = tl.sum(tl.where(gm & (keys == x), 1, 0), axis=0)
+        valid = i < nhit  # the proposal put x's nhit entries first
+        m2 = gm[:, None] & cm[None, :]
+        prev = m2 & (c[None, :] > 0)
+        crow = crows_ptr + i[:, None] * N1 + c[None, :]
+        cand = tl.load(tok + tl.load(crow, mask=m2, other=0), mask=m2, other=0)
+        after_prev = tl.load(am + tl.load(crow - 1, mask=prev, other=0), mask=prev, other=0)
+        target = tl.where(c[None, :] == 0, x_next, after_prev.to(tl.int64))
+        match = (cand == target) & valid[:, None]
+        mlen = tl.min(tl.where(cm[None, :] & (match == 0), c[None, :], N1), axis=1)
+        mlen = tl.where(gm, mlen, -1)
+        m = tl.max(mlen, axis=0)
+        best = tl.min(tl.where(mlen == m, i, G_PAD), axis=0)  # first of the longest
+        has = m > 0
+        bonus_row = tl.load(crows_ptr + best * N1 + m - 1, mask=has, other=0)
+        bonus = tl.where(has, tl.load(am + bonus_row, mask=has, other=0).to(tl.int64), x_next)
+        src = tl.load(crows_ptr + best * N1 + c, mask=cm, other=0)
+    else:
+        m = (x_next * 0).to(tl.int32)
+        best = m
+        bonus = x_next
+        src = tl.zeros([N1_PAD], dtype=tl.int64)
+    k = tl.arange(0, N_PAD)
+    committed = _committed_at(k, k < N, m, best, bonus, tok, crows_ptr, N1)
+    tl.store(committed_ptr + b * N + k, committed, mask=k < N)
+    tl.store(count_ptr + b, (m + 1).to(tl.int64))
+    tl.store(src_ptr + b * N1 + c, src, mask=cm)
+
+    # -- inserts, in update()'s order: W lookahead n-grams, then N committed n-grams --------
+    if G > 0:
+        tl.debug_barrier()  # verification read the bucket before any insert writes it
+        yes = tl.full([], 1, dtype=tl.int1)
+        for e in tl.static_range(W + N):
+            if e < W:
+                # column e's chain (levels 0 .. N-2) and the last level's output token
+                key = tl.load(tok + tl.load(wrows_ptr + e))
+                up = cm & (c + 1 < N1)
+                wrow = tl.load(wrows_ptr + (c + 1) * W + e, mask=up, other=0)
+                new = tl.load(am + tl.load(lrows_ptr + e)).to(tl.int64)
+                cont = tl.where(c + 1 < N1, tl.load(tok + wrow, mask=up, other=0), new)
+                ok = yes
+            else:
+                # n-gram ending at committed token e - W: seq[e-W .. e-W+N-1]
+                ce = e - W
+                first = _seq_at(ce + c, c == 0, rec, m, best, bonus, tok, crows_ptr, N1)
+                key = tl.sum(tl.where(c == 0, first, 0), axis=0)
+                cont = _seq_at(ce + 1 + c, cm, rec, m, best, bonus, tok, crows_ptr, N1)
+                neg = tl.sum(tl.where(cm & (cont < 0), 1, 0), axis=0)
+                ok = (ce < m + 1) & (key >= 0) & (neg == 0)
+            _insert_one(keys_ptr, conts_ptr, cursor_ptr, slot, key, cont, ok, H, GM,
+                        G, N1, G_PAD, N1_PAD)
+            tl.debug_barrier()  # the next insert reads this one's writes
+
+    # -- recent, total, window shift --------------------------------------------------------
+    recent = _seq_at(m + 1 + c, cm, rec, m, best, bonus, tok, crows_ptr, N1)
+    r = tl.arange(0, WL_PAD)
+    rm = r < CB
+    lower = rm & (r + W < CB)  # level l < N-2 takes level l+1
+    wptr = window_ptr + slot * CB + r
+    up_win = tl.load(wptr + W, mask=lower, other=0)
+    last = tl.load(am + tl.load(lrows_ptr + r % W, mask=rm, other=0), mask=rm, other=0)
+    shifted = tl.where(lower, up_win, last.to(tl.int64))
+    shifted = tl.where(r == 0, 0, shifted)  # level 0 col 0 is x, refreshed at proposal
+    total = tl.load(total_ptr + slot)
+    tl.debug_barrier()  # every read of the old recent and window is done
+    tl.store(rec + c, recent, mask=cm)
+    tl.store(total_ptr + slot, total + (m + 1).to(tl.int64))
+    tl.store(wptr, shifted, mask=rm)
+
+
+def _check_state(state: DeviceLookahead, slots: torch.Tensor) -> None:
+    dev = state.window.device
+    for name in ("window", "keys", "conts", "cursor", "recent", "total"):
+        t = getattr(state, name)
+        check_tensor(f"state.{name}", t, dtypes=INDEX_DTYPES, device=dev)
+        if not t.is_contiguous():
+            raise ValueError(f"state.{name} must be contiguous")
+    check_tensor("slots", slots, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+
+
+def _pads(state: DeviceLookahead) -> dict:
+    w, n, g = state.w, state.n, state.g
+    return {"W": w, "N": n, "G": g, "WL_PAD": next_pow2(w * (n - 1)),
+            "G_PAD": next_pow2(max(g, 1)), "N1_PAD": next_pow2(n - 1)}
+
+
+def lookahead_propose(state: DeviceLookahead,
+                      slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``state.propose(slots)`` in one launch: the step's input ids [B, T] (long) and which
+    candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct."""
+    _check_state(state, slots)
+    b, dev = slots.shape[0], state.window.device
+    tokens = torch.empty(b, state.num_tokens, dtype=torch.long, device=dev)
+    valid = torch.empty(b, state.g, dtype=torch.bool, device=dev)
+    if b:
+        _lookahead_propose_kernel[(b,)](
+            slots, state.window, state.keys, state.conts, state.cursor, state.recent, tokens,
+            valid if state.g else tokens,  # no candidate columns: never touched
+            state.buckets, state.keys.shape[2],
+            **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
+        )
+    return tokens, valid
+
+
+def lookahead_commit(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.Tensor,
+                     argmax: torch.Tensor) -> StepVerdict:
+    """``state.verify(tokens, argmax, valid)`` then ``state.update(slots, tokens, argmax,
+    verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for these
+    ``tokens`` (recomputed from the pool, which must not have changed since). ``tokens`` [B, T]
+    long from the proposal, ``argmax`` [B, T] int64/int32 (the model's greedy token after
+    each row). Returns the verdict; the state is updated in place."""
+    _check_state(state, slots)
+    dev = state.window.device
+    b, t = slots.shape[0], state.num_tokens
+    check_tensor("tokens", tokens, ndim=2, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("argmax", argmax, ndim=2, dtypes=(torch.int64, torch.int32), device=dev)
+    check_shape("tokens", tokens, (b, t))
+    check_shape("argmax", argmax, (b, t))
+    n = state.n
+    committed = torch.empty(b, n, dtype=torch.long, device=dev)
+    count = torch.empty(b, dtype=torch.long, device=dev)
+    src_rows = torch.empty(b, n - 1, dtype=torch.long, device=dev)
+    if b:
+        rows = (state.window_rows, state.last_rows,
+                state.cand_rows if state.g else state.last_rows)  # g == 0: never read
+        for name, r in zip(("window_rows", "last_rows", "cand_rows"), rows):
+            check_tensor(f"state.{name}", r, dtypes=INDEX_DTYPES, device=dev)
+            if not r.is_contiguous():
+                raise ValueError(f"state.{name} must be contiguous")
+        _lookahead_commit_kernel[(b,)](
+            slots, tokens, argmax, state.window, state.keys, state.conts, state.cursor,
+            state.recent, state.total, *rows, committed, count, src_rows,
+            tokens.stride(0), argmax.stride(0), state.buckets, state.keys.shape[2],
+            N_PAD=next_pow2(n), **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
+        )
+    return StepVerdict(committed, count, src_rows)

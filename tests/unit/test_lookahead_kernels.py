@@ -1,0 +1,140 @@
+"""Lookahead step kernels (kiln/runtime/kernels/lookahead.py) vs the torch ops they replace
+(DeviceLookahead.propose / verify / update), on Triton's CPU interpreter.
+
+Two identical DeviceLookahead states run the same steps side by side, one through the torch
+ops and one through the kernels, with a stand-in model whose greedy token after any row is
+a bigram table of that row's token (so the pool learns chains and candidates get accepted).
+After every step the proposal, the verdict and every state tensor must be equal exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are built on import)
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_propose
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead
+from kiln.runtime.speculative.lookahead_math import NgramPool
+
+STATE = ("window", "keys", "conts", "cursor", "recent", "total")
+NUM_SLOTS = 5
+SLOTS = [3, 0, 4]  # slots 1 and 2 stay idle: the kernels must not touch them
+
+
+def make_states(window, buckets, rng, vocab):
+    w, n, g = window
+    ref = DeviceLookahead(NUM_SLOTS, window, torch.device("cpu"), buckets=buckets)
+    # prompts of 1 token (recent starts with -1s), a few, and many (full buckets)
+    for slot, length in zip(range(NUM_SLOTS), (1, 3, 9, 30, 12)):
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        pool = NgramPool(n, g, buckets=buckets)
+        pool.seed_from_tokens(prompt)
+        grid = [[rng.randrange(vocab) for _ in range(w)] for _ in range(n - 1)]
+        ref.admit(slot, grid, pool, prompt)
+    dut = DeviceLookahead(NUM_SLOTS, window, torch.device("cpu"), buckets=buckets)
+    for name in STATE:
+        getattr(dut, name).copy_(getattr(ref, name))
+    return ref, dut
+
+
+def assert_same_state(ref, dut, where):
+    for name in STATE:
+        a, b = getattr(ref, name), getattr(dut, name)
+        assert torch.equal(a, b), (where, name, (a != b).nonzero()[:8].tolist())
+
+
+def lockstep(ref, dut, slots, model, steps):
+    """Run ``steps`` steps through the torch ops (ref) and the kernels (dut); compare every
+    output and every state tensor after each. Returns the torch verdicts."""
+    verdicts = []
+    for step in range(steps):
+        tokens, valid = ref.propose(slots)
+        k_tokens, k_valid = lookahead_propose(dut, slots)
+        assert torch.equal(tokens, k_tokens), step
+        assert torch.equal(valid, k_valid), step
+        assert_same_state(ref, dut, (step, "propose"))
+        argmax = model(tokens, step)
+        verdict = ref.verify(tokens, argmax, valid)
+        ref.update(slots, tokens, argmax, verdict)
+        k_verdict = lookahead_commit(dut, slots, k_tokens, argmax)
+        assert torch.equal(verdict.committed, k_verdict.committed), step
+        assert torch.equal(verdict.count, k_verdict.count), step
+        assert torch.equal(verdict.src_rows, k_verdict.src_rows), step
+        assert_same_state(ref, dut, (step, "commit"))
+        verdicts.append(verdict)
+    return verdicts
+
+
+@pytest.mark.parametrize("window", [(4, 4, 4), (7, 7, 7), (2, 2, 1), (3, 3, 0), (5, 3, 2)])
+@pytest.mark.parametrize("buckets", [4096, 5])
+def test_kernel_steps_equal_the_torch_ops(window, buckets):
+    rng = random.Random(window[0] * 1000 + window[1] * 100 + window[2] * 10 + buckets)
+    vocab = 10
+    bigram = torch.tensor([rng.randrange(vocab) for _ in range(vocab)])
+    noise = {t: rng.randrange(vocab) for t in range(vocab) if rng.random() < 0.2}
+
+    def model(tokens, step):
+        out = bigram[tokens]
+        if step % 2:  # noisy tokens answer differently on odd steps
+            for t, v in noise.items():
+                out = torch.where(tokens == t, v, out)
+        return out
+
+    ref, dut = make_states(window, buckets, rng, vocab)
+    verdicts = lockstep(ref, dut, torch.tensor(SLOTS), model, steps=10)
+    accepted = sum(int((v.count - 1).sum()) for v in verdicts)
+    if window[2]:  # the comparison covered accepted drafts, not only bonus tokens
+        assert accepted > 0
+
+
+def test_ties_go_to_the_first_longest_candidate():
+    """x = 1's candidates, most recent first: (2,6,7) (2,3,5) (2,3,4); the model's chain is
+    1 -> 2 -> 3 -> 9, so the last two tie at 2 matched tokens and the first of them wins."""
+    window, buckets = (3, 4, 4), 5
+    bigram = torch.tensor([4, 2, 3, 9, 6, 0, 7, 1, 5, 8])
+    states = []
+    for _ in range(2):
+        st = DeviceLookahead(2, window, torch.device("cpu"), buckets=buckets)
+        pool = NgramPool(4, 4, buckets=buckets)
+        for gram in ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 6, 7), (6, 0, 7, 1)):  # 6: bucket 1
+            pool.add(gram)
+        st.admit(1, [[5, 8, 0], [6, 2, 7], [3, 3, 9]], pool, [8, 1])
+        states.append(st)
+    verdicts = lockstep(*states, torch.tensor([1]), lambda t, _: bigram[t], steps=3)
+    assert verdicts[0].committed.tolist() == [[2, 3, 9, 0]]
+    assert verdicts[0].src_rows.tolist() == [states[0].cand_rows[1].tolist()]
+
+
+def test_commit_accepts_int32_argmax_and_strided_rows():
+    rng = random.Random(7)
+    ref, dut = make_states((3, 4, 3), 5, rng, 6)
+    slots = torch.tensor([2, 4])
+    for step in range(4):
+        tokens, valid = ref.propose(slots)
+        k_tokens, _ = lookahead_propose(dut, slots)
+        argmax = (tokens * 5 + 1) % 6
+        ref.update(slots, tokens, argmax, ref.verify(tokens, argmax, valid))
+        wide = torch.zeros(2, tokens.shape[1] + 3, dtype=torch.int32)
+        wide[:, : tokens.shape[1]] = argmax
+        lookahead_commit(dut, slots, k_tokens, wide[:, : tokens.shape[1]])
+        assert_same_state(ref, dut, step)
+
+
+def test_empty_batch_and_bad_arguments():
+    dut = DeviceLookahead(2, (2, 3, 2), torch.device("cpu"), buckets=5)
+    tokens, valid = lookahead_propose(dut, torch.empty(0, dtype=torch.long))
+    assert tokens.shape == (0, dut.num_tokens) and valid.shape == (0, 2)
+    v = lookahead_commit(dut, torch.empty(0, dtype=torch.long), tokens, tokens)
+    assert v.committed.shape == (0, 3)
+    with pytest.raises(ValueError, match="tokens has shape"):
+        lookahead_commit(dut, torch.tensor([0]), tokens, tokens)
+    with pytest.raises(ValueError, match="slots has dtype"):
+        lookahead_propose(dut, torch.tensor([0], dtype=torch.int32))
