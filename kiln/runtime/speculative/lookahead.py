@@ -123,7 +123,12 @@ class LookaheadWorker(DraftWorker):
                                                          torch.long, dev.device))
                 for r in on_dev:
                     r.spec_state.pending = []
-            tokens, valid = dev.propose(slots)
+            if dev.device.type == "cuda":  # one launch instead of the torch ops
+                from kiln.runtime.kernels.lookahead import lookahead_propose
+
+                tokens, valid = lookahead_propose(dev, slots)
+            else:
+                tokens, valid = dev.propose(slots)
         except Exception as e:
             for r in on_dev:
                 on_error(r, "speculative proposal", e)
@@ -146,8 +151,13 @@ class LookaheadWorker(DraftWorker):
             pick = to_device(rows, torch.long, dev.device)
             slots, tokens, valid = slots[pick], tokens[pick], valid[pick]
         argmax = torch.stack([result.draft_logits[r].argmax(-1) for r in reqs])
-        verdict = dev.verify(tokens, argmax, valid)
-        dev.update(slots, tokens, argmax, verdict)
+        if dev.device.type == "cuda":  # verification and the state update in one launch
+            from kiln.runtime.kernels.lookahead import lookahead_commit
+
+            verdict = lookahead_commit(dev, slots, tokens, argmax)
+        else:
+            verdict = dev.verify(tokens, argmax, valid)
+            dev.update(slots, tokens, argmax, verdict)
         # KV of accepted draft k (row src_rows[k]) moves to x's index + 1 + k
         q0 = to_device([result.draft_starts[r] for r in reqs], torch.long, dev.device)
         n1 = dev.n - 1
