@@ -21,20 +21,6 @@ from kiln.runtime.speculative.lookahead import LookaheadWorker
 from kiln.runtime.speculative.lookahead_math import NgramPool
 
 
-def host_table(pool: NgramPool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = max(pool.g, 1)
-    keys = torch.full((pool.buckets, g), -1, dtype=torch.long)
-    conts = torch.zeros(pool.buckets, g, pool.n - 1, dtype=torch.long)
-    cursor = torch.zeros(pool.buckets, dtype=torch.long)
-    for h, bucket in pool._table.items():
-        for i, e in enumerate(bucket):
-            if e is not None:
-                keys[h, i] = e[0]
-                conts[h, i] = torch.tensor(e[1])
-        cursor[h] = pool._cursor[h]
-    return keys, conts, cursor
-
-
 def run_lockstep(window, buckets, prompts, slots, vocab, steps, seed):
     rng = random.Random(seed)
     bigram = torch.tensor([rng.randrange(vocab) for _ in range(vocab)])
@@ -91,7 +77,7 @@ def run_lockstep(window, buckets, prompts, slots, vocab, steps, seed):
             host_win = torch.tensor(st.window)
             win[0, 0] = host_win[0, 0] = 0  # x's cell: never read
             assert torch.equal(win, host_win), (step, b)
-            keys, conts, cursor = host_table(st.pool)
+            keys, conts, cursor = st.pool.to_tensors()
             assert torch.equal(dev.keys[slots[b]], keys), (step, b)
             assert torch.equal(dev.conts[slots[b]][keys >= 0], conts[keys >= 0]), (step, b)
             assert torch.equal(dev.cursor[slots[b]], cursor), (step, b)

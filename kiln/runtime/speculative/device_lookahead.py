@@ -83,16 +83,7 @@ class DeviceLookahead:
             raise ValueError(f"pool (n={pool.n}, g={pool.g}, buckets={pool.buckets}) does not "
                              f"match the device table (n={self.n}, g={self.g}, "
                              f"buckets={self.buckets})")
-        g = max(self.g, 1)
-        keys = torch.full((self.buckets, g), -1, dtype=torch.long)
-        conts = torch.zeros(self.buckets, g, self.n - 1, dtype=torch.long)
-        cursor = torch.zeros(self.buckets, dtype=torch.long)
-        for h, bucket in pool._table.items():
-            for i, e in enumerate(bucket):
-                if e is not None:
-                    keys[h, i] = e[0]
-                    conts[h, i] = torch.tensor(e[1])
-            cursor[h] = pool._cursor.get(h, 0)
+        keys, conts, cursor = pool.to_tensors()
         recent = [-1] * (self.n - 1) + list(tokens)
         dev = self.device
         self.window[slot] = torch.tensor(window, dtype=torch.long).to(dev)

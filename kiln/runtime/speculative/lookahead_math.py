@@ -206,6 +206,21 @@ class NgramPool:
         limit = self.g if g is None else g
         return out[: max(limit, 0)]
 
+    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The table as the device keeps it: keys [buckets, max(g, 1)] (-1: empty),
+        continuations [buckets, max(g, 1), n-1] (0 where empty), cursors [buckets]."""
+        g = max(self.g, 1)
+        keys = torch.full((self.buckets, g), -1, dtype=torch.long)
+        conts = torch.zeros(self.buckets, g, self.n - 1, dtype=torch.long)
+        cursor = torch.zeros(self.buckets, dtype=torch.long)
+        for h, bucket in self._table.items():
+            for i, e in enumerate(bucket):
+                if e is not None:
+                    keys[h, i] = e[0]
+                    conts[h, i] = torch.tensor(e[1])
+            cursor[h] = self._cursor.get(h, 0)
+        return keys, conts, cursor
+
     def __len__(self) -> int:
         return sum(e is not None for b in self._table.values() for e in b)
 
