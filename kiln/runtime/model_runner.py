@@ -166,12 +166,13 @@ class ModelRunner:
 def patch_device_tokens(input_ids: torch.Tensor, draft_starts: dict[Request, int]) -> None:
     """Copy the tokens of plans proposed on the device into the step's input ids (one
     scatter for all of them; placeholders were staged at those rows)."""
-    rows, toks = [], []
+    rows: list[int] = []
+    toks = []
     for req, q0 in draft_starts.items():
         dt = req.draft.device_tokens
         if dt is not None:
-            rows.append(torch.arange(q0, q0 + dt.shape[0]))
+            rows.extend(range(q0, q0 + dt.shape[0]))
             toks.append(dt)
     if rows:
-        idx = to_device(torch.cat(rows).tolist(), torch.long, input_ids.device)
-        input_ids[idx] = torch.cat(toks).to(input_ids.dtype)
+        input_ids[to_device(rows, torch.long, input_ids.device)] = (
+            torch.cat(toks).to(input_ids.dtype))

@@ -90,12 +90,12 @@ class LookaheadWorker(DraftWorker):
                      and req.params.greedy and req.matcher is None)
         pool = NgramPool(n, g, dev.buckets if on_device else POOL_BUCKETS)
         pool.seed_from_tokens(prompt)
-        req.spec_state = LookaheadState(w, n, g, grid, pool)
-        if on_device:
+        if on_device:  # the device slot holds the window and pool from here on
             slot = self._free_slots.pop()
             dev.admit(slot, grid, pool, prompt)
-            # the device slot holds the state from here on
             req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
+        else:
+            req.spec_state = LookaheadState(w, n, g, grid, pool)
 
     def release(self, req: Request) -> None:
         st = req.spec_state
