@@ -159,10 +159,14 @@ def test_paged_attention_keys_and_problems():
     assert all(p["context"] == 512 for p in probs)
     keys = [pa.key(p) for p in probs]
     assert keys[0] == keys[1] and keys[2] == keys[3] and keys[0].endswith("decode")
-    assert keys[2].endswith("multi")  # 16 queries x qpk 2 = 32 rows < 64: BLOCK_M 16
-    cands = pa.candidates(probs[0])
-    assert pa.default(probs[0]) in cands and len(cands) == len(
-        {tuple(sorted(c.items())) for c in cands})
+    assert keys[2].endswith("tree")  # speculative steps: their own class and defaults
+    assert tuning_key(8, 4, 128, torch.bfloat16, torch.bfloat16, 16, masked=True).endswith(
+        "-tree")
+    for p in (probs[0], probs[2]):
+        cands = pa.candidates(p)
+        assert pa.default(p) in cands and len(cands) == len(
+            {tuple(sorted(c.items())) for c in cands})
+    assert any("min_split_tiles" in c for c in pa.candidates(probs[2]))
 
 
 def _tiny_batch():

@@ -134,11 +134,11 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_chunk"])
 def _paged_attn_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, ctx_ptr, mask_ptr, mask_off_ptr,
-    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads, num_splits,
+    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads, num_splits, min_chunk,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -170,7 +170,9 @@ def _paged_attn_kernel(
     kv_end = prefix + last_q
     if HAS_MASK:
         kv_end = tl.where(m_off >= 0, ctx, kv_end)
-    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    # keys per split: an even share of this tile's keys, at least ``min_chunk`` (a graph's
+    # split count is fixed for its longest context; short ones then leave splits empty)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -314,32 +316,40 @@ def choose_num_splits(
                       MAX_SPLITS))
 
 
-def default_config(head_dim: int) -> dict:
-    """The launch config used when nothing is tuned for a shape (engine.json has none)."""
+def default_config(head_dim: int, qclass: str = "decode") -> dict:
+    """The launch config used when nothing is tuned for a shape (engine.json has none).
+
+    Tree-masked steps (``qclass`` "tree") of 128-wide heads take 32-key tiles: at the
+    Qwen2.5-1.5B / 7B shapes, 24 and 84 queries per sequence, batch 1, contexts 256-3072,
+    0.69-0.94x the time of 64-key tiles (docs/decisions.md, "Attention of speculative
+    steps")."""
     d_pad = next_pow2(max(head_dim, 16))
-    return {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2,
-            "tiles_per_split": 2}
+    block_n = 32 if d_pad > 128 or (qclass == "tree" and d_pad == 128) else 64
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2}
 
 
-def query_class(max_query_len: int, qpk: int) -> str:
-    """decode (one query per sequence), multi (few: speculative steps, short chunks; BLOCK_M
-    16) or prefill (BLOCK_M 64). Configs are tuned per class: one class shares BLOCK_M, so a
-    config that compiled for one of its shapes compiles for all of them."""
+def query_class(max_query_len: int, qpk: int, masked: bool = False) -> str:
+    """decode (one query per sequence), tree (speculative steps: a few dozen queries under
+    tree masks, 16-row tiles by default), multi (few causal queries: short chunks; BLOCK_M
+    16) or prefill (BLOCK_M 64). Configs are tuned per class: one class shares its default
+    BLOCK_M, so a config that compiled for one of its shapes compiles for all of them."""
     if max_query_len <= 1:
         return "decode"
+    if masked:
+        return "tree"
     return "prefill" if max_query_len * qpk >= 64 else "multi"
 
 
 @functools.lru_cache(maxsize=256)
 def tuning_key(kv_heads: int, qpk: int, head_dim: int, dtype: torch.dtype | str,
-               kv_dtype: torch.dtype | str, max_query_len: int) -> str:
+               kv_dtype: torch.dtype | str, max_query_len: int, masked: bool = False) -> str:
     """The key of ``tuned_configs.lookup("paged_attention", key)``, e.g.
     ``kvh8-qpk4-d128-bfloat16-kvbfloat16-decode``."""
     def name(dt: torch.dtype | str) -> str:
         return str(dt).removeprefix("torch.")
 
     return (f"kvh{kv_heads}-qpk{qpk}-d{head_dim}-{name(dtype)}-kv{name(kv_dtype)}-"
-            f"{query_class(max_query_len, qpk)}")
+            f"{query_class(max_query_len, qpk, masked)}")
 
 
 _warned_fallback: set[str] = set()
@@ -367,7 +377,8 @@ def paged_attention(
     v_scale (floats or 1-element float32 device tensors, e.g.
     ``cache.k_scale[layer : layer + 1]``). num_splits fixes the key-split count (CUDA graphs
     want a static one). ``config`` forces a launch config (BLOCK_N, num_warps, num_stages,
-    tiles_per_split); by default the one tuned for this shape (``tuned_configs.lookup``, see
+    tiles_per_split; optionally BLOCK_M, the tile rows, and min_split_tiles, the least key
+    tiles per split of a context); by default the one tuned for this shape (``tuned_configs.lookup``, see
     ``tuning_key``) or ``default_config``. Returns
     [T, H, D] in q's dtype.
     """
@@ -419,10 +430,11 @@ def paged_attention(
         return out
 
     qpk = heads // kv_heads
-    default = default_config(dim)
+    default = default_config(dim, query_class(max_query_len, qpk, mask is not None))
     key = None
     if config is None:
-        key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len)
+        key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len,
+                         mask is not None)
         config = tuned_configs.lookup("paged_attention", key) or default
     args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
             mask_offsets, scale * LOG2E, ks, vs, max_query_len, max_context_len, num_splits)
@@ -454,7 +466,7 @@ def _launch(
     num_seqs = context_lens.shape[0]
     dev = q.device
     qpk = heads // kv_heads
-    block_m = 64 if max_query_len * qpk >= 64 else 16
+    block_m = int(config.get("BLOCK_M", 64 if max_query_len * qpk >= 64 else 16))
     block_m = max(block_m, next_pow2(qpk))
     block_q = block_m // qpk
     d_pad = next_pow2(max(dim, 16))
@@ -468,6 +480,7 @@ def _launch(
                                        int(config.get("tiles_per_split", 2)))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    min_chunk = int(config.get("min_split_tiles", 0)) * block_n
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     if num_splits > 1:
         part_acc = torch.empty(t, heads, num_splits, d_pad, dtype=torch.float32, device=dev)
@@ -479,7 +492,7 @@ def _launch(
         out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
         context_lens, mask if mask is not None else context_lens,
         mask_offsets if mask_offsets is not None else context_lens,
-        qk_scale, ks, vs, num_seqs, heads, num_splits,
+        qk_scale, ks, vs, num_seqs, heads, num_splits, min_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -66,16 +66,26 @@ def _attention_problems(t: TuneTarget) -> list[dict]:
 
 def _attention_key(p: dict) -> str:
     return paged_attention.tuning_key(p["kv_heads"], p["heads"] // p["kv_heads"],
-                                      p["head_dim"], p["dtype"], p["kv_dtype"], p["query_len"])
+                                      p["head_dim"], p["dtype"], p["kv_dtype"], p["query_len"],
+                                      bool(p["tree"]))
 
 
 def _attention_candidates(p: dict) -> list[dict]:
     """BLOCK_N x warps x stages at the default split rule, then the split rule per BLOCK_N
-    (24 configs). 16-row tiles (decode, speculative steps) try 2 and 4 warps, 64-row 4 and 8."""
+    (24 configs). 16-row tiles (decode) try 2 and 4 warps, 64-row 4 and 8. Tree-masked
+    steps: tile rows x BLOCK_N x the least tiles per split, and the default (19 configs;
+    the best of them per shape: 0.76x the old default's time, geometric mean over the
+    135M / 1.5B / 7B shapes, docs/decisions.md)."""
     wide = next_pow2(max(p["head_dim"], 16)) > 128
     block_ns = (16, 32, 64) if wide else (32, 64, 128)
-    big = paged_attention.query_class(p["query_len"], p["heads"] // p["kv_heads"]) == "prefill"
-    warps = (4, 8) if big else (2, 4)
+    qclass = paged_attention.query_class(p["query_len"], p["heads"] // p["kv_heads"],
+                                         bool(p["tree"]))
+    if qclass == "tree":  # 16-row tiles and a least split length matter here too
+        return [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2,
+                 "BLOCK_M": bm, "min_split_tiles": mt}
+                for bm in (16, 32, 64) for bn in block_ns[:2] for mt in (0, 4, 16)] + [
+                paged_attention.default_config(p["head_dim"], qclass)]
+    warps = (4, 8) if qclass == "prefill" else (2, 4)
     out = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "tiles_per_split": 2}
            for bn in block_ns for w in warps for st in (1, 2, 3)]
     out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": tps}
@@ -112,7 +122,8 @@ def _attention_call(p: dict, config: dict, device: torch.device, i: int) -> torc
 PAGED_ATTENTION = Tunable(
     name="paged_attention", problems=_attention_problems, key=_attention_key,
     candidates=_attention_candidates,
-    default=lambda p: paged_attention.default_config(p["head_dim"]),
+    default=lambda p: paged_attention.default_config(p["head_dim"], paged_attention.query_class(
+        p["query_len"], p["heads"] // p["kv_heads"], bool(p["tree"]))),
     run=lambda p, c, d: _attention_call(p, c, d, 0).clone(),
     bench=lambda p, c, d: time_cuda(lambda i: _attention_call(p, c, d, i), d,
                                     len(_attention_inputs(p, d)[1])),
