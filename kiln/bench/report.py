@@ -214,37 +214,61 @@ def render_baseline(b: dict, console: Console) -> None:
 
 
 def render_speculative(result: dict, console: Console) -> None:
-    """Plain vs speculative decoding per prompt set."""
+    """Plain vs speculative decoding: one row per prompt set and batch size, then the graph
+    replay ratios (GPU time alone) when they were measured."""
     cfg = result["config"]
     window = cfg["request_window"] or cfg["engine_window"]
     title = (f"Plain vs {cfg['mode']}"
              + (f" {tuple(window)}" if window else f" (max draft {cfg['max_draft_len']})")
-             + f", batch 1, greedy, {cfg['output_len']} tokens")
+             + f", greedy, {cfg['output_len']} tokens")
     t = Table(title=title, title_justify="left")
     repeats = cfg.get("repeats", 1)
     if repeats > 1:
         t.title += f"; median of {repeats} alternating runs, range of the speed-up"
-    cols = ["prompts", "plain tok/s", "speculative tok/s", "speed-up"]
+    # two-line headers keep the table within ~100 columns
+    cols = ["prompts", "batch", "plain\ntok/s", "spec\ntok/s", "speed-up"]
     cols += ["range"] if repeats > 1 else []
-    for col in cols + ["tokens/step", "same output"]:
+    cols += ["tokens\n/step", "step\ncost", "spec\nsteps", "same\noutput"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "prompts" else "right")
-
-    def fmt(v, spec="{:.1f}"):
-        return "-" if v is None else spec.format(v)
-
-    dtype = cfg.get("dtype")
     for name, s in result["sets"].items():
-        row = [name, fmt(s["plain_tokens_per_s"]), fmt(s["spec_tokens_per_s"]),
-               fmt(s["speedup"], "{:.2f}x")]
-        ups = [u for u in s.get("speedups") or [] if u is not None]
-        if repeats > 1:
-            row.append(f"{min(ups):.2f}-{max(ups):.2f}x" if ups else "-")
-        # greedy output is equal in float32; in bf16/fp16 the speculative step's GEMMs round
-        # differently from the decode GEMV and may pick the other token at a near-tie
-        same = ("yes" if s["same_output"] else
-                f"differs ({dtype} rounding)" if dtype and dtype != "float32" else "NO")
-        t.add_row(*row, fmt(s["tokens_per_step"], "{:.2f}"), same)
+        # results written before batch sizes existed hold batch 1 at the set's top level
+        for batch, b in (s.get("batches") or {"1": s}).items():
+            t.add_row(name, batch, *_speculative_cells(b, repeats, cfg.get("dtype")))
     console.print(t)
+    console.print("  step cost: wall time per engine step (host work included), speculative "
+                  "run over plain run;\n  spec steps: speculative steps per request over the "
+                  "speculative run's engine steps", style="dim", highlight=False)
+    if cfg.get("skipped_batch_sizes"):
+        skipped = cfg["skipped_batch_sizes"]
+        console.print(f"  skipped batch {', '.join(map(str, skipped))}: over the engine's "
+                      f"{cfg['max_num_seqs']} sequences per step (rebuild with "
+                      f"--max-batch-size {max(skipped)})", style="dim", highlight=False)
+    replay = result.get("replay")
+    if replay:
+        parts = [f"batch {b} {r['ratio']:.2f}x ({r['decode_ms']:.3f} -> {r['spec_ms']:.3f} ms)"
+                 for b, r in replay.items()]
+        console.print(f"graph replay, speculative over decode step: {'; '.join(parts)}",
+                      highlight=False)
+
+
+def _fmt(v: float | None, spec: str = "{:.1f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def _speculative_cells(s: dict, repeats: int, dtype: str | None) -> list[str]:
+    """The cells of one (prompt set, batch size) row of ``render_speculative``."""
+    row = [_fmt(s["plain_tokens_per_s"]), _fmt(s["spec_tokens_per_s"]),
+           _fmt(s["speedup"], "{:.2f}x")]
+    if repeats > 1:
+        ups = [u for u in s.get("speedups") or [] if u is not None]
+        row.append(f"{min(ups):.2f}-{max(ups):.2f}x" if ups else "-")
+    # greedy output is equal in float32; in bf16/fp16 the speculative step's GEMMs round
+    # differently from the decode GEMV and may pick the other token at a near-tie
+    same = ("yes" if s["same_output"] else
+            f"differs ({dtype} rounding)" if dtype and dtype != "float32" else "NO")
+    return row + [_fmt(s["tokens_per_step"], "{:.2f}"), _fmt(s.get("step_cost_ratio"), "{:.2f}x"),
+                  _fmt(s.get("spec_step_fraction"), "{:.0%}"), same]
 
 
 def render_serve(result: dict, console: Console | None = None) -> None:

@@ -53,6 +53,24 @@ def _check_baseline(name: str) -> str:
     return name
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``--spec-batch-sizes 1,8`` -> (1, 8); anything but integers >= 1 is a BadParameter."""
+    from kiln.bench.speculative import check_batch_sizes
+
+    try:
+        return check_batch_sizes([int(p) for p in text.split(",")])
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is not a list of batch sizes: give integers >= 1, comma separated "
+            "(e.g. 1,8)") from None
+
+
+def _check_batch_sizes(text: str) -> str:
+    """--spec-batch-sizes checked while the command line is parsed (before any loading)."""
+    parse_batch_sizes(text)
+    return text
+
+
 def _load(source: str, device: str | None, enforce_eager: bool = False,
           no_async: bool = False,
           adaptive_spec: bool | None = None) -> tuple[Any, dict, Path]:
@@ -186,8 +204,9 @@ def latency(
     device: str | None = typer.Option(None, "--device", help=_DEVICE_HELP),
     spec_prompts: int = typer.Option(
         3, "--spec-prompts", min=1,
-        help="Speculative engines: bundled code and chat prompts per set for the plain vs "
-        "speculative comparison (batch 1, greedy, --output-len tokens).",
+        help="Speculative engines: bundled prompts per set (grounded, code, chat) that run "
+        "alone at batch 1 in the plain vs speculative comparison (greedy, --output-len "
+        "tokens).",
     ),
     lookahead: str | None = typer.Option(
         None, "--lookahead",
@@ -196,8 +215,13 @@ def latency(
     ),
     spec_repeats: int = typer.Option(
         3, "--spec-repeats", min=1,
-        help="Speculative engines: plain and speculative runs per prompt, alternated; the "
+        help="Speculative engines: plain and speculative runs per batch, alternated; the "
         "comparison uses each one's median time and prints the spread of the ratio.",
+    ),
+    spec_batch_sizes: str = typer.Option(
+        "1,8", "--spec-batch-sizes", callback=_check_batch_sizes,
+        help="Speculative engines: batch sizes of the comparison, comma separated; at 1 each "
+        "prompt runs alone, at B the set's first B prompts run together.",
     ),
     baseline: str = typer.Option("none", "--baseline", help=_BASELINE_HELP),
     hf_compile: bool | None = typer.Option(
@@ -213,8 +237,9 @@ def latency(
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 
     On an engine built with speculative decoding it also runs plain vs speculative decoding
-    on bundled code and chat prompts (same engine, same run) and prints the speed-up and
-    tokens per step.
+    on bundled input-grounded, code and chat prompts at each --spec-batch-sizes (same
+    engine, same run) and prints the speed-up, tokens per step and the cost of a speculative
+    engine step over a plain one (and, with CUDA graphs, of its graph replay).
 
     With --baseline hf the same batches (same prompts, same lengths) then run through
     transformers' generate with a static cache and a compiled decode step.
@@ -222,7 +247,7 @@ def latency(
     from kiln.artifact.speculative import parse_window
     from kiln.bench.offline import latency_batches, run_latency
     from kiln.bench.report import environment, render_latency
-    from kiln.bench.speculative import PROMPT_SETS, run_speculative_latency
+    from kiln.bench.speculative import num_runs, run_speculative_latency
 
     _check_baseline(baseline)
     window = parse_window(lookahead, "--lookahead") if lookahead else None
@@ -232,10 +257,12 @@ def latency(
         result = run_latency(engine, batch_size, input_len, output_len, num_iters, warmup,
                              seed=seed, progress=advance)
     if engine.speculative.mode != "none":
-        with _progress("plain vs speculative", spec_prompts * len(PROMPT_SETS)) as advance:
+        sizes = parse_batch_sizes(spec_batch_sizes)
+        with _progress("plain vs speculative",
+                       num_runs(engine, spec_prompts, sizes)) as advance:
             result["speculative"] = run_speculative_latency(
                 engine, output_len, spec_prompts, window, progress=advance,
-                repeats=spec_repeats)
+                repeats=spec_repeats, batch_sizes=sizes)
     result.update(startup)
     env = environment(engine, engine_dir)
     if baseline == "hf":
