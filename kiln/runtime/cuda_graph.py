@@ -18,6 +18,12 @@ another sequence), and their logits rows are never returned. Kernel launch param
 would depend on the batch (the key-split count, the query tile) are fixed per bucket from
 its upper bounds (T, the block-table capacity), so the captured grid is valid for any batch
 that fits.
+
+With device speculation (``spec_step``, kiln/runtime/speculative/device_step.py) a masked
+bucket's graph also runs, around its forward, the proposal of every device plan (written
+into the input ids), the greedy verification, the state update and the KV move of accepted
+rows, for one entry per sequence of the bucket (the stager's spec buffers; entries without
+a plan do nothing). What it committed is read from ``spec_outputs[bucket]``.
 """
 
 from __future__ import annotations
@@ -115,8 +121,9 @@ class CudaGraphRunner:
 
     def __init__(self, model: LlamaModel, cache: KVCache, stager: StepStager,
                  max_num_seqs: int, max_num_tokens: int, tokens_per_step: int,
-                 max_graph_tokens: int = 1024, prefill: bool = True):
+                 max_graph_tokens: int = 1024, prefill: bool = True, spec_step=None):
         self.model = model
+        self.spec_step = spec_step
         self.cache = cache
         self.stager = stager
         self.device = stager.device
@@ -127,6 +134,7 @@ class CudaGraphRunner:
                         if b.num_seqs <= stager.max_seqs and b.num_tokens <= stager.max_tokens]
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}
+        self.spec_outputs: dict[Bucket, object] = {}  # masked buckets: SpecOutput
         self.pool = None
         self.ready: set[Bucket] = set()  # buckets that can run (captured, or eager off CUDA)
         self.failed: dict[Bucket, str] = {}  # buckets whose capture raised -> the error
@@ -144,8 +152,16 @@ class CudaGraphRunner:
         # launch bounds from the bucket (the padding sequence is the extra one)
         meta = self.stager.metadata(b.num_seqs + 1, t, b.max_query_len, self.max_context_len,
                                     b.masked)
-        return self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache, meta,
-                                  d["logit_rows"][: b.num_rows])
+        spec = self.spec_step if b.masked else None
+        if spec is not None:
+            entries = self.stager.spec_entries(b.num_seqs)
+            proposal = spec.prologue(entries, d["input_ids"])
+        logits = self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache, meta,
+                                    d["logit_rows"][: b.num_rows])
+        if spec is not None:
+            self.spec_outputs[b] = spec.epilogue(entries, proposal, logits, meta.slot_mapping,
+                                                 self.cache)
+        return logits
 
     def capture(self, progress=None) -> float:
         """Capture every bucket (largest first, one shared memory pool; the decode and masked

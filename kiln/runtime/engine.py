@@ -69,8 +69,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.spec_worker = make_worker(self.speculative, config.device_speculation,
-                                       self.scheduler.max_num_seqs, self.device)
+        self.spec_worker = make_worker(self.speculative, parts.device_lookahead)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed in the running step; reported with its outputs
@@ -348,9 +347,9 @@ class LLMEngine:
                 if lp is not None:
                     result.logprobs[req] = [lp]
         for req, (first, count) in fwd.draft_rows.items():
-            if not req.is_finished:
+            if not req.is_finished and req not in fwd.spec_entries:
                 result.draft_logits[req] = fwd.logits[first : first + count]
-        result.draft_starts, result.slot_mapping = fwd.draft_starts, fwd.slot_mapping
+        result.spec_entries, result.spec = fwd.spec_entries, fwd.spec
         return result
 
     def fail_request(self, req: Request, stage: str, cause: BaseException | str) -> None:

@@ -13,6 +13,7 @@ from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries, SpecOutput
 from kiln.runtime.staging import StepStager
 
 
@@ -22,15 +23,15 @@ class ForwardOutput:
 
     ``sample_rows``: requests whose step reached their last token -> their one logits row.
     ``draft_rows``: requests that ran a draft plan -> (first row, count) of the plan's rows.
-    ``draft_starts``: the same requests -> the input row of the plan's first token;
-    ``slot_mapping`` [num_tokens] (device): the cache slot each input row wrote its KV to.
+    ``spec_entries``: requests whose plan ran on the device (``DraftPlan.device_slot``) ->
+    their row of ``spec``, what the step verified and committed for them on the device.
     """
 
     logits: torch.Tensor
     sample_rows: dict[Request, int] = field(default_factory=dict)
     draft_rows: dict[Request, tuple[int, int]] = field(default_factory=dict)
-    draft_starts: dict[Request, int] = field(default_factory=dict)
-    slot_mapping: torch.Tensor | None = None
+    spec_entries: dict[Request, int] = field(default_factory=dict)
+    spec: SpecOutput | None = None
 
 
 class ModelRunner:
@@ -45,6 +46,9 @@ class ModelRunner:
         # CUDA graphs (which read the stager's buffers). None: the reference path below.
         self.stager: StepStager | None = None
         self.graphs: CudaGraphRunner | None = None
+        # Set by the engine when lookahead state lives on the device: plans of its slots are
+        # proposed and verified around the forward (in masked buckets' graphs, captured).
+        self.spec_step: DeviceSpecStep | None = None
 
     def use_staging(self, max_seqs: int, max_num_tokens: int, max_seq_len: int,
                     tokens_per_step: int) -> None:
@@ -61,7 +65,7 @@ class ModelRunner:
         """Capture the CUDA graphs of the staged path (``use_staging`` first); seconds."""
         self.graphs = CudaGraphRunner(self.model, self.cache, self.stager, max_seqs,
                                       max_num_tokens, tokens_per_step, max_graph_tokens,
-                                      prefill=prefill)
+                                      prefill=prefill, spec_step=self.spec_step)
         seconds = self.graphs.capture()
         report_capture_failures(self)
         return seconds
@@ -90,6 +94,7 @@ class ModelRunner:
         slot_chunks: list[torch.Tensor] = []
         seqs: list[SeqAttention] = []
         logit_rows: list[int] = []
+        spec = ([], [], [])  # device plans: slot, input row and logits row of x
         out = ForwardOutput(torch.empty(0))
         for req, n in batch.items:
             start = req.num_computed_tokens
@@ -112,22 +117,29 @@ class ModelRunner:
                 seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device),
                                          step_mask=plan.step_mask))
                 out.draft_rows[req] = (len(logit_rows), n)
-                out.draft_starts[req] = q0
+                if plan.device_slot is not None:
+                    out.spec_entries[req] = len(spec[0])
+                    for col, v in zip(spec, (plan.device_slot, q0, len(logit_rows))):
+                        col.append(v)
                 logit_rows.extend(range(q0, q0 + n))
         dev = self.device
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
-        out.slot_mapping = meta.slot_mapping
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         if input_patch is not None:  # clamped: a failed row's INVALID_TOKEN (-1) stays valid
             ids[: len(input_patch)] = input_patch
             ids[: len(input_patch)].clamp_(min=0)
-        patch_device_tokens(ids, out.draft_starts)
+        entries = (SpecEntries(*(to_device(col, torch.long, dev) for col in spec))
+                   if out.spec_entries else None)
+        proposal = self.spec_step.prologue(entries, ids) if entries is not None else None
         out.logits = self.model.forward(
             ids,
             torch.cat(positions).to(dev),
             self.cache, meta,
             torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
+        if entries is not None:
+            out.spec = self.spec_step.epilogue(entries, proposal, out.logits,
+                                               meta.slot_mapping, self.cache)
         return out
 
     def _execute_staged(self, batch: ScheduledBatch,
@@ -148,31 +160,23 @@ class ModelRunner:
             ids = stager.d["input_ids"][: len(input_patch)]
             ids.copy_(input_patch)
             ids.clamp_(min=0)
-        patch_device_tokens(stager.d["input_ids"], out.draft_starts)
-        out.slot_mapping = stager.d["slots"][: st.num_tokens]
-        if bucket is not None:
+        if bucket is not None:  # a masked bucket's graph runs the device plans' steps too
             out.logits = self.graphs.replay(bucket, st.num_rows)
+            if out.spec_entries:
+                out.spec = self.graphs.spec_outputs[bucket]
         else:
             d = stager.d
             t = st.num_tokens
             meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len,
                                    st.masked)
+            entries = stager.spec_entries(len(out.spec_entries)) if out.spec_entries else None
+            if entries is not None:
+                proposal = self.spec_step.prologue(entries, d["input_ids"])
             out.logits = self.model.forward(d["input_ids"][:t], d["positions"][:t],
                                             self.cache, meta, d["logit_rows"][: st.num_rows])
+            if entries is not None:
+                out.spec = self.spec_step.epilogue(entries, proposal, out.logits,
+                                                   meta.slot_mapping, self.cache)
         stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out
 
-
-def patch_device_tokens(input_ids: torch.Tensor, draft_starts: dict[Request, int]) -> None:
-    """Copy the tokens of plans proposed on the device into the step's input ids (one
-    scatter for all of them; placeholders were staged at those rows)."""
-    rows: list[int] = []
-    toks = []
-    for req, q0 in draft_starts.items():
-        dt = req.draft.device_tokens
-        if dt is not None:
-            rows.extend(range(q0, q0 + dt.shape[0]))
-            toks.append(dt)
-    if rows:
-        input_ids[to_device(rows, torch.long, input_ids.device)] = (
-            torch.cat(toks).to(input_ids.dtype))

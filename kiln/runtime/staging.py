@@ -23,6 +23,7 @@ import torch
 from kiln.runtime.kv_cache import slot_of
 from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
 from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.speculative.device_step import SpecEntries
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,10 @@ class StepStager:
         s1 = max_seqs + 1
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slots": max_tokens,
                  "logit_rows": max_tokens, "query_start_loc": s1 + 1, "context_lens": s1,
-                 "mask_offsets": s1, "block_tables": s1 * max_blocks}
+                 "mask_offsets": s1, "block_tables": s1 * max_blocks,
+                 # device speculation entries (kiln/runtime/speculative/device_step.py):
+                 # DeviceLookahead slot (-1: none), input row and logits row of the plan's x
+                 "spec_slots": max_seqs, "spec_q0": max_seqs, "spec_r0": max_seqs}
         pin = device.type == "cuda"
         self.host = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin)
         self.dev = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
@@ -137,6 +141,8 @@ class StepStager:
         q0 = nrows = mask_used = max_q = max_ctx = 0
         in_flight = batch.in_flight
         qsl[0] = 0
+        spec_slots = h["spec_slots"]
+        spec_slots[:] = -1
         for i, ((req, n), plan) in enumerate(zip(batch.items, plans)):
             start = req.num_computed_tokens
             end = start + n
@@ -176,7 +182,11 @@ class StepStager:
                         plan.step_mask.cpu().numpy().reshape(-1))
                     mask_used += n * n
                 out.draft_rows[req] = (nrows, n)
-                out.draft_starts[req] = q0
+                if plan.device_slot is not None:
+                    e = len(out.spec_entries)
+                    out.spec_entries[req] = e
+                    spec_slots[e] = plan.device_slot
+                    h["spec_q0"][e], h["spec_r0"][e] = q0, nrows
                 rows[nrows : nrows + n] = np.arange(q0, q0 + n)
                 nrows += n
             q0 += n
@@ -210,6 +220,12 @@ class StepStager:
             slot_mapping=d["slots"][:num_tokens],
         )
 
+    def spec_entries(self, num: int) -> SpecEntries:
+        """The device speculation entries of the staged step, ``num`` rows (device)."""
+        d = self.d
+        return SpecEntries(d["spec_slots"][:num].long(), d["spec_q0"][:num].long(),
+                           d["spec_r0"][:num].long())
+
     def fill_dummy(self, num_seqs: int, num_tokens: int) -> None:
         """A valid all-padding step of a graph bucket: no KV writes, nothing to read."""
         self.wait_uploaded()
@@ -218,6 +234,7 @@ class StepStager:
             h[name][:] = 0
         h["slots"][:] = -1
         h["mask_offsets"][:] = -1
+        h["spec_slots"][:] = -1
         h["query_start_loc"][:] = 0
         h["query_start_loc"][num_seqs + 1] = num_tokens
         h["context_lens"][num_seqs] = num_tokens

@@ -12,6 +12,7 @@ from kiln.runtime.host_copy import to_device
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.speculative.device_step import SpecOutput
 
 
 @dataclass
@@ -19,9 +20,9 @@ class StepResult:
     """Tokens each request commits this step, and how many of its tokens now have KV.
 
     ``advance`` overrides the scheduled token count (speculative steps keep fewer);
-    ``draft_logits`` holds draft plans' rows for the speculative worker to verify, with the
-    input row of each plan's first token (``draft_starts``) and the step's cache slot per
-    input row (``slot_mapping``, device) for the KV moves verified on the device.
+    ``draft_logits`` holds draft plans' rows for the speculative worker to verify; plans run
+    on the device were verified in the step already: ``spec`` (a ``SpecOutput``) holds what
+    they committed, at each request's row ``spec_entries[req]``.
     """
 
     tokens: dict[Request, list[int]] = field(default_factory=dict)
@@ -29,8 +30,8 @@ class StepResult:
     advance: dict[Request, int] = field(default_factory=dict)
     draft_logits: dict[Request, torch.Tensor] = field(default_factory=dict)
     verified: set[Request] = field(default_factory=set)  # requests whose draft was verified
-    draft_starts: dict[Request, int] = field(default_factory=dict)
-    slot_mapping: torch.Tensor | None = None
+    spec_entries: dict[Request, int] = field(default_factory=dict)
+    spec: SpecOutput | None = None
 
 
 @dataclass

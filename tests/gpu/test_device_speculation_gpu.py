@@ -1,7 +1,8 @@
-"""On CUDA: lookahead with the device state (the Triton propose / commit kernels, the KV move
-on the device, CUDA graphs) commits exactly the host worker's tokens, which equal plain
-greedy decoding (float32), in a batch of requests at the engine's window and at smaller
-windows (host state) side by side."""
+"""On CUDA: lookahead with the device state (the Triton propose / commit / KV move kernels,
+captured in the masked buckets' CUDA graphs around the forward) commits exactly the host
+worker's tokens, which equal plain greedy decoding (float32), in a batch of requests at the
+engine's window and at smaller windows (host state) side by side; and the graph replay of
+those steps commits what the same steps run eagerly commit."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, windo
     base = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] for j in range(4)]
     prompts = [p * 3 for p in base]
 
-    def run(on_device: bool, plain: bool = False):
+    def run(on_device: bool, plain: bool = False, graphs: bool = True):
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-            device="cuda", device_speculation=on_device, adaptive_speculation=False))
+            device="cuda", device_speculation=on_device, adaptive_speculation=False,
+            cuda_graphs=graphs))
         windows = [(1, 1, 0)] * 4 if plain else [None, None, None, (2, 2, 1)]  # None: engine's
         params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, lookahead=w)
                   for w in windows]
@@ -42,13 +44,18 @@ def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, windo
         stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
         if on_device:
             assert sorted(eng.spec_worker._free_slots) == list(range(8))  # all released
+            if graphs:  # the speculative steps ran as masked buckets' replays
+                g = eng.runner.graphs
+                assert sum(n for b, n in g.replays.items() if b.masked) > 0
         eng.blocks.check_all_free()
         return [o.token_ids for o in outs], stats
 
     plain, _ = run(False, plain=True)
     host, host_stats = run(False)
     dev, dev_stats = run(True)
+    eager, eager_stats = run(True, graphs=False)
     assert host == plain
     assert dev == plain
+    assert eager == dev and eager_stats == dev_stats  # graph replay == eager steps
     assert dev_stats == host_stats  # the same steps committed the same counts
     assert dev_stats[1] > dev_stats[0]  # some drafts were accepted

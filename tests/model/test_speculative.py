@@ -247,7 +247,8 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
     request's verification, an out-of-memory error in the batch's forward, or a failure
     after the device state was advanced) must leave nothing saved behind, and the engine
     goes on: a verification failure fails that request alone (the others equal plain
-    greedy), a failed forward or device step fails the requests of that step, and later
+    greedy), a failed forward or device step (run around the forward) fails the requests of
+    that step, and later
     requests run correctly. step() never raises for any."""
     _, out = tiny_reference(
         "qwen3", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
@@ -303,8 +304,9 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
         assert failed == [calls["victim"]]
         assert "speculative verification failed: RuntimeError: injected" in done[failed[0]].error
     elif fault == "device-update":
-        assert len(failed) == calls["victims"] > 0
-        assert all("speculative verification failed: RuntimeError: injected failure after "
+        # the device step runs inside the forward: its failure fails the step's requests
+        assert len(failed) >= calls["victims"] > 0
+        assert all("the engine step failed: RuntimeError: injected failure after "
                    "the device update" in done[i].error for i in failed)
         assert sorted(worker._free_slots) == list(range(worker.device.num_slots))
     else:

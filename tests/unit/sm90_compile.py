@@ -133,10 +133,14 @@ def cases():
     la = {"W": 7, "N": 7, "G": 7, "WL_PAD": 64, "G_PAD": 8, "N1_PAD": 8, "PDL": True}
     la_ptrs = {a: "*i64" for a in lookahead._lookahead_commit_kernel.arg_names
                + lookahead._lookahead_propose_kernel.arg_names if a.endswith("_ptr")}
-    yield "lookahead propose (7,7,7)", lookahead._lookahead_propose_kernel, la, dict(
-        la_ptrs, valid_ptr="*i1"), 1
+    yield "lookahead propose (7,7,7) into the input ids", lookahead._lookahead_propose_kernel, \
+        dict(la, WRITE_IDS=True), dict(la_ptrs, valid_ptr="*i1", ids_ptr="*i32"), 1
     yield "lookahead commit (7,7,7)", lookahead._lookahead_commit_kernel, dict(la, N_PAD=8), \
         la_ptrs, 1
+    yield "lookahead KV move (7,7,7), bf16 kvh2 d128", lookahead._move_kv_kernel, {
+        "E": 256, "E_PAD": 256, "N1": 6, "N1_PAD": 8, "PDL": True}, {
+        "k_ptr": "*i16", "v_ptr": "*i16", "sm_ptr": "*i32", "q0_ptr": "*i64",
+        "count_ptr": "*i64", "src_ptr": "*i64"}, 4
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
     yield "fp8 quant", fp8_quant._quant_kernel, {
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4

@@ -20,12 +20,16 @@ from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 
 
-def _tokens(engine_dir, backend, prompts, params, graphs=False):
+def _tokens(engine_dir, backend, prompts, params, graphs=False, device_state=False):
     eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
         device="cpu", block_size=4, num_kv_blocks=96, max_num_tokens=40,
-        attention_backend=backend, cuda_graphs=graphs))
+        attention_backend=backend, cuda_graphs=graphs, device_speculation=device_state))
+    if device_state:  # the CUDA path of the device step (kernels, interpreted)
+        eng.runner.spec_step.kernels = True
     outs = eng.generate(prompts, params)
     eng.blocks.check_all_free()
+    if device_state:  # a device slot committed past its prompt
+        assert int(eng.spec_worker.device.total.max()) > max(len(p) for p in prompts)
     if graphs:  # the static-buffer (graph) path ran decode and speculative steps
         g = eng.runner.graphs
         assert g is not None and g.num_replays > 0
@@ -33,8 +37,14 @@ def _tokens(engine_dir, backend, prompts, params, graphs=False):
     return [o.token_ids for o in outs], sum(o.metrics.spec_steps for o in outs)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
-def test_triton_backend_engine_greedy_and_lookahead(tiny_reference, graphs):
+@pytest.mark.parametrize("graphs,device_state", [(False, False), (True, False), (False, True),
+                                                 (True, True)],
+                         ids=["eager", "graph-buffers", "eager-device-state",
+                              "graph-buffers-device-state"])
+def test_triton_backend_engine_greedy_and_lookahead(tiny_reference, graphs, device_state):
+    """Also with the lookahead state on the device: its steps proposed, verified and their
+    KV moved by the kernels around the forward (graph-buffers: inside the masked bucket's
+    replay, from the stager's entries)."""
     _, out = tiny_reference(
         "llama", max_seq_len=128, max_num_tokens=256, max_batch_size=8,
         speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
@@ -45,7 +55,7 @@ def test_triton_backend_engine_greedy_and_lookahead(tiny_reference, graphs):
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, lookahead=(4, 3, 4)),
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lookahead=(1, 1, 0))]
     ref, ref_spec_steps = _tokens(out, "torch", prompts, params)
-    got, spec_steps = _tokens(out, "triton", prompts, params, graphs)
+    got, spec_steps = _tokens(out, "triton", prompts, params, graphs, device_state)
     assert got == ref
     assert spec_steps > 0 and spec_steps == ref_spec_steps
 

@@ -138,3 +138,56 @@ def test_empty_batch_and_bad_arguments():
         lookahead_commit(dut, torch.tensor([0]), tokens, tokens)
     with pytest.raises(ValueError, match="slots has dtype"):
         lookahead_propose(dut, torch.tensor([0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("window", [(4, 4, 4), (1, 3, 2), (3, 3, 0)])
+def test_device_spec_step_kernels_equal_its_torch_path(window):
+    """DeviceSpecStep (what a masked bucket's graph runs around its forward) through the
+    kernels (proposal into the input ids, commit, KV move) and through the torch ops, over
+    entries with spare rows (slot -1) between them, on a real KV cache: the same input ids,
+    commits, state and cache after every step. (1,3,2) puts candidate rows right after x, so
+    a move's source is another move's destination."""
+    from kiln.runtime.kv_cache import KVCache
+    from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries
+
+    rng = random.Random(sum(window))
+    vocab = 10
+    bigram = torch.tensor([rng.randrange(vocab) for _ in range(vocab)])
+    ref, dut = make_states(window, 4096, rng, vocab)
+    t = ref.num_tokens
+    # entries: slots 3, -1, 0, -1 (spares), inputs with a plain row between the plans
+    slots = torch.tensor([3, -1, 0, -1])
+    q0 = torch.tensor([0, 0, t + 1, 0])
+    r0 = torch.tensor([0, 0, t + 1, 0])
+    num_tokens = 2 * t + 1
+    caches = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        cache = KVCache(2, 16, 4, 2, 8, torch.float32, "cpu")
+        cache.k.normal_(), cache.v.normal_()
+        caches.append(cache)
+    slot_mapping = torch.randperm(caches[0].k.shape[1] * 4)[:num_tokens].to(torch.int32)
+    torch_step, kernel_step = DeviceSpecStep(ref), DeviceSpecStep(dut)
+    kernel_step.kernels = True  # the CUDA path, interpreted
+    accepted = 0
+    for step in range(6):
+        outs = []
+        for st, cache in ((torch_step, caches[0]), (kernel_step, caches[1])):
+            entries = SpecEntries(slots.clone(), q0.clone(), r0.clone())
+            ids = torch.full((num_tokens,), -5, dtype=torch.int32)
+            proposal = st.prologue(entries, ids)
+            logits = torch.nn.functional.one_hot(bigram[ids.long().clamp(min=0)],
+                                                 vocab).float()
+            out = st.epilogue(entries, proposal, logits, slot_mapping, cache)
+            outs.append((ids, out))
+        (ids_a, a), (ids_b, b) = outs
+        assert torch.equal(ids_a, ids_b), step
+        assert (ids_a[t] == -5) and (ids_a[: t] >= 0).all()  # the plain row is untouched
+        assert torch.equal(a.count, b.count) and a.count[[1, 3]].tolist() == [0, 0], step
+        live = a.count > 0
+        assert torch.equal(a.committed[live], b.committed[live]), step
+        assert_same_state(ref, dut, step)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        accepted += int((a.count[live] - 1).sum())
+    if window[2]:
+        assert accepted > 0  # moves were compared, not only bonus tokens

@@ -103,9 +103,9 @@ def _insert_one(keys_ptr, conts_ptr, cursor_ptr, slot, key, cont, ok, H, GM,
 @triton.jit
 def _lookahead_propose_kernel(
     slots_ptr, window_ptr, keys_ptr, conts_ptr, cursor_ptr, recent_ptr, tokens_ptr, valid_ptr,
-    H, GM,
+    ids_ptr, q0_ptr, H, GM,
     W: tl.constexpr, N: tl.constexpr, G: tl.constexpr, WL_PAD: tl.constexpr,
-    G_PAD: tl.constexpr, N1_PAD: tl.constexpr, PDL: tl.constexpr,
+    G_PAD: tl.constexpr, N1_PAD: tl.constexpr, WRITE_IDS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     N1: tl.constexpr = N - 1
@@ -113,13 +113,21 @@ def _lookahead_propose_kernel(
     T: tl.constexpr = (W + G) * N1
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b)
+    if slot < 0:  # no request at this entry (a graph bucket's spare one): nothing to write
+        return
     x = tl.load(recent_ptr + slot * N1 + (N1 - 1))
     tok = tokens_ptr + b * T
+    ids = ids_ptr
+    if WRITE_IDS:  # entry b's rows of the step's input ids
+        ids = ids_ptr + tl.load(q0_ptr + b)
     # row l*W + j is (level l, col j): the window flattened, level 0 col 0 replaced by x
     r = tl.arange(0, WL_PAD)
     rm = r < CB
     win = tl.load(window_ptr + slot * CB + r, mask=rm, other=0)
-    tl.store(tok + r, tl.where(r == 0, x, win), mask=rm)
+    first = tl.where(r == 0, x, win)
+    tl.store(tok + r, first, mask=rm)
+    if WRITE_IDS:
+        tl.store(ids + r, first.to(ids_ptr.dtype.element_ty), mask=rm)
     if G > 0:
         h = _pymod(x, H)
         bucket = slot * H + h
@@ -141,6 +149,10 @@ def _lookahead_propose_kernel(
         pad = (gm & (i >= nhit))[:, None] & cm[None, :]
         fill = tl.zeros([G_PAD, N1_PAD], dtype=tl.int64) + x
         tl.store(tok + CB + i[:, None] * N1 + c[None, :], fill, mask=pad)
+        if WRITE_IDS:
+            el = ids_ptr.dtype.element_ty
+            tl.store(ids + CB + dest[:, None] * N1 + c[None, :], conts.to(el), mask=hm)
+            tl.store(ids + CB + i[:, None] * N1 + c[None, :], fill.to(el), mask=pad)
         tl.store(valid_ptr + b * G + i, i < nhit, mask=gm)
 
 
@@ -157,6 +169,9 @@ def _lookahead_commit_kernel(
     CB: tl.constexpr = W * N1
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b)
+    if slot < 0:  # no request at this entry: it commits nothing (the KV move skips it)
+        tl.store(count_ptr + b, (slot * 0).to(tl.int64))
+        return
     tok = tokens_ptr + b * stride_tok
     am = argmax_ptr + b * stride_am
     rec = recent_ptr + slot * N1
@@ -257,19 +272,31 @@ def _pads(state: DeviceLookahead) -> dict:
             "G_PAD": next_pow2(max(g, 1)), "N1_PAD": next_pow2(n - 1)}
 
 
-def lookahead_propose(state: DeviceLookahead,
-                      slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lookahead_propose(state: DeviceLookahead, slots: torch.Tensor,
+                      input_ids: torch.Tensor | None = None, q0: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``state.propose(slots)`` in one launch: the step's input ids [B, T] (long) and which
-    candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct."""
+    candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct but
+    for -1 (no request: its rows are left unwritten). With ``input_ids`` (a step's flat
+    token ids, int32/int64) and ``q0`` [B] long, entry b's T tokens are also written to
+    ``input_ids[q0[b] : q0[b] + T]``."""
     _check_state(state, slots)
     b, dev = slots.shape[0], state.window.device
     tokens = torch.empty(b, state.num_tokens, dtype=torch.long, device=dev)
     valid = torch.empty(b, state.g, dtype=torch.bool, device=dev)
+    if (input_ids is None) != (q0 is None):
+        raise ValueError("input_ids and q0 go together: pass both or neither")
+    if input_ids is not None:
+        check_tensor("input_ids", input_ids, ndim=1, dtypes=(torch.int32, torch.int64),
+                     device=dev)
+        check_tensor("q0", q0, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        check_shape("q0", q0, (b,))
     if b:
         _lookahead_propose_kernel[(b,)](
             slots, state.window, state.keys, state.conts, state.cursor, state.recent, tokens,
             valid if state.g else tokens,  # no candidate columns: never touched
-            state.buckets, state.keys.shape[2],
+            input_ids if input_ids is not None else tokens, q0 if q0 is not None else slots,
+            state.buckets, state.keys.shape[2], WRITE_IDS=input_ids is not None,
             **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
         )
     return tokens, valid
@@ -281,7 +308,8 @@ def lookahead_commit(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.
     verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for these
     ``tokens`` (recomputed from the pool, which must not have changed since). ``tokens`` [B, T]
     long from the proposal, ``argmax`` [B, T] int64/int32 (the model's greedy token after
-    each row). Returns the verdict; the state is updated in place."""
+    each row). Returns the verdict; the state is updated in place. An entry of slot -1
+    commits nothing: its count is 0, its other outputs unwritten."""
     _check_state(state, slots)
     dev = state.window.device
     b, t = slots.shape[0], state.num_tokens
@@ -307,3 +335,66 @@ def lookahead_commit(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.
             N_PAD=next_pow2(n), **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
         )
     return StepVerdict(committed, count, src_rows)
+
+
+@triton.jit
+def _move_kv_kernel(
+    k_ptr, v_ptr, sm_ptr, q0_ptr, count_ptr, src_ptr, stride_layer,
+    E: tl.constexpr, E_PAD: tl.constexpr, N1: tl.constexpr, N1_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    moves = tl.load(count_ptr + b) - 1  # accepted drafts; the bonus token has no KV yet
+    if moves <= 0:
+        return
+    cache = k_ptr + layer * stride_layer
+    if tl.program_id(2) == 1:
+        cache = v_ptr + layer * stride_layer
+    q = tl.load(q0_ptr + b)
+    k = tl.arange(0, N1_PAD)
+    km = k < moves
+    src = tl.load(sm_ptr + q + tl.load(src_ptr + b * N1 + k, mask=km, other=0), mask=km,
+                  other=0).to(tl.int64)
+    dst = tl.load(sm_ptr + q + 1 + k, mask=km, other=0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    m = km[:, None] & (e < E)[None, :]
+    rows = tl.load(cache + src[:, None] * E + e[None, :], mask=m)
+    tl.debug_barrier()  # a source may be another move's destination: every read first
+    tl.store(cache + dst[:, None] * E + e[None, :], rows, mask=m)
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, q0: torch.Tensor,
+                      verdict: StepVerdict) -> None:
+    """Keep the accepted rows' KV (one launch, every layer): for entry b with
+    ``verdict.count[b] = c``, the KV written at input row ``q0[b] + src_rows[b, k]`` moves to
+    row ``q0[b] + 1 + k`` (x's index + 1 + k) for k < c - 1; ``slot_mapping`` [num_tokens]
+    (int32/int64) is the cache slot of each input row of the step. Entries of count 0 or 1
+    move nothing. Caches [layers, num_blocks, block_size, kv_heads, head_dim], any dtype."""
+    dev = k_cache.device
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=dev)
+    check_tensor("q0", q0, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    for name in ("count", "src_rows"):
+        check_tensor(f"verdict.{name}", getattr(verdict, name), dtypes=INDEX_DTYPES,
+                     device=dev)
+    b, n1 = verdict.src_rows.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype):
+        raise ValueError("k_cache and v_cache must be contiguous, of one shape and dtype")
+    if not b:
+        return
+    raw = _RAW[k_cache.element_size()]
+    layers = k_cache.shape[0]
+    e = k_cache.shape[-2] * k_cache.shape[-1]
+    kc, vc = k_cache.view(raw), v_cache.view(raw)
+    _move_kv_kernel[(b, layers, 2)](
+        kc, vc, slot_mapping, q0, verdict.count, verdict.src_rows.contiguous(),
+        kc.stride(0), E=e, E_PAD=next_pow2(e), N1=n1, N1_PAD=next_pow2(max(n1, 1)),
+        num_warps=4, **_pdl.launch_kwargs(),
+    )

@@ -17,16 +17,16 @@ class DraftPlan:
     its KV at the request's token index ``p + r`` (p = x's position); the worker moves the
     accepted rows' KV to their final indices afterwards. ``data`` is the worker's own.
 
-    ``device_tokens`` [T] (a device tensor): the plan's tokens were proposed on the device;
-    ``token_ids`` then holds x and placeholders, and the model runner copies these tokens
-    into the step's input ids on the device.
+    ``device_slot``: the plan is proposed and verified on the device, from this slot of
+    the engine's ``DeviceLookahead``, around the step's forward (the model runner's
+    ``DeviceSpecStep``); ``token_ids`` then holds x and placeholders.
     """
 
     token_ids: list[int]
     position_offsets: torch.Tensor | None = None
     step_mask: torch.Tensor | None = None
     data: Any = None
-    device_tokens: torch.Tensor | None = None
+    device_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

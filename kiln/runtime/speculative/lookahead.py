@@ -66,7 +66,8 @@ class LookaheadWorker(DraftWorker):
 
     With a ``DeviceLookahead`` (``device``), greedy requests without a grammar at its window
     keep their window and pool in one of its slots: proposal, verification, the state update
-    and the KV move of accepted rows run as tensor ops on the device, one host read per step
+    and the KV move of accepted rows run on the device around the step's forward (the model
+    runner's ``DeviceSpecStep``, inside a masked bucket's CUDA graph), one host read per step
     (``propose_batch`` / ``verify_on_device``). The rest, and every request once the slots
     are taken, use the host state (the oracle the device state is tested against).
     """
@@ -77,7 +78,6 @@ class LookaheadWorker(DraftWorker):
         super().__init__()
         self.device = device
         self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
-        self._proposed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         w, n, g = window
@@ -104,71 +104,48 @@ class LookaheadWorker(DraftWorker):
             st.slot = None
 
     def propose_batch(self, reqs: list[Request], on_error) -> None:
-        """Host requests one by one; the device slots' plans in one batched proposal (after
-        their pending plain-step tokens are folded in)."""
+        """Host requests one by one. Device slots' plans name their slot: the model runner
+        proposes and verifies them around the step's forward (``DeviceSpecStep``); here
+        only the tokens their plain steps committed are folded into the slots first."""
         on_dev = [r for r in reqs if r.spec_state.slot is not None]
         super().propose_batch([r for r in reqs if r.spec_state.slot is None], on_error)
-        self._proposed = None
         if not on_dev:
             return
-        try:
-            dev = self.device
-            slots = to_device([r.spec_state.slot for r in on_dev], torch.long, dev.device)
-            pending = [r.spec_state.pending for r in on_dev]
-            if any(pending):
-                width = max(len(p) for p in pending)
-                toks = to_device([p + [0] * (width - len(p)) for p in pending], torch.long,
-                                 dev.device).view(len(on_dev), width)
-                dev.commit_tokens(slots, toks, to_device([len(p) for p in pending],
-                                                         torch.long, dev.device))
+        pending = [r for r in on_dev if r.spec_state.pending]
+        if pending:
+            try:
+                self._fold_pending(pending)
+            except Exception as e:
                 for r in on_dev:
-                    r.spec_state.pending = []
-            if dev.device.type == "cuda":  # one launch instead of the torch ops
-                from kiln.runtime.kernels.lookahead import lookahead_propose
-
-                tokens, valid = lookahead_propose(dev, slots)
-            else:
-                tokens, valid = dev.propose(slots)
-        except Exception as e:
-            for r in on_dev:
-                on_error(r, "speculative proposal", e)
-            return
-        self._proposed = (slots, tokens, valid)
-        layout = step_layout(*dev.window_size)
+                    on_error(r, "speculative proposal", e)
+                return
+        layout = step_layout(*self.device.window_size)
         filler = [0] * (layout.num_tokens - 1)
-        for b, req in enumerate(on_dev):
+        for req in on_dev:
             req.draft = DraftPlan([req.all_token_ids[-1]] + filler, layout.position_offsets,
-                                  layout.mask, data=b, device_tokens=tokens[b])
+                                  layout.mask, device_slot=req.spec_state.slot)
+
+    def _fold_pending(self, reqs: list[Request]) -> None:
+        """Tokens committed by plain steps into the device slots (pool inserts, recent)."""
+        dev = self.device
+        slots = to_device([r.spec_state.slot for r in reqs], torch.long, dev.device)
+        pending = [r.spec_state.pending for r in reqs]
+        width = max(len(p) for p in pending)
+        toks = to_device([p + [0] * (width - len(p)) for p in pending], torch.long,
+                         dev.device).view(len(reqs), width)
+        dev.commit_tokens(slots, toks, to_device([len(p) for p in pending], torch.long,
+                                                 dev.device))
+        for r in reqs:
+            r.spec_state.pending = []
 
     def verify_on_device(self, reqs: list[Request], result: StepResult, cache,
                          on_error) -> None:
-        """Greedy verification of the device plans that ran, the state update and the KV
-        move of accepted rows on the device; one host read of the committed tokens."""
-        dev = self.device
-        slots, tokens, valid = self._proposed
-        rows = [r.draft.data for r in reqs]
-        if rows != list(range(len(slots))):  # some proposed plans did not run this step
-            pick = to_device(rows, torch.long, dev.device)
-            slots, tokens, valid = slots[pick], tokens[pick], valid[pick]
-        argmax = torch.stack([result.draft_logits[r].argmax(-1) for r in reqs])
-        if dev.device.type == "cuda":  # verification and the state update in one launch
-            from kiln.runtime.kernels.lookahead import lookahead_commit
-
-            verdict = lookahead_commit(dev, slots, tokens, argmax)
-        else:
-            verdict = dev.verify(tokens, argmax, valid)
-            dev.update(slots, tokens, argmax, verdict)
-        # KV of accepted draft k (row src_rows[k]) moves to x's index + 1 + k
-        q0 = to_device([result.draft_starts[r] for r in reqs], torch.long, dev.device)
-        n1 = dev.n - 1
-        k = torch.arange(n1, device=dev.device)
-        dst_rows = q0[:, None] + 1 + k
-        src_rows = torch.where(k < verdict.count[:, None] - 1, q0[:, None] + verdict.src_rows,
-                               dst_rows)  # not accepted: a copy onto itself
-        sm = result.slot_mapping
-        cache.move_slots(sm[src_rows.reshape(-1)].long(), sm[dst_rows.reshape(-1)].long())
-        host = torch.cat([verdict.committed, verdict.count[:, None]], 1).tolist()
-        for req, row in zip(reqs, host):
+        """The device plans were verified in the step (``result.spec``): read what each
+        committed, one host copy for the batch."""
+        spec = result.spec
+        host = torch.cat([spec.committed, spec.count[:, None]], 1).tolist()
+        for req in reqs:
+            row = host[result.spec_entries[req]]
             accepted = row[: row[-1]]
             result.tokens[req] = accepted
             result.advance[req] = len(accepted)

@@ -67,7 +67,7 @@ class DraftWorker(SpeculativeWorker):
 
     def verify_on_device(self, reqs: list[Request], result: StepResult, cache: KVCache,
                          on_error: OnError) -> None:
-        """Verify the plans proposed on the device (``DraftPlan.device_tokens``)."""
+        """Take what the plans run on the device (``DraftPlan.device_slot``) committed."""
         raise NotImplementedError(f"{type(self).__name__} proposes no plans on the device")
 
     @staticmethod
@@ -143,7 +143,7 @@ class DraftWorker(SpeculativeWorker):
 
     def _step_impl(self, batch: ScheduledBatch, result: StepResult, cache: KVCache,
                    on_error: OnError) -> StepResult:
-        on_device = [r for r in result.draft_logits if r.draft.device_tokens is not None]
+        on_device = [r for r in result.spec_entries if not r.is_finished]
         if on_device:
             try:
                 self.verify_on_device(on_device, result, cache, on_error)
@@ -151,8 +151,7 @@ class DraftWorker(SpeculativeWorker):
                 for req in on_device:
                     on_error(req, "speculative verification", e)
                     result.tokens.pop(req, None)
-        drafts = {r: lg for r, lg in result.draft_logits.items()
-                  if r.draft.device_tokens is None}
+        drafts = result.draft_logits  # host plans
         # Every draft row's argmax in one host copy (one sync per step, not per request).
         flat = torch.cat([lg.argmax(-1) for lg in drafts.values()]).tolist() if drafts else []
         bs = cache.block_size

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
@@ -12,16 +10,13 @@ from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 
 
-def make_worker(spec: SpeculativeConfig, on_device: bool = False, max_seqs: int = 1,
-                device: torch.device | str = "cpu") -> DraftWorker | None:
+def make_worker(spec: SpeculativeConfig,
+                device_state: DeviceLookahead | None = None) -> DraftWorker | None:
     """The engine's speculative worker for its recorded mode (None: plain decoding);
-    ``on_device``: lookahead state of up to ``max_seqs`` greedy requests on ``device``."""
+    ``device_state``: the slots that keep greedy lookahead requests' state on the device."""
     if spec.mode == "lookahead":
         warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
-        n = spec.lookahead[1]
-        state = (DeviceLookahead(max_seqs, spec.lookahead, torch.device(device))
-                 if on_device and n >= 2 else None)
-        return LookaheadWorker(state)
+        return LookaheadWorker(device_state)
     if spec.mode == "ngram":
         return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
     return None

@@ -1,0 +1,127 @@
+"""A speculative step of device-state lookahead requests around the model's forward.
+
+The model runner runs it, not the worker (issue 25: the engine drives the forward, a
+worker only proposes and verifies). For a step whose batch holds lookahead plans of
+``DeviceLookahead`` slots (``DraftPlan.device_slot``):
+
+    proposal = step.prologue(entries, input_ids)      # before the forward: the plans'
+                                                      # tokens into the step's input ids
+    logits = model.forward(...)
+    out = step.epilogue(entries, proposal, logits, slot_mapping, cache)
+                                                      # greedy verify, state update, KV move
+
+``entries`` has one row per possible plan: the slot (-1: none), the input row of the plan's
+x (``q0``) and the logits row of x (``r0``; a plan's T rows follow in order). A CUDA graph
+of a masked bucket captures both around its forward with one entry per sequence of the
+bucket (kiln/runtime/cuda_graph.py); the entries then live in the stager's buffers, so the
+same graph serves any mix of device plans, host plans and plain rows.
+
+On CUDA both are kernels of fixed shape (kiln/runtime/kernels/lookahead.py: proposal, the
+commit, the KV move; plus an argmax): no host sync, capturable. Elsewhere the same steps run
+as DeviceLookahead's torch ops on the entries that hold a slot (the reference the kernels
+are tested against). What a step commits comes back as ``SpecOutput`` (device tensors);
+the worker reads it with one host copy.
+
+The state is advanced in place when the step runs. A step that fails after that fails its
+requests (LLMEngine.step: every request of a failed step fails, and its slot is released),
+so no request goes on with a state its tokens do not match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
+
+
+@dataclass
+class SpecEntries:
+    """One row per possible plan of a step (device tensors, long): ``slots`` [B] (-1: no
+    plan), ``q0`` [B] input row of the plan's x, ``r0`` [B] logits row of x."""
+
+    slots: torch.Tensor
+    q0: torch.Tensor
+    r0: torch.Tensor
+
+
+@dataclass
+class SpecOutput:
+    """What a step committed per entry: ``committed`` [B, N] (accepted drafts, then the bonus
+    token) and ``count`` [B] (tokens committed; 0 for entries without a plan)."""
+
+    committed: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass
+class _Proposal:
+    tokens: torch.Tensor  # [B, T] (rows of entries without a plan: unset)
+    valid: torch.Tensor  # [B, G]
+    active: torch.Tensor | None = None  # torch path: indices of the entries with a slot
+
+
+class DeviceSpecStep:
+    """Proposal before and verification after one forward, for the slots of ``state``."""
+
+    def __init__(self, state: DeviceLookahead):
+        self.state = state
+        self.kernels = state.device.type == "cuda"
+
+    def prologue(self, entries: SpecEntries, input_ids: torch.Tensor) -> _Proposal:
+        """Propose each entry's step from its slot; write its T tokens at
+        ``input_ids[q0 : q0 + T]``."""
+        st = self.state
+        if self.kernels:
+            from kiln.runtime.kernels.lookahead import lookahead_propose
+
+            return _Proposal(*lookahead_propose(st, entries.slots, input_ids, entries.q0))
+        active = torch.nonzero(entries.slots >= 0)[:, 0]
+        tokens, valid = st.propose(entries.slots[active])
+        rows = entries.q0[active, None] + torch.arange(st.num_tokens, device=st.device)
+        input_ids[rows.reshape(-1)] = tokens.reshape(-1).to(input_ids.dtype)
+        return _Proposal(tokens, valid, active)
+
+    def epilogue(self, entries: SpecEntries, proposal: _Proposal, logits: torch.Tensor,
+                 slot_mapping: torch.Tensor, cache: KVCache) -> SpecOutput:
+        """Greedy verification of each entry's step from ``logits`` (its T rows from
+        ``r0``), the state update, and the KV move of the accepted rows (``slot_mapping``:
+        the cache slot of every input row)."""
+        st = self.state
+        t = st.num_tokens
+        greedy = logits.argmax(-1)
+        rows = entries.r0[:, None] + torch.arange(t, device=st.device)
+        if self.kernels:
+            from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_move_kv
+
+            argmax = greedy[rows.clamp(max=greedy.shape[0] - 1)]  # no-plan rows: any row
+            verdict = lookahead_commit(st, entries.slots, proposal.tokens, argmax)
+            lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict)
+            return SpecOutput(verdict.committed, verdict.count)
+        a = proposal.active
+        slots, q0 = entries.slots[a], entries.q0[a]
+        argmax = greedy[rows[a]]
+        verdict = st.verify(proposal.tokens, argmax, proposal.valid)
+        st.update(slots, proposal.tokens, argmax, verdict)
+        move_accepted_kv(cache, slot_mapping, q0, verdict)
+        b = entries.slots.shape[0]
+        committed = torch.zeros(b, st.n, dtype=torch.long, device=st.device)
+        count = torch.zeros(b, dtype=torch.long, device=st.device)
+        committed[a], count[a] = verdict.committed, verdict.count
+        return SpecOutput(committed, count)
+
+
+def move_accepted_kv(cache: KVCache, slot_mapping: torch.Tensor, q0: torch.Tensor,
+                     verdict: StepVerdict) -> None:
+    """``lookahead_move_kv`` as torch ops: the KV of accepted draft k (input row
+    ``q0 + src_rows[k]``) moves to x's index + 1 + k (input row ``q0 + 1 + k``); rows not
+    accepted are copied onto themselves."""
+    n1 = verdict.src_rows.shape[1]
+    k = torch.arange(n1, device=q0.device)
+    dst_rows = q0[:, None] + 1 + k
+    src_rows = torch.where(k < verdict.count[:, None] - 1, q0[:, None] + verdict.src_rows,
+                           dst_rows)
+    sm = slot_mapping.long()
+    cache.move_slots(sm[src_rows.reshape(-1)], sm[dst_rows.reshape(-1)])
