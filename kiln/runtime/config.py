@@ -50,7 +50,9 @@ class RuntimeConfig:
     spec_break_even: float | None = None
     # Lookahead state (window, n-gram table), proposal, greedy verification and the KV move
     # of accepted rows on the device (kiln/runtime/speculative/device_lookahead.py) for
-    # greedy requests at the engine's window; the host worker stays for the rest.
+    # greedy requests at the engine's window, inside the masked buckets' CUDA graphs and
+    # the async pipeline; the host worker stays for the rest. Off by default: on real
+    # smollm2 prompts it wins on some sets and loses on others (docs/decisions.md).
     device_speculation: bool = field(
         default_factory=lambda: env_flag("KILN_DEVICE_SPECULATION", False))
 

@@ -155,7 +155,7 @@ class CudaGraphRunner:
         spec = self.spec_step if b.masked else None
         if spec is not None:
             entries = self.stager.spec_entries(b.num_seqs)
-            proposal = spec.prologue(entries, d["input_ids"])
+            proposal = spec.prologue(entries, d["input_ids"], self.stager.staged_rows())
         logits = self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache, meta,
                                     d["logit_rows"][: b.num_rows])
         if spec is not None:

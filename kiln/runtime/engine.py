@@ -82,7 +82,10 @@ class LLMEngine:
         self.kernels_installed: dict[str, int] = {}
         self.async_scheduling = config.async_scheduling  # may be switched between steps
         self._inflight: LaunchedStep | None = None
-        self._readback = TokenReadback(self.scheduler.max_num_seqs, self.device)
+        # the host copies of a step's samples, or of a device speculative step's commits
+        # ([B, N + 1]: tokens and their count)
+        width = self.speculative.lookahead[1] + 1 if parts.device_lookahead else 1
+        self._readback = TokenReadback(self.scheduler.max_num_seqs * width, self.device)
         if self.spec_worker:
             t_pace = time.perf_counter()
             self.spec_break_even = spec_break_even(self)
@@ -208,8 +211,9 @@ class LLMEngine:
                 return self._run(batch)
             cur = self._launch(batch)
         self._step_reqs = list(cur.reqs)
-        # Its KV is queued on the device and every input id of it is on the host now.
-        self.scheduler.after_step(cur.batch.unfinished())
+        # Its KV is queued on the device and every input id of it is on the host now (a
+        # speculative step counts one token each here; its commit brings the rest).
+        self.scheduler.after_step(cur.batch.unfinished(), cur.advance)
         try:
             self._inflight = self._launch_next(cur)
         except BaseException:
@@ -245,9 +249,11 @@ class LLMEngine:
 
     def _can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether the step's tokens can be chosen on the device alone (plain decode rows,
-        no grammar, no penalties / logprobs / seeds)."""
+        no grammar, no penalties / logprobs / seeds; or device speculative plans only)."""
         if not self.async_scheduling:
             return False
+        if self._device_plans_only(batch):
+            return True
         reqs = [r for r, _ in batch.items]
         return (all(r.draft is None and r.matcher is None for r in reqs)
                 and self.sampler.device_only([r.params for r in reqs],
@@ -255,10 +261,26 @@ class LLMEngine:
                                              kernels=self.device.type == "cuda"
                                              and kernels_enabled()))
 
+    def _device_plans_only(self, batch: ScheduledBatch) -> bool:
+        """Every item runs a plan proposed and verified on the device (DeviceSpecStep)."""
+        return self.runner.spec_step is not None and bool(batch.items) and all(
+            r.draft is not None and r.draft.device_slot is not None and n == r.draft.num_tokens
+            for r, n in batch.items)
+
     def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue the forward and the sampling of ``batch`` on the device (``inputs``: the
-        device token ids of a batch scheduled ahead)."""
+        device token ids of a batch scheduled ahead). A batch of device speculative plans
+        is verified and committed on the device; its commits are copied back instead."""
         fwd = self.runner.execute(batch, inputs)
+        if fwd.spec_entries:
+            reqs = [r for r, _ in batch.items]
+            for r in reqs:
+                r.draft = None  # a plan is one step's
+            spec = fwd.spec
+            host, ready = self._readback.start(torch.cat([spec.committed,
+                                                          spec.count[:, None]], 1))
+            return LaunchedStep(batch, reqs, None, host, ready, fwd.spec_entries,
+                                {r: 1 for r in reqs})
         reqs, logits = sample_logits(fwd)
         tokens = self.sampler.choose(logits, [r.params for r in reqs],
                                      [r.generator for r in reqs])
@@ -267,13 +289,38 @@ class LLMEngine:
     def _launch_next(self, cur: LaunchedStep) -> LaunchedStep | None:
         """Launch the decode step after ``cur`` before its tokens are known, or None when
         the next step needs the host (the plain scheduler then runs after it)."""
-        if not self.async_scheduling or any(_may_speculate_next(r) for r in cur.reqs):
+        if not self.async_scheduling:
+            return None
+        if cur.spec_entries is not None:
+            return self._launch_spec_ahead(cur)
+        if any(_may_speculate_next(r) for r in cur.reqs):
             return None  # a draft needs the in-flight token
         batch = self.scheduler.schedule_ahead(cur.batch, self.limits.max_seq_len)
         return None if batch is None else self._launch(batch, cur.inputs_for(batch))
 
+    def _launch_spec_ahead(self, cur: LaunchedStep) -> LaunchedStep | None:
+        """The next device speculative step of ``cur``'s requests, launched before ``cur``'s
+        commits are read: the device state already holds them (the next x is its bonus
+        token), and the device moves the step's positions and slots on by what ``cur``
+        committed. None when the chain stops (a request finished or pauses, requests wait,
+        a length limit or the KV blocks are near): the plain scheduler runs next."""
+        reqs = cur.reqs
+        if any(r.is_finished or (r.spec_pace is not None and not r.spec_pace.speculating)
+               for r in reqs):
+            return None
+        self.spec_worker.propose_batch(reqs, self.fail_request)
+        batch = self.scheduler.schedule_spec_ahead(cur.batch, self.speculative.lookahead[1],
+                                                   self.limits.max_seq_len)
+        if batch is None or not self._device_plans_only(batch):
+            for r in reqs:
+                r.draft = None
+            return None
+        return self._launch(batch)
+
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the step's one host sync) and commit them."""
+        if launched.spec_entries is not None:
+            return self._collect_spec(launched)
         result = StepResult()
         for req, tok in zip(launched.reqs, self._readback.read(launched)):
             if tok == INVALID_TOKEN:
@@ -282,6 +329,27 @@ class LLMEngine:
             elif not req.is_finished:  # aborted while in flight: its token is dropped
                 result.tokens[req] = [tok]
         return self._outputs(self._commit_all(result), result)
+
+    def _collect_spec(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched device speculative step's commits (one host sync) and commit
+        them; each request's computed count, one at launch, moves on by the rest."""
+        rows = self._readback.read(launched)
+        result = StepResult()
+        for req in launched.reqs:
+            if req.is_finished:  # aborted, or stopped in the step before: dropped
+                continue
+            row = rows[launched.spec_entries[req]]
+            if row[-1] < 1:
+                self.fail_request(req, "speculative verification", "the device step "
+                                  "committed no token")
+                continue
+            result.tokens[req] = row[: row[-1]]
+            result.advance[req] = row[-1]
+            result.verified.add(req)
+        committed = self._commit_all(result)
+        for req, n in result.advance.items():
+            req.num_computed_tokens += n - 1
+        return self._outputs(committed, result)
 
     def _commit_all(self, result: StepResult) -> dict[Request, int]:
         """Append each request's tokens (a failure fails that request); how many each

@@ -95,12 +95,16 @@ class ModelRunner:
         seqs: list[SeqAttention] = []
         logit_rows: list[int] = []
         spec = ([], [], [])  # device plans: slot, input row and logits row of x
+        # launched ahead: the step in flight committed last_count[e] tokens, not one
+        ahead = self.spec_step.last_count.tolist() if batch.spec_in_flight else None
         out = ForwardOutput(torch.empty(0))
         for req, n in batch.items:
             start = req.num_computed_tokens
-            end = start + n
             q0 = len(input_ids)
             plan = req.draft if req.draft is not None and req.draft.num_tokens == n else None
+            if ahead is not None and plan is not None and plan.device_slot is not None:
+                start += ahead[len(spec[0])] - 1
+            end = start + n
             key_slots = self.slots_of(req.block_table, torch.arange(end))
             slot_chunks.append(key_slots[start:end])
             if plan is None:
@@ -171,7 +175,7 @@ class ModelRunner:
                                    st.masked)
             entries = stager.spec_entries(len(out.spec_entries)) if out.spec_entries else None
             if entries is not None:
-                proposal = self.spec_step.prologue(entries, d["input_ids"])
+                proposal = self.spec_step.prologue(entries, d["input_ids"], stager.staged_rows())
             out.logits = self.model.forward(d["input_ids"][:t], d["positions"][:t],
                                             self.cache, meta, d["logit_rows"][: st.num_rows])
             if entries is not None:

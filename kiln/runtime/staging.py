@@ -23,7 +23,7 @@ import torch
 from kiln.runtime.kv_cache import slot_of
 from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.device_step import SpecEntries
+from kiln.runtime.speculative.device_step import SpecEntries, StagedRows
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,10 @@ class StepStager:
                  "mask_offsets": s1, "block_tables": s1 * max_blocks,
                  # device speculation entries (kiln/runtime/speculative/device_step.py):
                  # DeviceLookahead slot (-1: none), input row and logits row of the plan's x
-                 "spec_slots": max_seqs, "spec_q0": max_seqs, "spec_r0": max_seqs}
+                 "spec_slots": max_seqs, "spec_q0": max_seqs, "spec_r0": max_seqs,
+                 # launched ahead: 1 = staged as if the step in flight committed one token;
+                 # the plan's sequence index
+                 "spec_shift": max_seqs, "spec_seq": max_seqs}
         pin = device.type == "cuda"
         self.host = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin)
         self.dev = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
@@ -187,6 +190,7 @@ class StepStager:
                     out.spec_entries[req] = e
                     spec_slots[e] = plan.device_slot
                     h["spec_q0"][e], h["spec_r0"][e] = q0, nrows
+                    h["spec_seq"][e], h["spec_shift"][e] = i, batch.spec_in_flight
                 rows[nrows : nrows + n] = np.arange(q0, q0 + n)
                 nrows += n
             q0 += n
@@ -223,8 +227,14 @@ class StepStager:
     def spec_entries(self, num: int) -> SpecEntries:
         """The device speculation entries of the staged step, ``num`` rows (device)."""
         d = self.d
-        return SpecEntries(d["spec_slots"][:num].long(), d["spec_q0"][:num].long(),
-                           d["spec_r0"][:num].long())
+        return SpecEntries(*(d[name][:num].long() for name in (
+            "spec_slots", "spec_q0", "spec_r0", "spec_shift", "spec_seq")))
+
+    def staged_rows(self) -> StagedRows:
+        """The device inputs a plan staged ahead rewrites (``DeviceSpecStep.prologue``)."""
+        d = self.d
+        return StagedRows(d["positions"], d["slots"], d["context_lens"], d["block_tables"],
+                          self.block_size)
 
     def fill_dummy(self, num_seqs: int, num_tokens: int) -> None:
         """A valid all-padding step of a graph bucket: no KV writes, nothing to read."""

@@ -39,14 +39,19 @@ class LaunchedStep:
     """A step whose forward and sampling are queued on the device, tokens not yet read.
 
     ``tokens`` [len(reqs)] (device) is row i's sample for ``reqs[i]``; ``host`` receives
-    them (pinned on CUDA) and is valid once ``ready`` has passed.
+    them (pinned on CUDA) and is valid once ``ready`` has passed. A speculative step of
+    device plans (``spec_entries``: request -> its row) has no samples: ``host`` receives
+    [B, N + 1] rows of committed tokens and their count, and ``advance`` is what the
+    scheduler counted at launch (one token each: the rest comes with the commit).
     """
 
     batch: ScheduledBatch
     reqs: list[Request]
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None
     host: torch.Tensor
     ready: torch.cuda.Event | None
+    spec_entries: dict[Request, int] | None = None
+    advance: dict[Request, int] | None = None
 
     @property
     def stale(self) -> bool:
@@ -64,30 +69,30 @@ class LaunchedStep:
 
 
 class TokenReadback:
-    """Device -> host copies of sampled tokens without a sync at launch: two pinned
-    buffers (one per step in flight) and an event per copy."""
+    """Device -> host copies of a step's results without a sync at launch: two pinned
+    buffers (one per step in flight) of ``max_elems`` longs and an event per copy."""
 
-    def __init__(self, max_rows: int, device: torch.device):
+    def __init__(self, max_elems: int, device: torch.device):
         self.device = device
         pinned = device.type == "cuda"
-        self._host = [torch.empty(max_rows, dtype=torch.long, pin_memory=pinned)
+        self._host = [torch.empty(max_elems, dtype=torch.long, pin_memory=pinned)
                       for _ in range(2)]
         self._turn = 0
 
     def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queue the copy of ``tokens``; returns (host view, event to wait on)."""
+        """Queue the copy of ``tokens`` (any shape); returns (host view, event to wait on)."""
         if self.device.type != "cuda":
             return tokens, None
         self._turn ^= 1
-        host = self._host[self._turn][: len(tokens)]
+        host = self._host[self._turn][: tokens.numel()].view(tokens.shape)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return host, ready
 
     @staticmethod
-    def read(step: LaunchedStep) -> list[int]:
-        """The step's tokens on the host (its one sync)."""
+    def read(step: LaunchedStep) -> list:
+        """The step's results on the host (its one sync)."""
         if step.ready is not None:
             step.ready.synchronize()
         return step.host.tolist()

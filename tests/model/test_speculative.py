@@ -470,3 +470,69 @@ def test_measure_step_ms_leaves_the_engine_as_it_was(tiny_reference, async_on):
     _, plain_out = tiny_reference("llama", max_seq_len=256, max_num_tokens=1024)
     plain = LLMEngine.from_engine_dir(plain_out, RuntimeConfig(device="cpu"))
     assert measure_step_ms(plain) is None
+
+
+def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch):
+    """Device speculative steps launched ahead (the next one queued before this one's
+    commit is read; its positions and slots moved on by the device) commit what the
+    synchronous device path and plain greedy commit: stops inside accepted runs (max_tokens
+    and stop tokens), an abort with a step in flight, a host-state request beside them
+    (the batch then runs synchronously), and every block and slot freed at the end."""
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
+        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+    prompts = _repetitive_prompts()[:4]
+    plain_eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    lengths = [5, 13, 24, 40]
+    plain = [o.token_ids for o in plain_eng.generate(
+        prompts, [_greedy(n, PLAIN) for n in lengths])]
+    stop_at = plain[2][9]  # a token the third request stops on (inside an accepted run)
+
+    def params(windows=(None,) * 4):
+        out = [_greedy(n, w) for n, w in zip(lengths, windows)]
+        out[2] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                stop_token_ids=(stop_at,))
+        return out
+
+    want = list(plain)
+    want[2] = plain[2][: plain[2].index(stop_at) + 1]
+
+    def run(async_on, windows=(None,) * 4, abort=False):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", device_speculation=True, async_scheduling=async_on,
+            adaptive_speculation=False))
+        ahead = {"n": 0}
+        real = eng._launch_spec_ahead
+
+        def counted(cur):
+            step = real(cur)
+            ahead["n"] += step is not None
+            return step
+
+        monkeypatch.setattr(eng, "_launch_spec_ahead", counted)
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params(windows))]
+        done, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+            steps += 1
+            inflight = eng._inflight
+            if (abort and ids[3] not in done and inflight is not None
+                    and inflight.spec_entries and steps > 3):  # a spec step is in flight
+                eng.abort(ids[3])
+                abort = False
+        eng.blocks.check_all_free()
+        assert sorted(eng.spec_worker._free_slots) == list(range(8))
+        stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
+        return [done[i].token_ids if i in done else None for i in ids], stats, ahead["n"]
+
+    sync, sync_stats, sync_ahead = run(False)
+    assert sync == want and sync_ahead == 0
+    got, stats, ahead = run(True)
+    assert got == want and stats == sync_stats
+    assert ahead > 0 and stats[1] > stats[0]  # launched ahead, drafts accepted
+    aborted, _, _ = run(True, abort=True)
+    assert aborted[:3] == want[:3] and aborted[3] is None
+    mixed, _, _ = run(True, windows=(None, (2, 2, 1), None, None))
+    assert mixed == want

@@ -141,6 +141,10 @@ def cases():
         "E": 256, "E_PAD": 256, "N1": 6, "N1_PAD": 8, "PDL": True}, {
         "k_ptr": "*i16", "v_ptr": "*i16", "sm_ptr": "*i32", "q0_ptr": "*i64",
         "count_ptr": "*i64", "src_ptr": "*i64"}, 4
+    yield "lookahead rows staged ahead, shifted (7,7,7)", lookahead._shift_rows_kernel, {
+        "BS": 16, "T": 84, "T_PAD": 128, "PDL": True}, {
+        a: "*i32" if a in ("pos_ptr", "cache_slots_ptr", "ctx_ptr", "bt_ptr") else "*i64"
+        for a in lookahead._shift_rows_kernel.arg_names if a.endswith("_ptr")}, 1
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
     yield "fp8 quant", fp8_quant._quant_kernel, {
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4

@@ -185,3 +185,34 @@ def test_prefill_bucket_ladder():
     assert [x.num_tokens for x in b if x.prefill] == [128, 256, 512, 1024]
     assert all(x.num_seqs == x.num_rows == 64 for x in b if x.prefill)
     assert not any(x.prefill for x in plan_buckets(64, 2048, 1, 1024, prefill=False))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, graphs,
+                                                              monkeypatch):
+    """Device speculative steps launched ahead on the staged path: the kernels move each
+    plan's staged positions, cache slots and context length on by what the step in flight
+    committed (inside the masked bucket's replay with graph buffers); the tokens equal the
+    torch backend's plain greedy ones."""
+    _, out = tiny_reference(
+        "llama", max_seq_len=128, max_num_tokens=256, max_batch_size=8,
+        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+    prompts = [p + p[:6] + p for p in mixed_prompts()[:2]]
+    plain_p = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lookahead=(1, 1, 0))
+               for n in (10, 14)]
+    ref, _ = _tokens(out, "torch", prompts, plain_p)
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cpu", block_size=4, num_kv_blocks=96, max_num_tokens=40,
+        attention_backend="triton", cuda_graphs=graphs, device_speculation=True,
+        adaptive_speculation=False))
+    eng.runner.spec_step.kernels = True  # the CUDA path, interpreted
+    ahead = []
+    real = eng._launch_spec_ahead
+    monkeypatch.setattr(eng, "_launch_spec_ahead", lambda cur: ahead.append(real(cur))
+                        or ahead[-1])
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                  for n in (10, 14)])
+    assert [o.token_ids for o in outs] == ref
+    assert any(a is not None for a in ahead)
+    assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)
+    eng.blocks.check_all_free()

@@ -398,3 +398,42 @@ def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
         kc.stride(0), E=e, E_PAD=next_pow2(e), N1=n1, N1_PAD=next_pow2(max(n1, 1)),
         num_warps=4, **_pdl.launch_kwargs(),
     )
+
+
+@triton.jit
+def _shift_rows_kernel(
+    shift_ptr, slots_ptr, seq_ptr, q0_ptr, count_ptr, pos_ptr, cache_slots_ptr, ctx_ptr,
+    bt_ptr, stride_bt, BS: tl.constexpr, T: tl.constexpr, T_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    e = tl.program_id(0).to(tl.int64)
+    delta = tl.load(count_ptr + e) - 1
+    if (tl.load(shift_ptr + e) <= 0) | (tl.load(slots_ptr + e) < 0) | (delta == 0):
+        return
+    q = tl.load(q0_ptr + e)
+    seq = tl.load(seq_ptr + e)
+    t = tl.arange(0, T_PAD)
+    m = t < T
+    pos = tl.load(pos_ptr + q + t, mask=m, other=0).to(tl.int64) + delta
+    blk = tl.load(bt_ptr + seq * stride_bt + pos // BS, mask=m, other=0).to(tl.int64)
+    tl.store(pos_ptr + q + t, pos.to(pos_ptr.dtype.element_ty), mask=m)
+    tl.store(cache_slots_ptr + q + t, (blk * BS + pos % BS).to(cache_slots_ptr.dtype.element_ty),
+             mask=m)
+    ctx = tl.load(ctx_ptr + seq)
+    tl.store(ctx_ptr + seq, (ctx + delta).to(ctx_ptr.dtype.element_ty))
+
+
+def shift_staged_rows(entries, staged, last_count: torch.Tensor, num_tokens: int) -> None:
+    """``DeviceSpecStep._shift`` in one launch (kiln/runtime/speculative/device_step.py):
+    each entry staged ahead (``entries.shift``, a slot) moves its ``num_tokens`` positions
+    and cache slots, and its context length, on by ``last_count[e] - 1``."""
+    b = entries.slots.shape[0]
+    if not b:
+        return
+    bt = staged.block_tables
+    _shift_rows_kernel[(b,)](
+        entries.shift, entries.slots, entries.seq, entries.q0, last_count, staged.positions,
+        staged.slots, staged.context_lens, bt, bt.stride(0), BS=staged.block_size,
+        T=num_tokens, T_PAD=next_pow2(num_tokens), num_warps=1, **_pdl.launch_kwargs(),
+    )

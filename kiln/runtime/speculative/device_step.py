@@ -40,11 +40,32 @@ from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdi
 @dataclass
 class SpecEntries:
     """One row per possible plan of a step (device tensors, long): ``slots`` [B] (-1: no
-    plan), ``q0`` [B] input row of the plan's x, ``r0`` [B] logits row of x."""
+    plan), ``q0`` [B] input row of the plan's x, ``r0`` [B] logits row of x.
+
+    Launched ahead (the async pipeline), a step is staged before the step in flight has
+    committed: its plans are laid out as if that step committed one token. ``shift`` [B]
+    (1: so staged) and ``seq`` [B] (the plan's sequence in the step) let ``prologue`` move
+    such a plan's positions, cache slots and context length on by the tokens the step in
+    flight committed beyond one (``DeviceSpecStep.last_count``, same entry row).
+    """
 
     slots: torch.Tensor
     q0: torch.Tensor
     r0: torch.Tensor
+    shift: torch.Tensor | None = None
+    seq: torch.Tensor | None = None
+
+
+@dataclass
+class StagedRows:
+    """The step's staged device inputs a shifted plan rewrites (int32): ``positions`` and
+    ``slots`` [num_tokens], ``context_lens`` [num_seqs], ``block_tables`` [num_seqs, M]."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
 
 
 @dataclass
@@ -69,11 +90,17 @@ class DeviceSpecStep:
     def __init__(self, state: DeviceLookahead):
         self.state = state
         self.kernels = state.device.type == "cuda"
+        # what the last step committed per entry row (its count), for a step launched ahead
+        self.last_count = torch.ones(state.num_slots, dtype=torch.long, device=state.device)
 
-    def prologue(self, entries: SpecEntries, input_ids: torch.Tensor) -> _Proposal:
+    def prologue(self, entries: SpecEntries, input_ids: torch.Tensor,
+                 staged: StagedRows | None = None) -> _Proposal:
         """Propose each entry's step from its slot; write its T tokens at
-        ``input_ids[q0 : q0 + T]``."""
+        ``input_ids[q0 : q0 + T]``. With ``staged``, plans staged ahead (``entries.shift``)
+        first move on by the last step's extra committed tokens."""
         st = self.state
+        if staged is not None and entries.shift is not None:
+            self._shift(entries, staged)
         if self.kernels:
             from kiln.runtime.kernels.lookahead import lookahead_propose
 
@@ -99,6 +126,7 @@ class DeviceSpecStep:
             argmax = greedy[rows.clamp(max=greedy.shape[0] - 1)]  # no-plan rows: any row
             verdict = lookahead_commit(st, entries.slots, proposal.tokens, argmax)
             lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict)
+            self.last_count[: verdict.count.shape[0]].copy_(verdict.count)
             return SpecOutput(verdict.committed, verdict.count)
         a = proposal.active
         slots, q0 = entries.slots[a], entries.q0[a]
@@ -110,7 +138,33 @@ class DeviceSpecStep:
         committed = torch.zeros(b, st.n, dtype=torch.long, device=st.device)
         count = torch.zeros(b, dtype=torch.long, device=st.device)
         committed[a], count[a] = verdict.committed, verdict.count
+        self.last_count[:b].copy_(count)
         return SpecOutput(committed, count)
+
+    def _shift(self, entries: SpecEntries, staged: StagedRows) -> None:
+        """Plans staged as if the step before committed one token: their positions, cache
+        slots (from the staged block table) and context length move on by what it
+        committed beyond one."""
+        t = self.state.num_tokens
+        if self.kernels:
+            from kiln.runtime.kernels.lookahead import shift_staged_rows
+
+            shift_staged_rows(entries, staged, self.last_count, t)
+            return
+        delta = torch.where((entries.shift > 0) & (entries.slots >= 0),
+                            self.last_count[: entries.shift.shape[0]] - 1, 0)
+        live = torch.nonzero(delta)[:, 0]
+        if not live.numel():
+            return
+        rows = (entries.q0[live, None] + torch.arange(t, device=delta.device)).reshape(-1)
+        d = delta[live].repeat_interleave(t)
+        seq = entries.seq[live]
+        pos = staged.positions[rows].long() + d
+        bs = staged.block_size
+        blocks = staged.block_tables[seq.repeat_interleave(t), pos // bs].long()
+        staged.positions[rows] = pos.to(staged.positions.dtype)
+        staged.slots[rows] = (blocks * bs + pos % bs).to(staged.slots.dtype)
+        staged.context_lens[seq] += delta[live].to(staged.context_lens.dtype)
 
 
 def move_accepted_kv(cache: KVCache, slot_mapping: torch.Tensor, q0: torch.Tensor,
