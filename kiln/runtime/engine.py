@@ -276,9 +276,7 @@ class LLMEngine:
             reqs = [r for r, _ in batch.items]
             for r in reqs:
                 r.draft = None  # a plan is one step's
-            spec = fwd.spec
-            host, ready = self._readback.start(torch.cat([spec.committed,
-                                                          spec.count[:, None]], 1))
+            host, ready = self._readback.start(fwd.spec.packed())
             return LaunchedStep(batch, reqs, None, host, ready, fwd.spec_entries,
                                 {r: 1 for r in reqs})
         reqs, logits = sample_logits(fwd)
@@ -343,9 +341,7 @@ class LLMEngine:
                 self.fail_request(req, "speculative verification", "the device step "
                                   "committed no token")
                 continue
-            result.tokens[req] = row[: row[-1]]
-            result.advance[req] = row[-1]
-            result.verified.add(req)
+            result.add_verified(req, row[: row[-1]])
         committed = self._commit_all(result)
         for req, n in result.advance.items():
             req.num_computed_tokens += n - 1

@@ -33,6 +33,13 @@ class StepResult:
     spec_entries: dict[Request, int] = field(default_factory=dict)
     spec: SpecOutput | None = None
 
+    def add_verified(self, req: Request, tokens: list[int]) -> None:
+        """``req`` commits a verified speculative step's ``tokens``: x and the accepted
+        drafts have KV (the advance), the last token is the bonus."""
+        self.tokens[req] = tokens
+        self.advance[req] = len(tokens)
+        self.verified.add(req)
+
 
 @dataclass
 class LaunchedStep:

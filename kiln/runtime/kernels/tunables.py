@@ -64,6 +64,12 @@ def _attention_problems(t: TuneTarget) -> list[dict]:
     return out
 
 
+def _attention_class(p: dict) -> str:
+    """The problem's query class (``paged_attention.query_class``)."""
+    return paged_attention.query_class(p["query_len"], p["heads"] // p["kv_heads"],
+                                       bool(p["tree"]))
+
+
 def _attention_key(p: dict) -> str:
     return paged_attention.tuning_key(p["kv_heads"], p["heads"] // p["kv_heads"],
                                       p["head_dim"], p["dtype"], p["kv_dtype"], p["query_len"],
@@ -78,8 +84,7 @@ def _attention_candidates(p: dict) -> list[dict]:
     135M / 1.5B / 7B shapes, docs/decisions.md)."""
     wide = next_pow2(max(p["head_dim"], 16)) > 128
     block_ns = (16, 32, 64) if wide else (32, 64, 128)
-    qclass = paged_attention.query_class(p["query_len"], p["heads"] // p["kv_heads"],
-                                         bool(p["tree"]))
+    qclass = _attention_class(p)
     if qclass == "tree":  # 16-row tiles and a least split length matter here too
         return [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2,
                  "BLOCK_M": bm, "min_split_tiles": mt}
@@ -122,8 +127,7 @@ def _attention_call(p: dict, config: dict, device: torch.device, i: int) -> torc
 PAGED_ATTENTION = Tunable(
     name="paged_attention", problems=_attention_problems, key=_attention_key,
     candidates=_attention_candidates,
-    default=lambda p: paged_attention.default_config(p["head_dim"], paged_attention.query_class(
-        p["query_len"], p["heads"] // p["kv_heads"], bool(p["tree"]))),
+    default=lambda p: paged_attention.default_config(p["head_dim"], _attention_class(p)),
     run=lambda p, c, d: _attention_call(p, c, d, 0).clone(),
     bench=lambda p, c, d: time_cuda(lambda i: _attention_call(p, c, d, i), d,
                                     len(_attention_inputs(p, d)[1])),

@@ -76,6 +76,10 @@ class SpecOutput:
     committed: torch.Tensor
     count: torch.Tensor
 
+    def packed(self) -> torch.Tensor:
+        """[B, N + 1]: each entry's committed tokens, then their count (one host copy)."""
+        return torch.cat([self.committed, self.count[:, None]], 1)
+
 
 @dataclass
 class _Proposal:

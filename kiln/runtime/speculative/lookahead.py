@@ -142,14 +142,10 @@ class LookaheadWorker(DraftWorker):
                          on_error) -> None:
         """The device plans were verified in the step (``result.spec``): read what each
         committed, one host copy for the batch."""
-        spec = result.spec
-        host = torch.cat([spec.committed, spec.count[:, None]], 1).tolist()
+        host = result.spec.packed().tolist()
         for req in reqs:
             row = host[result.spec_entries[req]]
-            accepted = row[: row[-1]]
-            result.tokens[req] = accepted
-            result.advance[req] = len(accepted)
-            result.verified.add(req)
+            result.add_verified(req, row[: row[-1]])
 
     def propose(self, req: Request) -> DraftPlan | None:
         st: LookaheadState = req.spec_state

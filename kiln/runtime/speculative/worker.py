@@ -172,9 +172,7 @@ class DraftWorker(SpeculativeWorker):
             for r, k in moves:
                 src.append(slot_of(table, base + r, bs))
                 dst.append(slot_of(table, base + k, bs))
-            result.tokens[req] = accepted
-            result.advance[req] = len(accepted)  # x + accepted drafts have KV
-            result.verified.add(req)  # the engine counts what it commits
+            result.add_verified(req, accepted)  # the engine counts what it commits
         if src:  # one move for the whole step: requests own disjoint blocks past their prefix
             dev = cache.k.device
             cache.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
