@@ -49,10 +49,15 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "pdl": _pdl_mode(device),
         # tokens chosen by kiln's sampling kernels (CUDA; rows without top-k/top-p/min-p)
         "sampling_kernels": _sampling_kernels(device),
-        # speculative engines: tokens per speculative step below which a request pauses
-        # speculation (None: always speculates)
-        "spec_break_even": getattr(engine, "spec_break_even", None),
+        # speculative engines: tokens per speculative step a request must commit to
+        # speculate, by batch size (None: always speculates)
+        "spec_break_even": _break_even(engine),
     }
+
+
+def _break_even(engine: Any) -> dict[str, float] | None:
+    be = getattr(engine, "spec_break_even", None)
+    return None if be is None else be.to_json()
 
 
 def _pdl_mode(device: str) -> int | None:

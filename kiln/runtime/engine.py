@@ -32,7 +32,7 @@ from kiln.runtime.request import Request, check_prompt, request_output
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.break_even import spec_break_even
-from kiln.runtime.speculative.pace import SpecPace
+from kiln.runtime.speculative.pace import Shadow, SpecPace, gate_batch
 from kiln.runtime.speculative.workers import make_worker, request_window
 from kiln.runtime.startup import assemble
 from kiln.runtime.step import LaunchedStep, StepResult, TokenReadback, sample_logits
@@ -154,7 +154,8 @@ class LLMEngine:
         if window is not None:
             self.spec_worker.init_request(req, window)
             if self.spec_break_even is not None and params.seed is None:
-                req.spec_pace = SpecPace(self.spec_break_even)
+                shadow = Shadow(self.spec_worker.shadow_proposer(req), len(ids))
+                req.spec_pace = SpecPace(shadow, self.spec_break_even)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -224,6 +225,11 @@ class LLMEngine:
     def _schedule(self) -> ScheduledBatch:
         """Draft plans for the requests that speculate now, then the scheduler's batch."""
         if self.spec_worker is not None:
+            if self.spec_break_even is not None:  # paced at the batch running now
+                running = list(self.scheduler.running)
+                self.spec_break_even.batch = max(len(running), 1)
+                gate_batch([r.spec_pace for r in running if r.spec_state is not None],
+                           len(running), self.spec_break_even)
             self.spec_worker.propose_all(list(self.scheduler.running), self.fail_request)
         batch = self.scheduler.schedule()
         self._step_reqs = [r for r, _ in batch.items]
@@ -303,7 +309,7 @@ class LLMEngine:
         committed. None when the chain stops (a request finished or pauses, requests wait,
         a length limit or the KV blocks are near): the plain scheduler runs next."""
         reqs = cur.reqs
-        if any(r.is_finished or (r.spec_pace is not None and not r.spec_pace.speculating)
+        if any(r.is_finished or (r.spec_pace is not None and not r.spec_pace.active)
                for r in reqs):
             return None
         self.spec_worker.propose_batch(reqs, self.fail_request)
@@ -501,8 +507,9 @@ class LLMEngine:
 
 def _may_speculate_next(req: Request) -> bool:
     """Whether the step after the one in flight may speculate for ``req`` (then it cannot be
-    launched ahead: its draft needs the in-flight token). A paced request that stays paused
-    through the in-flight step's commit decodes plainly next."""
+    launched ahead: its draft needs the in-flight token). A paced request
+    that is not speculating now decodes plainly next (its pacing decides again when the
+    in-flight token is committed; a start then waits for the step after)."""
     if req.spec_state is None:
         return False
-    return req.spec_pace is None or req.spec_pace.pause_left <= 1
+    return req.spec_pace is None or req.spec_pace.active

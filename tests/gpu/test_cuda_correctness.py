@@ -192,15 +192,17 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
 
 def test_lookahead_engine_measures_its_break_even_on_cuda(tiny_reference):
     """With adaptive speculation on and no break-even given, a lookahead engine on CUDA times
-    whole plain and speculative steps at start-up (LLMEngine._spec_break_even), leaves nothing
-    behind, and still generates plain greedy's tokens."""
+    whole plain and speculative steps at start-up at batch 1 and 8 (break_even.spec_break_even),
+    leaves nothing behind, and still generates plain greedy's tokens."""
     from kiln.artifact.speculative import SpeculativeConfig
 
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
         speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
     eng = LLMEngine.from_engine_dir(out, runtime("triton", adaptive_speculation=True))
-    assert eng.spec_break_even is not None and eng.spec_break_even > 0
+    be = eng.spec_break_even
+    assert be is not None and [b for b, _ in be.points] == [1, 8]
+    assert all(r > 0 for _, r in be.points)
     assert eng.startup_times["spec_break_even_s"] > 0
     assert eng.spec_stats == {"steps": 0, "accepted_tokens": 0} and eng.num_steps == 0
     assert not eng.has_unfinished_requests()
@@ -210,5 +212,5 @@ def test_lookahead_engine_measures_its_break_even_on_cuda(tiny_reference):
     plain = [o.token_ids for o in eng.generate(prompts, SamplingParams(
         max_tokens=24, temperature=0, ignore_eos=True, lookahead=(1, 1, 0)))]
     assert spec == plain
-    print(f"\nbreak-even {eng.spec_break_even:.2f} measured in "
+    print(f"\nbreak-even {be.to_json()} measured in "
           f"{eng.startup_times['spec_break_even_s']:.2f} s")

@@ -398,19 +398,19 @@ def test_a_draft_that_completes_the_grammar_ends_the_chain(tiny_reference):
 
 
 @pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
-def test_paced_speculation_pauses_where_it_cannot_pay_and_keeps_plain_output(tiny_reference,
-                                                                             async_on):
-    """An unreachable break-even pauses every request after MIN_STEPS speculative steps
-    (plain steps follow, launched ahead under async scheduling), then it probes again; a
-    reachable one never pauses. Greedy output equals plain greedy either way; seeded
-    requests are never paced."""
-    from kiln.runtime.speculative.pace import FIRST_PAUSE, MIN_STEPS
+def test_paced_speculation_speculates_only_where_it_pays_and_keeps_plain_output(
+        tiny_reference, async_on):
+    """An unreachable break-even never lets a request speculate (every step is plain,
+    launched ahead under async scheduling); a break-even every step reaches lets each
+    request speculate once its shadow has MIN_SHADOW replayed steps, and it never stops.
+    Greedy output equals plain greedy either way; seeded requests are never paced."""
+    from kiln.runtime.speculative.pace import MIN_SHADOW
 
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
     prompts = _repetitive_prompts()[:4]
-    n = 2 * MIN_STEPS + FIRST_PAUSE + 8
+    n = 40
 
     ahead = []
 
@@ -426,13 +426,18 @@ def test_paced_speculation_pauses_where_it_cannot_pay_and_keeps_plain_output(tin
     assert plain_eng.spec_break_even is None  # nothing measured on CPU: no pacing
     assert not any(ahead)  # always speculating: nothing runs ahead
     eng, paced = run(50.0)
-    assert eng.spec_break_even == 50.0
-    assert any(ahead) == async_on  # paused requests decode plainly, ahead when async
+    assert eng.spec_break_even.at(1) == 50.0 and eng.spec_break_even.at(64) == 50.0
+    assert any(ahead) == async_on  # plain steps, launched ahead when async
     assert [o.token_ids for o in paced] == [o.token_ids for o in plain]
-    for o in paced:  # 4 steps, a 16-step pause, then a second probe
-        assert MIN_STEPS < o.metrics.spec_steps <= 2 * MIN_STEPS + 1, o.metrics.spec_steps
-    _, unpaced = run(0.5)
-    assert [o.metrics.spec_steps for o in unpaced] == [o.metrics.spec_steps for o in plain]
+    assert all(o.metrics.spec_steps == 0 for o in paced)
+    ahead.clear()
+    _, paying = run(0.5)
+    assert [o.token_ids for o in paying] == [o.token_ids for o in plain]
+    for o in paying:
+        # plain until the shadow's first decision (MIN_SHADOW replayed steps need at most
+        # MIN_SHADOW + N - 1 tokens, + 1 in flight), then speculating to the end
+        plain_steps = o.metrics.num_steps - o.metrics.spec_steps
+        assert o.metrics.spec_steps > 0 and plain_steps <= MIN_SHADOW + 3 + 1, o.metrics
     eng.add_request(prompts[0], SamplingParams(max_tokens=4, seed=3))
     eng.add_request(prompts[0], SamplingParams(max_tokens=4))
     seeded, unseeded = list(eng.scheduler.waiting)[-2:]
@@ -459,7 +464,17 @@ def test_measure_step_ms_leaves_the_engine_as_it_was(tiny_reference, async_on):
     stats, steps = dict(eng.spec_stats), eng.num_steps
     ms = measure_step_ms(eng, steps=6, warmup=2)
     assert set(ms) == {"plain", "spec"} and ms["plain"] > 0 and ms["spec"] > 0
-    assert eng.spec_break_even == 1.5 and eng.spec_stats == stats and eng.num_steps == steps
+    assert eng.spec_break_even.at(1) == 1.5
+    assert eng.spec_stats == stats and eng.num_steps == steps
+    plans = []
+    real_step = eng.runner.execute
+    eng.runner.execute = lambda batch, *a: plans.extend(
+        r.draft.num_tokens for r, _ in batch.items if r.draft is not None) or real_step(batch, *a)
+    wide = measure_step_ms(eng, steps=4, warmup=2, batch=3)  # 3 dummy requests at once
+    eng.runner.execute = real_step
+    assert set(wide) == {"plain", "spec"} and not eng.spec_worker.full_steps
+    assert plans and set(plans) == {eng.speculative.tokens_per_step}  # every step at full T
+    assert measure_step_ms(eng, batch=9) is None  # more than max_num_seqs
     assert not eng.has_unfinished_requests()
     eng.blocks.check_all_free()
     assert [o.token_ids for o in eng.generate(prompts, _greedy(32))] == before

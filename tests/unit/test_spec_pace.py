@@ -1,98 +1,191 @@
-"""SpecPace: when a request pauses speculation and when it probes again."""
+"""Adaptive speculation: the break-even curve, the shadow replay of speculative steps and
+the decisions SpecPace makes from them."""
 
-from __future__ import annotations
+import pytest
 
-from kiln.runtime.speculative.pace import FIRST_PAUSE, MAX_PAUSE, MIN_STEPS, SpecPace
-
-
-def test_pauses_after_min_steps_below_break_even_and_probes_again():
-    p = SpecPace(break_even=1.5)
-    for _ in range(MIN_STEPS - 1):
-        p.on_spec_step(1)
-        assert p.speculating  # too few steps to decide
-    p.on_spec_step(1)
-    assert not p.speculating and p.pause_left == FIRST_PAUSE
-    for i in range(FIRST_PAUSE):
-        assert not p.speculating, i
-        p.on_plain_step()
-    assert p.speculating and p.paused_steps == FIRST_PAUSE
-    for _ in range(MIN_STEPS):  # the probe fails: the pause doubles
-        p.on_spec_step(1)
-    assert p.pause_left == 2 * FIRST_PAUSE
+from kiln.runtime.speculative.lookahead import PoolShadow
+from kiln.runtime.speculative.lookahead_math import NgramPool
+from kiln.runtime.speculative.ngram import LookupShadow, find_draft
+from kiln.runtime.speculative.pace import (
+    MIN_REAL,
+    MIN_SHADOW,
+    PRIOR_GAIN,
+    WINDOW,
+    BreakEven,
+    Shadow,
+    SpecPace,
+)
 
 
-def test_paying_steps_never_pause_and_reset_the_backoff():
-    p = SpecPace(break_even=1.5)
-    for _ in range(50):
-        p.on_spec_step(3)
-        assert p.speculating
-    p.next_pause = 128
-    for _ in range(MIN_STEPS):
-        p.on_spec_step(2)
-    assert p.speculating and p.next_pause == FIRST_PAUSE
+def test_break_even_is_linear_between_and_beyond_its_points():
+    be = BreakEven(((8, 4.0), (1, 2.6)))  # sorted on construction
+    assert be.points == ((1, 2.6), (8, 4.0))
+    assert be.at(1) == pytest.approx(2.6) and be.at(8) == pytest.approx(4.0)
+    assert be.at(4) == pytest.approx(2.6 + 1.4 * 3 / 7)
+    assert be.at(15) == pytest.approx(5.4)  # extrapolated: larger batches cost more
+    assert BreakEven(((1, 1.5),)).at(64) == 1.5
+    be.batch = 8
+    assert be.current == pytest.approx(4.0)
+    assert be.to_json() == {"1": 2.6, "8": 4.0}
+    three = BreakEven(((1, 2.0), (4, 2.0), (8, 6.0)))
+    assert three.at(2) == 2.0 and three.at(6) == pytest.approx(4.0)
+    for bad in ((), ((0, 2.0),), ((1, 0.0),)):
+        with pytest.raises(ValueError, match="break-even points"):
+            BreakEven(bad)
 
 
-def test_the_mean_tolerates_bad_steps_and_the_pause_is_capped():
-    p = SpecPace(break_even=1.5)
-    for _ in range(MIN_STEPS // 2):
-        p.on_spec_step(3)
-    for _ in range(MIN_STEPS // 2):  # mean 2.0 >= 1.5
-        p.on_spec_step(1)
-    assert p.speculating
-    for _ in range(2 * MIN_STEPS):  # the mean sinks below 1.5 after 13 more bad steps
-        p.on_spec_step(1)
-        if not p.speculating:
-            break
-    assert p.pause_left == FIRST_PAUSE
-    p.pause_left, p.next_pause = 0, MAX_PAUSE
-    for _ in range(MIN_STEPS):
-        p.on_spec_step(1)
-    assert p.pause_left == MAX_PAUSE and p.next_pause == MAX_PAUSE
-    p.on_plain_step()
-    assert p.pause_left == MAX_PAUSE - 1
+class Scripted:
+    """A proposer that offers fixed candidates at given positions."""
+
+    depth = 3
+
+    def __init__(self, cands):
+        self.cands = cands
+        self.asked = []
+
+    def candidates(self, ids, pos):
+        self.asked.append((pos, len(ids)))
+        return self.cands.get(pos, [])
 
 
-def test_a_probe_is_judged_after_probe_steps_and_grows_the_pause(monkeypatch):
-    from kiln.runtime.speculative import pace
-
-    monkeypatch.setattr(pace, "MIN_STEPS", 6)
-    monkeypatch.setattr(pace, "PROBE_STEPS", 2)
-    monkeypatch.setattr(pace, "PAUSE_GROWTH", 4)
-    p = SpecPace(break_even=1.5)
-    for _ in range(6):
-        assert p.speculating
-        p.on_spec_step(1)
-    assert p.pause_left == FIRST_PAUSE  # the first decision: after MIN_STEPS
-    for _ in range(FIRST_PAUSE):
-        p.on_plain_step()
-    p.on_spec_step(1)
-    assert p.speculating  # one probe step: too few to judge
-    p.on_spec_step(1)
-    assert p.pause_left == 4 * FIRST_PAUSE  # judged after PROBE_STEPS, the pause x4
-    for _ in range(4 * FIRST_PAUSE):
-        p.on_plain_step()
-    p.on_spec_step(3)
-    p.on_spec_step(2)
-    assert p.speculating and p.next_pause == FIRST_PAUSE  # a probe that pays resets it
+def test_shadow_replays_only_steps_whose_drafts_can_be_checked():
+    ids = [9, 9, 1, 2, 3, 4, 5, 6, 7, 8]  # prompt [9, 9], then the output
+    prop = Scripted({2: [(2, 3, 0), (2, 9)], 5: [(5, 6, 7)]})
+    sh = Shadow(prop, start=2)
+    sh.update(ids[:5])  # x at 2 needs 3 tokens after it: none replayed yet
+    assert sh.steps == 0 and sh.mean() is None
+    sh.update(ids[:6])
+    assert sh.steps == 1 and list(sh.recent) == [3]  # (2, 3) matched, then the bonus
+    sh.update(ids)  # x at 5: all 3 drafts match -> 4 tokens; x at 9: not checkable
+    assert list(sh.recent) == [3, 4] and sh.pos == 9
+    assert sh.mean() == pytest.approx(3.5)
+    assert [p for p, _ in prop.asked] == [2, 5]
+    assert all(n == len(ids) or n == 6 for _, n in prop.asked)
 
 
-def test_an_early_decision_pauses_only_clear_losers(monkeypatch):
-    from kiln.runtime.speculative import pace
+def test_the_shadow_mean_is_over_the_last_window_steps():
+    sh = Shadow(Scripted({}), start=0)
+    sh.update(list(range(MIN_SHADOW - 1 + 3)))
+    assert sh.steps == MIN_SHADOW - 1 and sh.mean() is None
+    sh.update(list(range(WINDOW + 40)))
+    assert sh.steps == WINDOW + 40 - 3 and len(sh.recent) == WINDOW and sh.mean() == 1.0
 
-    monkeypatch.setattr(pace, "EARLY_STEPS", 4)
-    monkeypatch.setattr(pace, "EARLY_FRACTION", 0.5)
-    loser = SpecPace(break_even=3.0)  # 4 steps at 1.25 < 0.5 x 3.0: paused at once
-    for _ in range(3):
-        loser.on_spec_step(1)
-        assert loser.speculating
-    loser.on_spec_step(2)
-    assert loser.pause_left == FIRST_PAUSE
-    unsure = SpecPace(break_even=3.0)  # 2.0 per step: below break-even, not a clear loser
-    for _ in range(4):
-        unsure.on_spec_step(2)
-    assert unsure.speculating
-    for _ in range(MIN_STEPS - 5):
-        unsure.on_spec_step(2)
-    assert unsure.speculating
-    unsure.on_spec_step(2)  # MIN_STEPS reached, mean 2.0 < 3.0
-    assert unsure.pause_left == FIRST_PAUSE
+
+def test_pool_shadow_sees_only_ngrams_up_to_each_steps_x():
+    """The pool of the replayed step at pos holds the prompt's n-grams and those ending at or
+    before pos; the ones after it (the future the step is checked against) are not in it."""
+    prompt = [5, 6, 7, 8]
+    ids = prompt + [1, 2, 1, 2, 3, 1, 2, 3]
+    prop = PoolShadow(n=3, g=2, prompt=prompt)
+    ref = NgramPool(3, 2)
+    ref.seed_from_tokens(prompt)
+    for pos in range(len(prompt), len(ids) - 2):
+        if pos >= 2:
+            ref.add(ids[pos - 2 : pos + 1])
+        assert prop.candidates(ids, pos) == ref.candidates(ids[pos], 2), pos
+    fresh = PoolShadow(3, 2, prompt)
+    assert fresh.candidates(ids, 4) == []  # [1, 2, 1] ends at 6: the future of pos 4
+    assert fresh.candidates(ids, 9) == [(2, 3), (2, 1)]  # both 1-keyed, most recent first
+
+
+def test_lookup_shadow_is_find_draft_over_the_text_up_to_x():
+    ids = [1, 2, 3, 4, 1, 2, 3, 9]
+    prop = LookupShadow(max_match=2, min_match=1, max_len=3)
+    assert prop.depth == 3
+    assert prop.candidates(ids, 5) == [find_draft(ids[:6], 2, 1, 3)] == [[3, 4, 1]]
+    assert prop.candidates([1, 2], 1) == []
+
+
+class FixedShadow:
+    """A shadow whose mean is set by the test; counts its updates."""
+
+    def __init__(self, mean=None):
+        self.value = mean
+        self.updates = 0
+
+    def update(self, ids):
+        self.updates += 1
+
+    def mean(self):
+        return self.value
+
+
+def test_a_request_starts_only_on_evidence_that_it_pays():
+    be = BreakEven(((1, 2.0), (8, 4.0)))
+    pace = SpecPace(FixedShadow(None), be)
+    pace.on_plain_step([1])
+    assert not pace.speculating  # no evidence yet: plain decoding
+    pace.shadow.value = 1.99 / PRIOR_GAIN  # the prior stands for what the shadow misses
+    pace.on_plain_step([1])
+    assert not pace.speculating
+    pace.shadow.value = 2.0 / PRIOR_GAIN
+    pace.on_plain_step([1])
+    assert pace.speculating and pace.starts == 1
+    assert pace.shadow.updates == 3
+
+
+def test_the_break_even_is_read_at_the_running_batch():
+    be = BreakEven(((1, 2.0), (8, 4.0)))
+    pace = SpecPace(FixedShadow(3.0 / PRIOR_GAIN), be)
+    be.batch = 8
+    pace.on_plain_step([1])
+    assert not pace.speculating  # 3.0 pays at batch 1, not at batch 8
+    be.batch = 1
+    pace.on_plain_step([1])
+    assert pace.speculating
+
+
+def test_a_losing_run_stops_after_min_real_steps_and_learns_its_gain():
+    be = BreakEven(((1, 2.0),))
+    pace = SpecPace(FixedShadow(2.0), be, gain=1.0)
+    pace.on_plain_step([1])
+    assert pace.speculating
+    for _ in range(MIN_REAL - 1):
+        pace.on_spec_step(1, [1])
+        assert pace.speculating  # too few real steps to judge
+    pace.on_spec_step(2, [1])  # mean (3 x 1 + 2) / 4 = 1.25 < 2.0
+    assert not pace.speculating
+    assert pace.gain == pytest.approx(1.25 / 2.0)  # what the shadow overstated
+    assert not pace.real  # the next run is judged on its own steps
+    pace.on_plain_step([1])
+    assert not pace.speculating  # 2.0 x 0.625 < 2.0: no restart on the same evidence
+    pace.shadow.value = 3.2  # the text became predictable: 3.2 x 0.625 = 2.0
+    pace.on_plain_step([1])
+    assert pace.speculating and pace.starts == 2
+    assert pace.spec_steps == MIN_REAL and pace.plain_steps == 3
+
+
+def test_a_paying_run_keeps_speculating_and_the_gain_is_bounded():
+    be = BreakEven(((1, 1.5),))
+    pace = SpecPace(FixedShadow(1.6), be, gain=1.0)
+    pace.on_plain_step([1])
+    for _ in range(3 * WINDOW):
+        pace.on_spec_step(6, [1])
+        assert pace.speculating
+    assert pace.gain == 2.0  # 6 / 1.6 capped
+    assert len(pace.real) == WINDOW
+
+
+def test_the_batch_speculates_only_when_its_gain_covers_everyones_cost():
+    """One request that pays alone does not pay for a masked step of 8: the batch gate
+    holds it until the speculating requests' extra tokens reach B x (break-even - 1)."""
+    from kiln.runtime.speculative.pace import gate_batch
+
+    be = BreakEven(((1, 2.0), (8, 2.0)))
+    paces = [SpecPace(FixedShadow(4.0), be, gain=1.0) for _ in range(8)]
+    for p in paces[:1]:
+        p.on_plain_step([1])
+    assert paces[0].speculating
+    gate_batch(paces, 1, be)
+    assert paces[0].active  # alone: 3 extra tokens >= 1 x (2 - 1)
+    gate_batch(paces, 8, be)
+    assert not any(p.active for p in paces)  # 3 < 8 x (2 - 1)
+    assert paces[0].speculating  # its own decision stands; the batch holds it
+    for p in paces[1:3]:
+        p.on_plain_step([1])
+    gate_batch(paces, 8, be)  # 3 x 3 = 9 >= 8
+    assert [p.active for p in paces] == [True] * 3 + [False] * 5
+    gate_batch(paces[:3] + [None], 8, be)  # an unpaced request speculates anyway
+    assert all(p.active for p in paces[:3])
+    paces[0].shadow.value = None  # no evidence counts as 1 token: nothing extra
+    assert paces[0].estimate() == 1.0

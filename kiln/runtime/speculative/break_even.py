@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative.pace import BreakEven
 
 
 class LLMEngine(Protocol):
@@ -25,7 +26,10 @@ class LLMEngine(Protocol):
     speculative: Any
     model_config: Any
     limits: Any
-    spec_break_even: float | None
+    spec_break_even: BreakEven | None
+    scheduler: Any
+    blocks: Any
+    spec_worker: Any
     spec_stats: dict[str, int]
     num_steps: int
 
@@ -39,16 +43,22 @@ class LLMEngine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
 
-def spec_break_even(engine: LLMEngine) -> float | None:
-    """RuntimeConfig.spec_break_even, else measured on CUDA: the wall time of a
-    one-sequence speculative engine step over a plain one (lookahead engines: host work
-    included, median of 3 short runs of ``measure_step_ms``), or, where that cannot be
-    measured, the speculative step's graph replay over a decode step's (GPU time only).
+MEASURED_BATCH = 8  # the larger batch the break-even is measured at (or max_num_seqs)
+
+
+def spec_break_even(engine: LLMEngine) -> BreakEven | None:
+    """RuntimeConfig.spec_break_even (the same at every batch size), else measured on CUDA:
+    the wall time of a speculative engine step over a plain one at batch 1 and at
+    ``MEASURED_BATCH`` (lookahead engines: host work included, every step at full T, median
+    of 3 short runs of ``measure_step_ms``), or, where that cannot be measured, the
+    speculative step's graph replay over a decode step's at batch 1 (GPU time only).
     None: no pacing (adaptive speculation off, or nothing to measure: no CUDA graphs).
 
     The wall ratio paces better than the replay ratio because it counts a speculative
     step's host work: smollm2 lookahead (7,7,7) code prompts x1.05 of plain decoding
-    against x0.84 (docs/decisions.md)."""
+    against x0.84 (docs/decisions.md). Full T because the step's cost grows with the pool's
+    candidates: a dummy request's pool holds few, and measuring its steps made the
+    break-even too low for real prompts."""
     cfg = engine.config
     if not cfg.adaptive_speculation:
         return None
@@ -56,15 +66,21 @@ def spec_break_even(engine: LLMEngine) -> float | None:
         if cfg.spec_break_even <= 0:
             raise ValueError(f"spec_break_even={cfg.spec_break_even} must be > 0 "
                              "(committed tokens per speculative step)")
-        return float(cfg.spec_break_even)
+        return BreakEven(((1, float(cfg.spec_break_even)),))
     graphs = engine.runner.graphs
     if graphs is None or engine.device.type != "cuda":
         return None
-    walls = [measure_step_ms(engine, steps=16, warmup=8) for _ in range(3)]
-    if all(walls):
-        return (statistics.median(w["spec"] for w in walls)
-                / statistics.median(w["plain"] for w in walls))
-    return replay_break_even(engine)
+    points = []
+    for batch in sorted({1, max(1, min(MEASURED_BATCH, engine.scheduler.max_num_seqs))}):
+        walls = [measure_step_ms(engine, steps=16, warmup=8, batch=batch) for _ in range(3)]
+        if all(walls):
+            points.append((batch, statistics.median(w["spec"] for w in walls)
+                           / statistics.median(w["plain"] for w in walls)))
+    if points:
+        return BreakEven(tuple(points))
+    ratio = replay_break_even(engine)
+    return None if ratio is None else BreakEven(((1, ratio),))
+
 
 def replay_break_even(engine: LLMEngine) -> float | None:
     """A one-sequence speculative step's graph replay over a decode step's (GPU time
@@ -79,28 +95,33 @@ def replay_break_even(engine: LLMEngine) -> float | None:
         return None
     return graphs.replay_ms(spec) / graphs.replay_ms(plain)
 
-def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4
+
+def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: int = 1
                     ) -> dict[str, float] | None:
-    """Wall milliseconds per engine step of one sequence on a dummy request, decoding
-    plainly and speculating with the engine's window (host work included, which the
-    graph replays of ``replay_break_even`` leave out). ``spec / plain`` is the break-even
-    that counts a speculative step's host time.
-    None for engines that are not lookahead engines or that have requests in flight."""
-    if engine.speculative.mode != "lookahead" or engine.has_unfinished_requests():
+    """Wall milliseconds per engine step of ``batch`` dummy requests, decoding plainly and
+    speculating with the engine's window at full T (every step with G candidates; host
+    work included, which the graph replays of ``replay_break_even`` leave out).
+    ``spec / plain`` is the break-even that counts a speculative step's host time.
+    None for engines that are not lookahead engines, that have requests in flight or that
+    cannot hold ``batch`` dummy requests."""
+    if (engine.speculative.mode != "lookahead" or engine.has_unfinished_requests()
+            or batch > engine.scheduler.max_num_seqs):
         return None
     vocab = engine.model_config.vocab_size
-    prompt = [(7 * i + 11) % vocab for i in range(8)]
-    room = engine.limits.max_seq_len - len(prompt)
-    if room < 2:
-        return None  # no room for a step after the prompt's
+    prompts = [[(7 * i + 11 + 13 * b) % vocab for i in range(8)] for b in range(batch)]
+    room = min(engine.limits.max_seq_len - 8, (steps + warmup + 1) * engine.speculative.lookahead[1])
+    if room < 2 or batch * (8 + room) > engine.blocks.num_blocks * engine.blocks.block_size:
+        return None  # no room for a step after the prompt's, or not enough KV for all
     saved = (engine.spec_break_even, dict(engine.spec_stats), engine.num_steps)
     engine.spec_break_even = None  # the dummy requests are not paced
+    worker = engine.spec_worker
     out: dict[str, float] = {}
     try:
+        worker.full_steps = True
         for name, window in (("plain", (1, 1, 0)), ("spec", engine.speculative.lookahead)):
-            rid = engine.add_request(prompt, SamplingParams(
+            rids = [engine.add_request(p, SamplingParams(
                 max_tokens=room, temperature=0, ignore_eos=True, lookahead=window),
-                request_id=f"kiln-measure-{name}")
+                request_id=f"kiln-measure-{name}-{b}") for b, p in enumerate(prompts)]
             try:
                 for _ in range(warmup):
                     engine.step()
@@ -113,10 +134,12 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4
                 if n:
                     out[name] = (time.perf_counter() - t0) * 1e3 / n
             finally:
-                engine.abort(rid)
+                for rid in rids:
+                    engine.abort(rid)
                 while engine.has_unfinished_requests():
                     engine.step()
     finally:
+        worker.full_steps = False
         engine.spec_break_even, engine.spec_stats, engine.num_steps = saved
     return out if len(out) == 2 else None
 

@@ -61,6 +61,26 @@ def warm_layouts(window: tuple[int, int, int]) -> None:
         step_layout(w, n, g_actual).row_lists
 
 
+class PoolShadow:
+    """The shadow proposer of lookahead (``pace.Shadow``): the candidates the request's
+    n-gram pool would offer at each step if it held only the prompt's n-grams and those of
+    the committed text (the lookahead branch's are what the shadow cannot see)."""
+
+    def __init__(self, n: int, g: int, prompt: list[int]) -> None:
+        self.n, self.g = n, g
+        self.depth = n - 1
+        self.pool = NgramPool(n, g, POOL_BUCKETS)
+        self.pool.seed_from_tokens(prompt)
+        self._fed = len(prompt)  # n-grams ending before this index are in the pool
+
+    def candidates(self, ids, pos: int) -> list[tuple[int, ...]]:
+        while self._fed <= pos:  # the n-grams a step at pos has seen: up to its x
+            if self._fed >= self.n - 1:
+                self.pool.add(ids[self._fed - self.n + 1 : self._fed + 1])
+            self._fed += 1
+        return self.pool.candidates(ids[pos], self.g)
+
+
 class LookaheadWorker(DraftWorker):
     """Proposes lookahead steps and verifies them (greedy or sampled).
 
@@ -77,6 +97,7 @@ class LookaheadWorker(DraftWorker):
     def __init__(self, device: DeviceLookahead | None = None) -> None:
         super().__init__()
         self.device = device
+        self.full_steps = False  # pad every host proposal to G candidates (full T)
         self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
@@ -96,6 +117,10 @@ class LookaheadWorker(DraftWorker):
             req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
         else:
             req.spec_state = LookaheadState(w, n, g, grid, pool)
+
+    def shadow_proposer(self, req: Request) -> PoolShadow:
+        st: LookaheadState = req.spec_state
+        return PoolShadow(st.n, st.g, req.prompt_token_ids)
 
     def release(self, req: Request) -> None:
         st = req.spec_state
@@ -151,6 +176,8 @@ class LookaheadWorker(DraftWorker):
         st: LookaheadState = req.spec_state
         x = req.all_token_ids[-1]
         cands = st.pool.candidates(x, st.g)
+        if self.full_steps:  # the step's worst case: G candidates (break-even measurement)
+            cands += [(x,) * (st.n - 1)] * (st.g - len(cands))
         layout = st.layout(len(cands))
         tokens = [x] + st.window[0][1:]
         for level in st.window[1:]:

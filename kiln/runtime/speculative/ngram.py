@@ -26,6 +26,18 @@ def find_draft(tokens: list[int], max_match: int, min_match: int, max_len: int) 
     return []
 
 
+class LookupShadow:
+    """The shadow proposer of prompt lookup (``pace.Shadow``): ``find_draft`` over the
+    committed text up to each step's x."""
+
+    def __init__(self, max_match: int, min_match: int, max_len: int) -> None:
+        self.max_match, self.min_match, self.depth = max_match, min_match, max_len
+
+    def candidates(self, ids: list[int], pos: int) -> list[list[int]]:
+        draft = find_draft(ids[: pos + 1], self.max_match, self.min_match, self.depth)
+        return [draft] if draft else []
+
+
 class NgramWorker(DraftWorker):
     """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step."""
 
@@ -39,6 +51,9 @@ class NgramWorker(DraftWorker):
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         req.spec_state = True
+
+    def shadow_proposer(self, req: Request) -> LookupShadow:
+        return LookupShadow(self.max_match, self.min_match, self.max_draft_len)
 
     def propose(self, req: Request) -> DraftPlan | None:
         draft = find_draft(req.all_token_ids, self.max_match, self.min_match,

@@ -1,16 +1,36 @@
-"""Adaptive speculation: a request stops speculating while speculation does not pay.
+"""Adaptive speculation: a request speculates only while speculation pays.
 
-A speculative step costs more than a plain decode step: a lookahead (7,7,7) step on
-smollm2-135m takes 1.47-1.57 ms of wall time (graph replay 1.04 ms plus host work a
-speculative step cannot hide) against 0.56 ms for a decode step, so it pays only while it commits more than ~2.6-2.9 tokens.
-Chat prompts commit ~1.2: always speculating made them ~50 % slower than plain decoding.
+A speculative step costs more than a plain decode step (on smollm2-135m a lookahead (7,7,7)
+step is ~2.4x a decode step at batch 1 and ~3-5x at batch 8), so it pays only while it
+commits more tokens than that ratio: the break-even (``BreakEven``, measured at start-up
+by ``break_even.spec_break_even`` at batch 1 and at a larger batch, and read at the
+number of requests running now).
 
-``SpecPace`` tracks one request's committed tokens per speculative step (the mean over the
-steps since it last (re)started speculating). After ``MIN_STEPS`` such steps with a mean
-below ``break_even`` it pauses: the next ``pause_left`` steps decode plainly (and
-may run ahead under async scheduling), then it probes again, judged after ``PROBE_STEPS``.
-Each failed probe multiplies the pause by ``PAUSE_GROWTH`` (up to ``MAX_PAUSE``); a probe
-that pays resets it.
+Deciding needs an estimate of what a request's speculative steps would commit. Running
+speculative steps to find out (the probes kiln paced with until 2026-12-02) costs the very
+time pacing is there to save: on chat prompts, which commit ~1.2 tokens per step, the
+probes alone kept speculation at 0.57-0.62x of plain decoding. ``Shadow`` estimates it for
+free instead: on the host, from the tokens the request commits in whatever mode it decodes,
+it replays the steps a speculative run would have taken (proposing as the worker would from
+the committed text alone, verifying against the tokens that really followed, which greedy
+decoding makes the same in both modes) and counts what each would have committed.
+
+``SpecPace`` then decides after each commit:
+- a request that is not speculating starts when the shadow's recent mean, times the
+  request's learned ``gain``, reaches the break-even. Before the shadow has ``MIN_SHADOW``
+  replayed steps (the first ~n tokens) it decodes plainly;
+- the batch speculates only when its requests' expected gain covers the cost of a masked
+  step for all of them (``gate_batch``): one speculating request in a batch of 8 makes the
+  whole step masked and synchronous;
+- a speculating request stops when the mean of its last ``WINDOW`` real speculative steps
+  (at least ``MIN_REAL``) falls below the break-even. Its ``gain`` (real over shadow, what
+  the lookahead branch's n-grams add or what they evict) is learned while it speculates,
+  so a request that stopped does not restart until its text becomes more predictable.
+
+A request that never speculated has ``gain`` = ``PRIOR_GAIN``; the shadow cannot see what
+the lookahead branch would add, and that prior stands for it. The probe cost is bounded by
+construction: a request speculates only on evidence that it pays, and a losing run stops
+after ``MIN_REAL`` steps.
 
 Output is unchanged by pacing: greedy verification commits plain greedy's tokens and
 sampled verification is exact in distribution. Seeded requests are not paced (the engine
@@ -19,51 +39,167 @@ skips them): the measured break-even varies between runs, and a seed must reprod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
-MIN_STEPS = 12  # speculative steps measured before a pause is decided (4 paused code
-# prompts early, while their n-gram pools were still filling)
-PROBE_STEPS = 12  # the same for a probe (speculation restarted after a pause)
-FIRST_PAUSE = 16  # plain steps of the first pause
-PAUSE_GROWTH = 2  # each failed probe multiplies the pause by this
-MAX_PAUSE = 256
-EARLY_STEPS = 0  # > 0: after this many speculative steps, pause at once when the mean is
-EARLY_FRACTION = 0.5  # below this fraction of the break-even (0: no early decision)
+WINDOW = 8  # the recent steps (replayed or real) an estimate averages over
+MIN_SHADOW = 2  # replayed steps before the first decision (until then: plain decoding)
+MIN_REAL = 4  # real speculative steps before a speculating request may stop
+PRIOR_GAIN = 1.1  # real / shadow committed tokens before the request has speculated
+# (smollm2 (7,7,7), float32, the bundled prompts: 0.9-1.3 on grounded, 1.0-1.45 on code,
+# 1.1 on chat; the lookahead branch adds most on code)
+MIN_GAIN, MAX_GAIN = 0.5, 2.0  # the learned gain stays within these
+
+
+@dataclass
+class BreakEven:
+    """Committed tokens per speculative step at which a step of the engine's window costs
+    what the same tokens cost in plain decode steps, by batch size: ``points`` (batch size,
+    ratio), linear between them and beyond the last two (one point: the same everywhere).
+    ``batch`` is set by the engine each step (the requests running); ``current`` reads it."""
+
+    points: tuple[tuple[int, float], ...]
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.points or any(b < 1 or r <= 0 for b, r in self.points):
+            raise ValueError(f"break-even points {self.points} must be (batch >= 1, "
+                             "ratio > 0) pairs, at least one")
+        self.points = tuple(sorted(self.points))
+
+    def at(self, batch: int) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1]
+        i = next((k for k in range(1, len(pts) - 1) if batch <= pts[k][0]), len(pts) - 1)
+        (b0, r0), (b1, r1) = pts[i - 1], pts[i]
+        return max(r0 + (r1 - r0) * (batch - b0) / (b1 - b0), 0.0) if b1 != b0 else r1
+
+    @property
+    def current(self) -> float:
+        return self.at(self.batch)
+
+    def to_json(self) -> dict[str, float]:
+        return {str(b): round(r, 4) for b, r in self.points}
+
+
+class ShadowProposer(Protocol):
+    """What the worker would propose at ``ids[pos]`` from ``ids[: pos + 1]`` alone (the
+    committed text up to that step's last token); called with increasing ``pos``."""
+
+    depth: int  # tokens after x a proposal may draft
+
+    def candidates(self, ids: Sequence[int], pos: int) -> list[Sequence[int]]: ...
+
+
+class Shadow:
+    """The speculative steps a request would have taken over the tokens it committed,
+    replayed on the host: ``update(ids)`` replays every step whose drafts can be checked
+    (``depth`` tokens after its x committed); ``mean()`` is what the last ``WINDOW`` of them
+    committed on average (None before ``MIN_SHADOW``)."""
+
+    def __init__(self, proposer: ShadowProposer, start: int) -> None:
+        self.proposer = proposer
+        self.pos = start  # x of the next replayed step: the first token after the prompt
+        self.recent: deque[int] = deque(maxlen=WINDOW)
+        self.steps = 0
+
+    def update(self, ids: Sequence[int]) -> None:
+        depth = self.proposer.depth
+        while self.pos + depth < len(ids):
+            pos = self.pos
+            best = 0
+            for cand in self.proposer.candidates(ids, pos):
+                m = 0
+                for tok, actual in zip(cand, ids[pos + 1 : pos + 1 + depth]):
+                    if tok != actual:
+                        break
+                    m += 1
+                best = max(best, m)
+            self.recent.append(1 + best)  # the accepted drafts and the bonus token
+            self.steps += 1
+            self.pos = pos + 1 + best
+
+    def mean(self) -> float | None:
+        if len(self.recent) < MIN_SHADOW:
+            return None
+        return sum(self.recent) / len(self.recent)
 
 
 @dataclass
 class SpecPace:
-    """One request's pacing; ``break_even``: committed tokens per speculative step at which
-    a speculative step costs what the same tokens cost in plain decode steps."""
+    """One request's pacing (see the module docstring)."""
 
-    break_even: float
-    tokens: int = 0  # tokens committed by the speculative steps since (re)start
-    steps: int = 0  # speculative steps since speculation (re)started
-    pause_left: int = 0  # plain steps to run before speculating again
-    next_pause: int = FIRST_PAUSE
-    paused_steps: int = 0  # plain steps run while paused, over the request's life
+    shadow: Shadow
+    break_even: BreakEven
+    speculating: bool = False
+    gain: float = PRIOR_GAIN
+    real: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    starts: int = 0  # times the request started speculating
+    spec_steps: int = 0  # verified speculative steps, over the request's life
+    plain_steps: int = 0  # plain decode steps, over the request's life
+
+    batch_ok: bool = True  # the batch gate lets it speculate this step (``gate_batch``)
 
     @property
-    def speculating(self) -> bool:
-        return self.pause_left == 0
+    def active(self) -> bool:
+        """Whether the request speculates in the next step."""
+        return self.speculating and self.batch_ok
 
-    def on_spec_step(self, committed: int) -> None:
+    def estimate(self) -> float:
+        """Committed tokens per speculative step expected now: the real mean of a
+        speculating request that has ``MIN_REAL`` steps, else the shadow's times the gain."""
+        if self.speculating and len(self.real) >= MIN_REAL:
+            return sum(self.real) / len(self.real)
+        est = self.shadow.mean()
+        return 1.0 if est is None else est * self.gain
+
+    def on_spec_step(self, committed: int, ids: Sequence[int]) -> None:
         """After a verified speculative step that committed ``committed`` tokens."""
-        self.tokens += committed
-        self.steps += 1
-        early = (self.steps == EARLY_STEPS
-                 and self.tokens < EARLY_FRACTION * self.break_even * self.steps)
-        if self.steps < (PROBE_STEPS if self.paused_steps else MIN_STEPS) and not early:
-            return
-        if early or self.tokens < self.break_even * self.steps:
-            self.pause_left = self.next_pause
-            self.next_pause = min(PAUSE_GROWTH * self.next_pause, MAX_PAUSE)
-            self.tokens = self.steps = 0
-        else:
-            self.next_pause = FIRST_PAUSE
+        self.spec_steps += 1
+        self.real.append(committed)
+        self._decide(ids)
 
-    def on_plain_step(self) -> None:
-        """After a plain decode step of the request (one committed token)."""
-        if self.pause_left:
-            self.pause_left -= 1
-            self.paused_steps += 1
+    def on_plain_step(self, ids: Sequence[int]) -> None:
+        """After a plain step of the request that committed a token."""
+        self.plain_steps += 1
+        self._decide(ids)
+
+    def _decide(self, ids: Sequence[int]) -> None:
+        self.shadow.update(ids)
+        be = self.break_even.current
+        est = self.shadow.mean()
+        if self.speculating:
+            if len(self.real) < MIN_REAL:
+                return
+            real = sum(self.real) / len(self.real)
+            if est is not None:
+                self.gain = min(max(real / est, MIN_GAIN), MAX_GAIN)
+            if real < be:
+                self.speculating = False
+                self.real.clear()
+        elif est is not None and est * self.gain >= be:
+            self.speculating = True
+            self.starts += 1
+
+
+def gate_batch(paces: list[SpecPace | None], batch: int, break_even: BreakEven) -> None:
+    """The batch's speculative step pays only if what its speculating requests gain covers
+    what it costs everyone: a step with any speculating row is a masked, synchronous step
+    of the whole batch (``batch`` rows at ``break_even.at(batch)`` times a plain step's
+    cost), so the requests that want to speculate (``speculating``) may (``batch_ok``) only
+    while the sum of their expected extra tokens, estimate - 1, reaches
+    batch x (break-even - 1). At batch 1 this is the request's own rule.
+    ``paces``: one per running request that may speculate (None: not paced; if one of
+    those runs, the step is masked anyway and every paced request may)."""
+    live = [p for p in paces if p is not None]
+    if len(live) < len(paces):
+        ok = True  # an unpaced request speculates whenever it can: the cost is paid
+    else:
+        batch = max(batch, 1)
+        need = batch * (break_even.at(batch) - 1.0)
+        ok = sum(p.estimate() - 1.0 for p in live if p.speculating) >= need
+    for p in live:
+        p.batch_ok = ok

@@ -48,6 +48,11 @@ class DraftWorker(SpeculativeWorker):
         from x's index (the accepted draft's final position).
         """
 
+    @abstractmethod
+    def shadow_proposer(self, req: Request):
+        """What the request's shadow (``pace.Shadow``) proposes with: the worker's
+        proposal from committed text alone (a ``pace.ShadowProposer``)."""
+
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
         """Called after ``num_new`` tokens were committed to ``req`` (``verified``: by a
         verified speculative step)."""
@@ -118,7 +123,7 @@ class DraftWorker(SpeculativeWorker):
         self.propose_batch([
             req for req in reqs
             if (req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1
-                and (req.spec_pace is None or req.spec_pace.speculating))], on_error)
+                and (req.spec_pace is None or req.spec_pace.active))], on_error)
 
     def after_commit(self, req: Request, num_new: int, verified: bool) -> None:
         """The worker's state and pacing after ``req`` committed ``num_new`` tokens
@@ -128,9 +133,9 @@ class DraftWorker(SpeculativeWorker):
         self.on_commit(req, num_new, verified)
         if req.spec_pace is not None:
             if verified:
-                req.spec_pace.on_spec_step(num_new)
-            elif req.num_computed_tokens == req.num_tokens - 1:  # a decode step
-                req.spec_pace.on_plain_step()
+                req.spec_pace.on_spec_step(num_new, req.all_token_ids)
+            elif num_new:
+                req.spec_pace.on_plain_step(req.all_token_ids)
 
     def _save_state(self, batch: ScheduledBatch, *args) -> None:
         planned = [r for r, _ in batch.items if r.draft is not None]
