@@ -24,11 +24,12 @@ ENFORCE_EAGER_HELP = ("Run the CUDA kernels without CUDA graphs (no capture at s
 NO_ASYNC_HELP = ("Read each decode step's tokens before scheduling the next (no host/GPU "
                  "overlap; same results, for A/B timing). Also KILN_ASYNC_SCHEDULING=0.")
 
-ADAPTIVE_SPEC_HELP = ("Speculative engines: --adaptive-speculation (the default) pauses a "
-                      "request's speculation while it commits fewer tokens per speculative "
-                      "step than the step costs (timed on whole engine steps at start-up) "
-                      "and probes again later; --always-speculate never pauses. The output "
-                      "is the same either way. Also KILN_ADAPTIVE_SPECULATION=0/1.")
+ADAPTIVE_SPEC_HELP = ("Speculative engines: --adaptive-speculation (the default) lets a "
+                      "request speculate only while its speculative steps are expected to "
+                      "commit more tokens than a step costs (timed on whole engine steps at "
+                      "start-up, estimated on the host from what it commits, without "
+                      "probes); --always-speculate always does. The output is the same "
+                      "either way. Also KILN_ADAPTIVE_SPECULATION=0/1.")
 
 
 def runtime_config(device: str | None, enforce_eager: bool = False,

@@ -40,9 +40,10 @@ class RuntimeConfig:
     # GPU; see LLMEngine.step).
     async_scheduling: bool = field(
         default_factory=lambda: env_flag("KILN_ASYNC_SCHEDULING", True))
-    # Pause a request's speculation while it commits fewer tokens per speculative step than
-    # the step costs in decode steps (kiln/runtime/speculative/pace.py; output unchanged).
-    # On by default: it beat always-speculating on code and chat alike (docs/decisions.md).
+    # A request speculates only while its speculative steps are expected to commit more
+    # tokens than a step costs in decode steps at the running batch, estimated from what it
+    # commits (kiln/runtime/speculative/pace.py; output unchanged). On by default: it beat
+    # always-speculating on every bundled prompt set (docs/decisions.md).
     adaptive_speculation: bool = field(
         default_factory=lambda: env_flag("KILN_ADAPTIVE_SPECULATION", True))
     # The break-even in committed tokens per speculative step; None: measured at start-up on
