@@ -225,12 +225,12 @@ class LLMEngine:
     def _schedule(self) -> ScheduledBatch:
         """Draft plans for the requests that speculate now, then the scheduler's batch."""
         if self.spec_worker is not None:
+            running = list(self.scheduler.running)
             if self.spec_break_even is not None:  # paced at the batch running now
-                running = list(self.scheduler.running)
                 self.spec_break_even.batch = max(len(running), 1)
                 gate_batch([r.spec_pace for r in running if r.spec_state is not None],
                            len(running), self.spec_break_even)
-            self.spec_worker.propose_all(list(self.scheduler.running), self.fail_request)
+            self.spec_worker.propose_all(running, self.fail_request)
         batch = self.scheduler.schedule()
         self._step_reqs = [r for r, _ in batch.items]
         if not batch and self.scheduler.waiting and not self.scheduler.running:

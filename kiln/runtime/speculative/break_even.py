@@ -44,6 +44,7 @@ class LLMEngine(Protocol):
 
 
 MEASURED_BATCH = 8  # the larger batch the break-even is measured at (or max_num_seqs)
+DUMMY_PROMPT_LEN = 8  # tokens of each dummy request's prompt
 
 
 def spec_break_even(engine: LLMEngine) -> BreakEven | None:
@@ -108,9 +109,12 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
             or batch > engine.scheduler.max_num_seqs):
         return None
     vocab = engine.model_config.vocab_size
-    prompts = [[(7 * i + 11 + 13 * b) % vocab for i in range(8)] for b in range(batch)]
-    room = min(engine.limits.max_seq_len - 8, (steps + warmup + 1) * engine.speculative.lookahead[1])
-    if room < 2 or batch * (8 + room) > engine.blocks.num_blocks * engine.blocks.block_size:
+    prompts = [[(7 * i + 11 + 13 * b) % vocab for i in range(DUMMY_PROMPT_LEN)]
+               for b in range(batch)]
+    room = min(engine.limits.max_seq_len - DUMMY_PROMPT_LEN,
+               (steps + warmup + 1) * engine.speculative.lookahead[1])
+    kv_tokens = engine.blocks.num_blocks * engine.blocks.block_size
+    if room < 2 or batch * (DUMMY_PROMPT_LEN + room) > kv_tokens:
         return None  # no room for a step after the prompt's, or not enough KV for all
     saved = (engine.spec_break_even, dict(engine.spec_stats), engine.num_steps)
     engine.spec_break_even = None  # the dummy requests are not paced

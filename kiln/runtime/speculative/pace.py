@@ -110,10 +110,11 @@ class Shadow:
         depth = self.proposer.depth
         while self.pos + depth < len(ids):
             pos = self.pos
+            future = ids[pos + 1 : pos + 1 + depth]  # what the step's drafts are checked on
             best = 0
             for cand in self.proposer.candidates(ids, pos):
                 m = 0
-                for tok, actual in zip(cand, ids[pos + 1 : pos + 1 + depth]):
+                for tok, actual in zip(cand, future):
                     if tok != actual:
                         break
                     m += 1
