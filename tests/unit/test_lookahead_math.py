@@ -161,6 +161,56 @@ def test_pool_rejects_bad_input():
     assert zero.candidates(1) == []
 
 
+def test_pool_add_from_is_add_of_each_ngram_in_order():
+    """``add_from`` (the per-token feed) inserts what ``add`` of each n-gram ending in
+    [start, end) does, in order: the same table, cursors and recency, for ints, tensor
+    elements and a bucket count that makes keys collide."""
+    import random
+
+    rng = random.Random(7)
+    toks = [rng.randrange(9) for _ in range(300)]
+    for buckets in (4096, 3):
+        ref, fast = NgramPool(4, 3, buckets), NgramPool(4, 3, buckets)
+        for e in range(3, len(toks)):
+            ref.add(toks[e - 3 : e + 1])
+        fast.add_from(toks, 0, 120)
+        fast.add_from(torch.tensor(toks), 120, 121)  # tensor elements become ints
+        fast.add_from(toks, 121, len(toks))
+        assert fast.to_tensors()[0].equal(ref.to_tensors()[0])
+        assert all(fast.candidates(k) == ref.candidates(k) for k in range(9))
+        assert all(type(t) is int for c in fast.candidates(toks[120 - 3]) for t in c)
+
+
+def test_plain_commits_reach_the_host_pool_before_the_next_proposal():
+    """A paced request that decodes plainly defers its pool inserts: the pool a proposal
+    reads, and the pool after a verified commit, equal feeding at every commit."""
+    from kiln.runtime.request import Request
+    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.speculative.lookahead import LookaheadWorker
+
+    prompt = [5, 6, 7, 5, 6, 8]
+    req = Request("r", prompt, SamplingParams(max_tokens=100, temperature=0), frozenset())
+    worker = LookaheadWorker()
+    worker.init_request(req, (3, 3, 2))
+    st = req.spec_state
+    eager = NgramPool(3, 2)
+    eager.seed_from_tokens(prompt)
+    for tok in (5, 6, 9, 5, 6):  # plain steps: nothing inserted yet
+        req.commit([tok], None, 1 << 30, 0.0)
+        worker.on_commit(req, 1, False)
+        eager.add(req.all_token_ids[-3:])
+    assert st.pool.candidates(6) != eager.candidates(6)
+    plan = worker.propose(req)  # the deferred n-grams go in first
+    assert st.pool.to_tensors()[0].equal(eager.to_tensors()[0])
+    assert plan.data[1] == eager.candidates(6)
+    req.commit([9, 5], None, 1 << 30, 0.0)  # a verified step: fed at once
+    worker.on_commit(req, 2, True)
+    for end in (len(req.all_token_ids) - 1, len(req.all_token_ids)):
+        eager.add(req.all_token_ids[end - 3 : end])
+    assert st.pool.candidates(9) == eager.candidates(9)
+    assert st.pool.candidates(6) == eager.candidates(6)
+
+
 # ---------------------------------------------------------------- greedy verification
 
 

@@ -46,6 +46,7 @@ class LookaheadState:
     window: list[list[int]]
     pool: NgramPool | None
     slot: int | None = None  # the DeviceLookahead slot holding this state (window, pool)
+    fed: int = 0  # the host pool holds the committed n-grams ending before this index
     pending: list[int] = field(default_factory=list)  # committed by plain steps, not on
     # the device yet (folded in before the next device proposal)
 
@@ -74,10 +75,9 @@ class PoolShadow:
         self._fed = len(prompt)  # n-grams ending before this index are in the pool
 
     def candidates(self, ids, pos: int) -> list[tuple[int, ...]]:
-        while self._fed <= pos:  # the n-grams a step at pos has seen: up to its x
-            if self._fed >= self.n - 1:
-                self.pool.add(ids[self._fed - self.n + 1 : self._fed + 1])
-            self._fed += 1
+        if self._fed <= pos:  # the n-grams a step at pos has seen: up to its x
+            self.pool.add_from(ids, self._fed, pos + 1)
+            self._fed = pos + 1
         return self.pool.candidates(ids[pos], self.g)
 
 
@@ -116,7 +116,7 @@ class LookaheadWorker(DraftWorker):
             dev.admit(slot, grid, pool, prompt)
             req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
         else:
-            req.spec_state = LookaheadState(w, n, g, grid, pool)
+            req.spec_state = LookaheadState(w, n, g, grid, pool, fed=len(prompt))
 
     def shadow_proposer(self, req: Request) -> PoolShadow:
         st: LookaheadState = req.spec_state
@@ -174,6 +174,7 @@ class LookaheadWorker(DraftWorker):
 
     def propose(self, req: Request) -> DraftPlan | None:
         st: LookaheadState = req.spec_state
+        self._feed_pool(st, req.all_token_ids)
         x = req.all_token_ids[-1]
         cands = st.pool.candidates(x, st.g)
         if self.full_steps:  # the step's worst case: G candidates (break-even measurement)
@@ -250,5 +251,16 @@ class LookaheadWorker(DraftWorker):
             if not verified:
                 st.pending += ids[len(ids) - num_new:]
             return
-        for end in range(max(len(ids) - num_new + 1, st.n), len(ids) + 1):
-            st.pool.add(ids[end - st.n : end])
+        if verified:  # plain steps' n-grams wait for the next proposal (``_feed_pool``)
+            self._feed_pool(st, ids)
+
+    @staticmethod
+    def _feed_pool(st: LookaheadState, ids: list[int]) -> None:
+        """The committed n-grams not in the host pool yet, in commit order. A request that
+        decodes plainly (paced) would pay ~1-3 us per token to feed a pool it does not
+        read; deferring the inserts to its next proposal or verified commit inserts the same
+        n-grams in the same order after the same lookahead-branch n-grams, so the pool a
+        proposal reads is the one feeding at every commit gives."""
+        if st.fed < len(ids):
+            st.pool.add_from(ids, st.fed, len(ids))
+            st.fed = len(ids)

@@ -173,36 +173,51 @@ class NgramPool:
             raise ValueError(
                 f"n-gram {tuple(ngram)} has {len(ngram)} tokens, pool n is {self.n}"
             )
-        if self.g == 0:
+        if self.g:
+            self._insert(ngram[0], tuple(ngram[1:]))
+
+    def add_from(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Insert the n-grams of ``tokens`` that end at indices ``start .. end - 1``, in
+        order (those that start before index 0 are skipped): what ``add`` of each does,
+        without its per-call checks (this runs for every committed token)."""
+        if not self.g:
             return
-        entry = (int(ngram[0]), tuple(int(t) for t in ngram[1:]))
-        h = entry[0] % self.buckets
-        bucket = self._table.setdefault(h, [None] * self.g)
-        if entry in bucket:
+        n = self.n
+        for e in range(max(start, n - 1), end):
+            self._insert(tokens[e - n + 1], tuple(tokens[e - n + 2 : e + 1]))
+
+    def _insert(self, key: int, cont: tuple[int, ...]) -> None:
+        if type(key) is not int:  # tensor or numpy elements: the table holds Python ints
+            key, cont = int(key), tuple(int(t) for t in cont)
+        entry = (key, cont)
+        h = key % self.buckets
+        bucket = self._table.get(h)
+        if bucket is None:
+            bucket = self._table[h] = [None] * self.g
+            c = 0
+        elif entry in bucket:
             return
-        c = self._cursor.get(h, 0)
+        else:
+            c = self._cursor[h]
         bucket[c] = entry
-        self._cursor[h] = (c + 1) % self.g
+        self._cursor[h] = c + 1 if c + 1 < self.g else 0
 
     def seed_from_tokens(self, tokens: Iterable[int]) -> None:
         """Insert every n-gram of ``tokens`` (e.g. the prompt) in order."""
         toks = [int(t) for t in tokens]
-        for i in range(len(toks) - self.n + 1):
-            self.add(toks[i : i + self.n])
+        self.add_from(toks, 0, len(toks))
 
     def candidates(self, key: int, g: int | None = None) -> list[tuple[int, ...]]:
         """Up to ``g`` (default: the pool's g) continuations of ``key``, most recent first."""
         key = int(key)
-        h = key % self.buckets
-        bucket = self._table.get(h)
+        bucket = self._table.get(key % self.buckets)
         if bucket is None:
             return []
-        c = self._cursor[h]
-        out = []
-        for k in range(1, self.g + 1):
-            e = bucket[(c - k) % self.g]
-            if e is not None and e[0] == key:
-                out.append(e[1])
+        c = self._cursor[key % self.buckets]
+        # most recent first: the entries before the cursor, then those from it on
+        out = [e[1] for e in bucket[c - 1 :: -1] + bucket[: c - 1 : -1]
+               if e is not None and e[0] == key] if c else \
+            [e[1] for e in bucket[::-1] if e is not None and e[0] == key]
         limit = self.g if g is None else g
         return out[: max(limit, 0)]
 

@@ -68,8 +68,15 @@ class BreakEven:
             raise ValueError(f"break-even points {self.points} must be (batch >= 1, "
                              "ratio > 0) pairs, at least one")
         self.points = tuple(sorted(self.points))
+        self._cache: dict[int, float] = {}
 
     def at(self, batch: int) -> float:
+        ratio = self._cache.get(batch)  # read at every commit of every paced request
+        if ratio is None:
+            ratio = self._cache[batch] = self._interpolate(batch)
+        return ratio
+
+    def _interpolate(self, batch: int) -> float:
         pts = self.points
         if len(pts) == 1:
             return pts[0][1]
@@ -108,20 +115,26 @@ class Shadow:
 
     def update(self, ids: Sequence[int]) -> None:
         depth = self.proposer.depth
-        while self.pos + depth < len(ids):
-            pos = self.pos
-            future = ids[pos + 1 : pos + 1 + depth]  # what the step's drafts are checked on
+        candidates = self.proposer.candidates
+        pos = self.pos
+        while pos + depth < len(ids):
+            future = tuple(ids[pos + 1 : pos + 1 + depth])  # what the drafts are checked on
             best = 0
-            for cand in self.proposer.candidates(ids, pos):
+            for cand in candidates(ids, pos):
+                if tuple(cand) == future:
+                    best = depth
+                    break
                 m = 0
                 for tok, actual in zip(cand, future):
                     if tok != actual:
                         break
                     m += 1
-                best = max(best, m)
+                if m > best:
+                    best = m
             self.recent.append(1 + best)  # the accepted drafts and the bonus token
             self.steps += 1
-            self.pos = pos + 1 + best
+            pos += 1 + best
+        self.pos = pos
 
     def mean(self) -> float | None:
         if len(self.recent) < MIN_SHADOW:
