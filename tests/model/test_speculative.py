@@ -452,7 +452,7 @@ def test_measure_step_ms_leaves_the_engine_as_it_was(tiny_reference, async_on):
     """The break-even measurement (wall ms per plain and per speculative step on dummy
     requests) returns both times and leaves no request, block, statistic or pacing change
     behind; the engine then generates exactly as before. Refused while requests are in
-    flight and on engines without lookahead."""
+    flight and on engines that do not speculate."""
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
         speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
@@ -485,6 +485,31 @@ def test_measure_step_ms_leaves_the_engine_as_it_was(tiny_reference, async_on):
     _, plain_out = tiny_reference("llama", max_seq_len=256, max_num_tokens=1024)
     plain = LLMEngine.from_engine_dir(plain_out, RuntimeConfig(device="cpu"))
     assert measure_step_ms(plain) is None
+
+
+def test_measure_step_ms_on_an_ngram_engine_drafts_max_draft_len_every_step(
+        tiny_reference):
+    """Prompt-lookup engines measure their break-even too: every speculative step of the
+    dummy requests drafts max_draft_len tokens (padded where the text has no match), and
+    the engine is left as it was."""
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
+        speculative=SpeculativeConfig.from_cli("ngram", None, 6, 2))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cpu", spec_break_even=1.5, adaptive_speculation=True))
+    prompts = _repetitive_prompts()[:2]
+    before = [o.token_ids for o in eng.generate(prompts, _greedy(24))]
+    plans = []
+    real_step = eng.runner.execute
+    eng.runner.execute = lambda batch, *a: plans.extend(
+        r.draft.num_tokens for r, _ in batch.items if r.draft is not None) or real_step(batch, *a)
+    ms = measure_step_ms(eng, steps=4, warmup=2, batch=2)
+    eng.runner.execute = real_step
+    assert set(ms) == {"plain", "spec"} and ms["plain"] > 0 and ms["spec"] > 0
+    assert plans and set(plans) == {eng.speculative.tokens_per_step} == {7}
+    assert not eng.spec_worker.full_steps and not eng.has_unfinished_requests()
+    eng.blocks.check_all_free()
+    assert [o.token_ids for o in eng.generate(prompts, _greedy(24))] == before
 
 
 def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 
 from kiln.runtime.speculative.lookahead import PoolShadow
 from kiln.runtime.speculative.lookahead_math import NgramPool
-from kiln.runtime.speculative.ngram import LookupShadow, find_draft
+from kiln.runtime.speculative.ngram import LookupIndex, LookupShadow, find_draft
 from kiln.runtime.speculative.pace import (
     MIN_REAL,
     MIN_SHADOW,
@@ -93,7 +93,29 @@ def test_lookup_shadow_is_find_draft_over_the_text_up_to_x():
     prop = LookupShadow(max_match=2, min_match=1, max_len=3)
     assert prop.depth == 3
     assert prop.candidates(ids, 5) == [find_draft(ids[:6], 2, 1, 3)] == [[3, 4, 1]]
-    assert prop.candidates([1, 2], 1) == []
+    assert LookupShadow(max_match=2, min_match=1, max_len=3).candidates([1, 2], 1) == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lookup_index_is_find_draft_as_the_text_grows(seed):
+    """``LookupIndex.draft(tokens, n)`` (what proposals and the shadow call, every step)
+    equals the scan ``find_draft(tokens[:n])`` at every n, however far n moves between
+    calls, on texts with many repeats (small vocabularies) and few."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 5, 50])
+    max_match = rng.randint(1, 4)
+    min_match = rng.randint(1, max_match)
+    max_len = rng.randint(1, 8)
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 120))]
+    index = LookupIndex(max_match, min_match, max_len)
+    n = rng.randint(0, 3)
+    while n <= len(tokens):
+        want = find_draft(tokens[:n], max_match, min_match, max_len)
+        assert index.draft(tokens, n) == want, (n, tokens[:n])
+        assert index.draft(tokens, n) == want  # asked again at the same n
+        n += rng.choice([1, 1, 1, 2, 5])
 
 
 class FixedShadow:

@@ -50,8 +50,8 @@ DUMMY_PROMPT_LEN = 8  # tokens of each dummy request's prompt
 def spec_break_even(engine: LLMEngine) -> BreakEven | None:
     """RuntimeConfig.spec_break_even (the same at every batch size), else measured on CUDA:
     the wall time of a speculative engine step over a plain one at batch 1 and at
-    ``MEASURED_BATCH`` (lookahead engines: host work included, every step at full T, median
-    of 3 short runs of ``measure_step_ms``), or, where that cannot be measured, the
+    ``MEASURED_BATCH`` (host work included, every step at full T, median of 3 short runs of
+    ``measure_step_ms``), or, where that cannot be measured, the
     speculative step's graph replay over a decode step's at batch 1 (GPU time only).
     None: no pacing (adaptive speculation off, or nothing to measure: no CUDA graphs).
 
@@ -100,19 +100,22 @@ def replay_break_even(engine: LLMEngine) -> float | None:
 def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: int = 1
                     ) -> dict[str, float] | None:
     """Wall milliseconds per engine step of ``batch`` dummy requests, decoding plainly and
-    speculating with the engine's window at full T (every step with G candidates; host
-    work included, which the graph replays of ``replay_break_even`` leave out).
+    speculating with the engine's setting at full T (lookahead: every step with G
+    candidates; ngram: every draft max_draft_len long; host work included, which the graph
+    replays of ``replay_break_even`` leave out).
     ``spec / plain`` is the break-even that counts a speculative step's host time.
-    None for engines that are not lookahead engines, that have requests in flight or that
-    cannot hold ``batch`` dummy requests."""
-    if (engine.speculative.mode != "lookahead" or engine.has_unfinished_requests()
+    None for engines that do not speculate, that have requests in flight or that cannot
+    hold ``batch`` dummy requests."""
+    spec = engine.speculative
+    if (spec.mode not in ("lookahead", "ngram") or engine.has_unfinished_requests()
             or batch > engine.scheduler.max_num_seqs):
         return None
     vocab = engine.model_config.vocab_size
     prompts = [[(7 * i + 11 + 13 * b) % vocab for i in range(DUMMY_PROMPT_LEN)]
                for b in range(batch)]
-    room = min(engine.limits.max_seq_len - DUMMY_PROMPT_LEN,
-               (steps + warmup + 1) * engine.speculative.lookahead[1])
+    # the most a step commits: N for lookahead, every draft and the bonus for ngram
+    most = spec.lookahead[1] if spec.mode == "lookahead" else spec.tokens_per_step
+    room = min(engine.limits.max_seq_len - DUMMY_PROMPT_LEN, (steps + warmup + 1) * most)
     kv_tokens = engine.blocks.num_blocks * engine.blocks.block_size
     if room < 2 or batch * (DUMMY_PROMPT_LEN + room) > kv_tokens:
         return None  # no room for a step after the prompt's, or not enough KV for all
@@ -122,7 +125,8 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
     out: dict[str, float] = {}
     try:
         worker.full_steps = True
-        for name, window in (("plain", (1, 1, 0)), ("spec", engine.speculative.lookahead)):
+        # None: the engine's own setting (an ngram engine's requests name no window)
+        for name, window in (("plain", (1, 1, 0)), ("spec", spec.lookahead)):
             rids = [engine.add_request(p, SamplingParams(
                 max_tokens=room, temperature=0, ignore_eos=True, lookahead=window),
                 request_id=f"kiln-measure-{name}-{b}") for b, p in enumerate(prompts)]

@@ -97,7 +97,6 @@ class LookaheadWorker(DraftWorker):
     def __init__(self, device: DeviceLookahead | None = None) -> None:
         super().__init__()
         self.device = device
-        self.full_steps = False  # pad every host proposal to G candidates (full T)
         self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:

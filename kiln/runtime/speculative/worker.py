@@ -30,6 +30,11 @@ class DraftWorker(SpeculativeWorker):
 
     name = "draft"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.full_steps = False  # pad every host proposal to the step's worst case (full T:
+        # the break-even measurement, speculative/break_even.py)
+
     @abstractmethod
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         """Create ``req.spec_state`` for a request that speculates."""
