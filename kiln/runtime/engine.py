@@ -154,8 +154,9 @@ class LLMEngine:
         if window is not None:
             self.spec_worker.init_request(req, window)
             if self.spec_break_even is not None and params.seed is None:
-                shadow = Shadow(self.spec_worker.shadow_proposer(req), len(ids))
-                req.spec_pace = SpecPace(shadow, self.spec_break_even)
+                proposer = self.spec_worker.shadow_proposer(req)
+                req.spec_pace = SpecPace(Shadow(proposer, len(ids)), self.spec_break_even,
+                                         gain=proposer.prior_gain)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req

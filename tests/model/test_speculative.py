@@ -404,7 +404,7 @@ def test_paced_speculation_speculates_only_where_it_pays_and_keeps_plain_output(
     launched ahead under async scheduling); a break-even every step reaches lets each
     request speculate once its shadow has MIN_SHADOW replayed steps, and it never stops.
     Greedy output equals plain greedy either way; seeded requests are never paced."""
-    from kiln.runtime.speculative.pace import MIN_SHADOW
+    from kiln.runtime.speculative.pace import MIN_SHADOW, PRIOR_GAIN
 
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=64,
@@ -442,6 +442,7 @@ def test_paced_speculation_speculates_only_where_it_pays_and_keeps_plain_output(
     eng.add_request(prompts[0], SamplingParams(max_tokens=4))
     seeded, unseeded = list(eng.scheduler.waiting)[-2:]
     assert seeded.spec_pace is None and unseeded.spec_pace is not None
+    assert unseeded.spec_pace.gain == PRIOR_GAIN  # lookahead: the branch the shadow misses
     with pytest.raises(ValueError, match="spec_break_even=0"):
         LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", spec_break_even=0,
                                                      adaptive_speculation=True))
@@ -510,6 +511,9 @@ def test_measure_step_ms_on_an_ngram_engine_drafts_max_draft_len_every_step(
     assert not eng.spec_worker.full_steps and not eng.has_unfinished_requests()
     eng.blocks.check_all_free()
     assert [o.token_ids for o in eng.generate(prompts, _greedy(24))] == before
+    eng.add_request(prompts[0], _greedy(4))
+    # prompt lookup: the shadow proposes what the worker does, so no prior gain
+    assert eng.scheduler.waiting[-1].spec_pace.gain == 1.0
 
 
 def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch):

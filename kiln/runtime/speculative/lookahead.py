@@ -31,6 +31,7 @@ from kiln.runtime.speculative.lookahead_math import (
     step_layout,
     verify_position,
 )
+from kiln.runtime.speculative.pace import PRIOR_GAIN
 from kiln.runtime.speculative.worker import DraftWorker
 from kiln.runtime.step import StepResult
 
@@ -66,6 +67,8 @@ class PoolShadow:
     """The shadow proposer of lookahead (``pace.Shadow``): the candidates the request's
     n-gram pool would offer at each step if it held only the prompt's n-grams and those of
     the committed text (the lookahead branch's are what the shadow cannot see)."""
+
+    prior_gain = PRIOR_GAIN  # what the lookahead branch's n-grams add
 
     def __init__(self, n: int, g: int, prompt: list[int]) -> None:
         self.n, self.g = n, g

@@ -59,6 +59,8 @@ class LookupShadow:
     """The shadow proposer of prompt lookup (``pace.Shadow``): ``find_draft`` over the
     committed text up to each step's x (through a ``LookupIndex``)."""
 
+    prior_gain = 1.0  # the worker proposes exactly this (no branch the shadow cannot see)
+
     def __init__(self, max_match: int, min_match: int, max_len: int) -> None:
         self.depth = max_len
         self.index = LookupIndex(max_match, min_match, max_len)

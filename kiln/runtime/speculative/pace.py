@@ -27,8 +27,10 @@ decoding makes the same in both modes) and counts what each would have committed
   the lookahead branch's n-grams add or what they evict) is learned while it speculates,
   so a request that stopped does not restart until its text becomes more predictable.
 
-A request that never speculated has ``gain`` = ``PRIOR_GAIN``; the shadow cannot see what
-the lookahead branch would add, and that prior stands for it. The probe cost is bounded by
+A request that never speculated has ``gain`` = its proposer's ``prior_gain``: for lookahead
+``PRIOR_GAIN``, since the shadow cannot see what the lookahead branch would add and that
+prior stands for it; for prompt lookup 1.0, since the shadow proposes exactly what the
+worker would. The probe cost is bounded by
 construction: a request speculates only on evidence that it pays, and a losing run stops
 after ``MIN_REAL`` steps.
 
@@ -97,6 +99,7 @@ class ShadowProposer(Protocol):
     committed text up to that step's last token); called with increasing ``pos``."""
 
     depth: int  # tokens after x a proposal may draft
+    prior_gain: float  # real / shadow committed tokens expected before any real step
 
     def candidates(self, ids: Sequence[int], pos: int) -> list[Sequence[int]]: ...
 
