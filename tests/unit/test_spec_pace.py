@@ -211,3 +211,28 @@ def test_the_batch_speculates_only_when_its_gain_covers_everyones_cost():
     assert all(p.active for p in paces[:3])
     paces[0].shadow.value = None  # no evidence counts as 1 token: nothing extra
     assert paces[0].estimate() == 1.0
+
+
+def test_real_steps_replace_the_prior_in_the_gate_one_by_one():
+    """What the gate sums for a speculating request moves from the shadow's estimate to the
+    real mean one real step at a time, so a batch whose first masked steps disappoint
+    stops after one of them, not after MIN_REAL."""
+    from kiln.runtime.speculative.pace import gate_batch
+
+    be = BreakEven(((1, 2.0), (8, 2.0)))
+    paces = [SpecPace(FixedShadow(5.0), be, gain=1.0) for _ in range(8)]
+    for p in paces[:2]:
+        p.on_plain_step([1])
+    gate_batch(paces, 8, be)  # 2 x (5 - 1) = 8 >= 8 x (2 - 1)
+    assert paces[0].active and paces[1].active
+    for p in paces[:2]:
+        p.on_spec_step(1, [1])  # the copy ran out: one token each
+    expect = (1 + 5.0 * (MIN_REAL - 1)) / MIN_REAL
+    assert paces[0].estimate() == pytest.approx(expect)
+    gate_batch(paces, 8, be)  # 2 x (4 - 1) = 6 < 8: closed after one real step
+    assert not paces[0].active and paces[0].speculating  # its own rule still waits
+    for _ in range(MIN_REAL - 1):
+        paces[0].on_spec_step(3, [1])
+    assert paces[0].estimate() == pytest.approx((1 + 3 * (MIN_REAL - 1)) / MIN_REAL)
+    paces[0].on_spec_step(3, [1])  # more real steps than MIN_REAL: the real mean
+    assert paces[0].estimate() == pytest.approx(sum(paces[0].real) / len(paces[0].real))

@@ -166,12 +166,18 @@ class SpecPace:
         return self.speculating and self.batch_ok
 
     def estimate(self) -> float:
-        """Committed tokens per speculative step expected now: the real mean of a
-        speculating request that has ``MIN_REAL`` steps, else the shadow's times the gain."""
-        if self.speculating and len(self.real) >= MIN_REAL:
-            return sum(self.real) / len(self.real)
+        """Committed tokens per speculative step expected now (what the batch gate sums):
+        the shadow's mean times the gain, with each real step of the current run taking
+        the place of one of ``MIN_REAL`` prior steps (the real mean from ``MIN_REAL`` real
+        steps on). A run whose first real steps disappoint closes the gate at once instead
+        of after ``MIN_REAL`` steps: at batch 8 each of them is a masked step of the whole
+        batch, so waiting is what a wrong start costs."""
         est = self.shadow.mean()
-        return 1.0 if est is None else est * self.gain
+        prior = 1.0 if est is None else est * self.gain
+        k = len(self.real) if self.speculating else 0
+        if k >= MIN_REAL:
+            return sum(self.real) / k
+        return (sum(self.real) + prior * (MIN_REAL - k)) / MIN_REAL if k else prior
 
     def on_spec_step(self, committed: int, ids: Sequence[int]) -> None:
         """After a verified speculative step that committed ``committed`` tokens."""
