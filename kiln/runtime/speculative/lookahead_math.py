@@ -210,14 +210,14 @@ class NgramPool:
     def candidates(self, key: int, g: int | None = None) -> list[tuple[int, ...]]:
         """Up to ``g`` (default: the pool's g) continuations of ``key``, most recent first."""
         key = int(key)
-        bucket = self._table.get(key % self.buckets)
+        h = key % self.buckets
+        bucket = self._table.get(h)
         if bucket is None:
             return []
-        c = self._cursor[key % self.buckets]
+        c = self._cursor[h]
         # most recent first: the entries before the cursor, then those from it on
-        out = [e[1] for e in bucket[c - 1 :: -1] + bucket[: c - 1 : -1]
-               if e is not None and e[0] == key] if c else \
-            [e[1] for e in bucket[::-1] if e is not None and e[0] == key]
+        newest_first = bucket[c - 1 :: -1] + bucket[: c - 1 : -1]
+        out = [e[1] for e in newest_first if e is not None and e[0] == key]
         limit = self.g if g is None else g
         return out[: max(limit, 0)]
 
