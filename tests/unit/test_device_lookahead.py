@@ -103,3 +103,33 @@ def test_admit_rejects_a_pool_of_another_shape():
     dev = DeviceLookahead(2, (4, 4, 4), torch.device("cpu"))
     with pytest.raises(ValueError, match="does not match the device table"):
         dev.admit(0, [[0] * 4] * 3, NgramPool(4, 3), [1, 2])
+
+
+def test_admission_resets_a_reused_slot_to_the_new_requests_pool():
+    """A slot that held another request's table takes the next one's exactly (keys, cursors,
+    the continuations of filled cells, window, recent tokens): admission writes only the
+    filled entries, over a reset slot."""
+    import random
+
+    rng = random.Random(3)
+    window = (4, 4, 3)
+    w, n, g = window
+    dev = DeviceLookahead(2, window, torch.device("cpu"), buckets=7)
+    for trial in range(6):
+        prompt = [rng.randrange(20) for _ in range(rng.randint(1, 60))]
+        pool = NgramPool(n, g, buckets=7)
+        pool.seed_from_tokens(prompt)
+        grid = [[rng.randrange(20) for _ in range(w)] for _ in range(n - 1)]
+        dev.admit(1, grid, pool, prompt)
+        keys, conts, cursor = pool.to_tensors()
+        assert torch.equal(dev.keys[1], keys), trial
+        assert torch.equal(dev.conts[1][keys >= 0], conts[keys >= 0]), trial
+        assert torch.equal(dev.cursor[1], cursor), trial
+        assert dev.window[1].tolist() == grid
+        assert dev.recent[1].tolist() == ([-1] * (n - 1) + prompt)[-(n - 1):]
+        assert int(dev.total[1]) == len(prompt)
+        assert dev.keys[0].eq(-1).all()  # the other slot untouched
+        # the request's steps then change the slot before the next admission
+        tokens, valid = dev.propose(torch.tensor([1]))
+        argmax = torch.tensor([[rng.randrange(20) for _ in range(tokens.shape[1])]])
+        dev.update(torch.tensor([1]), tokens, argmax, dev.verify(tokens, argmax, valid))

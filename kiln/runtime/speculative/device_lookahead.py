@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.speculative.lookahead_math import POOL_BUCKETS, NgramPool, step_layout
 
 
@@ -78,19 +79,35 @@ class DeviceLookahead:
     def admit(self, slot: int, window: list[list[int]], pool: NgramPool,
               tokens: list[int]) -> None:
         """Load a request's initial state into ``slot``: its window grid ``[L][W]``, its
-        seeded host pool (the same table definition) and its tokens so far (prompt)."""
+        seeded host pool (the same table definition) and its tokens so far (prompt).
+
+        Only the pool's filled entries travel (one pinned copy with the window and the
+        recent tokens): the slot's keys are reset to empty and its cursors to 0 on the
+        device, and the entries scattered in. Continuations of empty cells are never read
+        (no key matches -1). Building the dense [4096, 7, 6] table of a (7,7,7) engine on
+        the host and copying it (pageable, so each copy waited for the stream) cost 1.3-1.9
+        ms per request with a 60-token prompt and 21-22 ms with a 1000-token one (CPU);
+        this costs 0.3 and 5-8 ms."""
         if (pool.n, pool.g, pool.buckets) != (self.n, self.g, self.buckets):
             raise ValueError(f"pool (n={pool.n}, g={pool.g}, buckets={pool.buckets}) does not "
                              f"match the device table (n={self.n}, g={self.g}, "
                              f"buckets={self.buckets})")
-        keys, conts, cursor = pool.to_tensors()
-        recent = [-1] * (self.n - 1) + list(tokens)
-        dev = self.device
-        self.window[slot] = torch.tensor(window, dtype=torch.long).to(dev)
-        self.keys[slot] = keys.to(dev)
-        self.conts[slot] = conts.to(dev)
-        self.cursor[slot] = cursor.to(dev)
-        self.recent[slot] = torch.tensor(recent[-(self.n - 1):], dtype=torch.long).to(dev)
+        flat, keys, conts, cursors = pool.entries()
+        n1 = self.n - 1
+        recent = ([-1] * n1 + list(tokens))[-n1:]
+        parts = [[t for row in window for t in row], recent, flat, keys,
+                 [t for c in conts for t in c], [h for h, _ in cursors],
+                 [c for _, c in cursors]]
+        packed = to_device([t for part in parts for t in part], torch.long, self.device)
+        win, rec, at, key, cont, bucket, cur = packed.split([len(p) for p in parts])
+        self.window[slot] = win.view(self.levels, self.w)
+        self.recent[slot] = rec
+        self.keys[slot].fill_(-1)
+        self.cursor[slot].zero_()
+        if flat:
+            self.keys[slot].view(-1)[at] = key
+            self.conts[slot].view(-1, n1)[at] = cont.view(-1, n1)
+            self.cursor[slot][bucket] = cur
         self.total[slot] = len(tokens)
 
     # -- one step --------------------------------------------------------------------------

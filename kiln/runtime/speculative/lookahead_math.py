@@ -236,6 +236,17 @@ class NgramPool:
             cursor[h] = self._cursor.get(h, 0)
         return keys, conts, cursor
 
+    def entries(self) -> tuple[list[int], list[int], list[tuple[int, ...]],
+                               list[tuple[int, int]]]:
+        """The filled entries as flat indices (bucket x g + entry), keys and continuations,
+        and each used bucket's write cursor (bucket, cursor): the table without its empty
+        cells (``DeviceLookahead.admit`` writes only these)."""
+        g = self.g
+        filled = [(h * g + i, e) for h, bucket in self._table.items()
+                  for i, e in enumerate(bucket) if e is not None]
+        return ([f for f, _ in filled], [e[0] for _, e in filled], [e[1] for _, e in filled],
+                list(self._cursor.items()))
+
     def __len__(self) -> int:
         return sum(e is not None for b in self._table.values() for e in b)
 
