@@ -201,14 +201,17 @@ def _exact_three_token_distribution(last: int) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["lookahead", "ngram"])
-def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_path, mode):
+def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_path, mode,
+                                                             monkeypatch):
     """Joint distribution of 3 sampled tokens vs the exact one, 1500 seeds each way.
 
     8 outcomes; sampling noise alone gives a total variation around 0.02 at this size, so
-    the bound 0.06 is loose for a correct verifier and tight for a wrong one: accepting
-    every matching draft without the rejection step shifts mass to the drafts' (most
-    recent prompt n-gram's) outcome: such a verifier measured 0.55 here. Seeds are fixed,
-    so the result is deterministic for a given implementation.
+    the bound 0.06 is loose for a correct verifier and tight for a wrong one. The negative
+    control runs the same test with a wrong acceptance rule (a draft is accepted whenever
+    the target gives it any probability, no rejection step): it shifts mass to the drafts'
+    (most recent prompt n-gram's) outcome and must fail the bound by a wide margin
+    (measured: correct verifier 0.038 / 0.040, wrong rule 0.555 / 0.556, lookahead /
+    ngram). Seeds are fixed, so the result is deterministic for a given implementation.
     """
     from kiln.builder import build_engine
 
@@ -237,6 +240,20 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     assert steps > 0 and committed > 1.2 * steps  # drafts were accepted, often
     assert _tv(plain, exact) < 0.06  # the oracle itself
     assert _tv(spec_counts, exact) < 0.06
+
+    def accept_any_supported(p, drafts, generator=None):  # the wrong rule
+        for idx, d in enumerate(drafts):
+            if float(p[d]) > 0:
+                return int(d), idx
+        return real_verify(p, [], generator)
+
+    from kiln.runtime.speculative import lookahead, ngram
+
+    real_verify = lookahead.verify_position
+    for module in (lookahead, ngram):
+        monkeypatch.setattr(module, "verify_position", accept_any_supported)
+    _, wrong = run(None)
+    assert _tv(wrong, exact) > 0.2, _tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()
 
 
