@@ -61,13 +61,14 @@ def _split_batch_sizes(engine: Any, sizes: tuple[int, ...]) -> tuple[list[int], 
 def _timed(engine: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
     """One generate of ``prompts`` together: wall time, engine steps (``num_steps`` counts
     one per committed step, prefill included) and the requests' summed statistics."""
-    steps = engine.num_steps
+    steps, masked = engine.num_steps, engine.spec_stats["engine_steps"]
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     return {
         "elapsed_s": elapsed,
         "engine_steps": engine.num_steps - steps,
+        "masked_engine_steps": engine.spec_stats["engine_steps"] - masked,
         "tokens": sum(len(o.token_ids) for o in outs),
         "token_ids": [o.token_ids for o in outs],
         "spec_steps": sum(o.metrics.spec_steps for o in outs),
@@ -112,6 +113,9 @@ def _summary(rows: list[dict], batch_size: int, repeats: int) -> dict:
     request (their sum / ``batch_size``) over the speculative run's engine steps, at most 1;
     below 1 where steps ran plainly (the prefill step, paused or draftless requests) or
     requests finished early, and the spec step cost then mixes in plain steps.
+    ``masked_step_fraction``: the speculative run's engine steps that verified any draft
+    (a masked step for the whole batch, synchronous on the host path) over all its engine
+    steps; above ``spec_step_fraction`` at batch > 1 when only some requests draft.
     """
     def total(kind: str, key: str) -> float:
         return sum(r[kind][key] for r in rows)
@@ -140,6 +144,7 @@ def _summary(rows: list[dict], batch_size: int, repeats: int) -> dict:
         "spec_ms_per_step": s_ms,
         "step_cost_ratio": _ratio(s_ms, p_ms),
         "spec_step_fraction": None if fraction is None else min(1.0, fraction),
+        "masked_step_fraction": _ratio(total("spec", "masked_engine_steps"), s_steps),
         "requests": rows,
     }
 

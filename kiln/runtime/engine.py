@@ -76,7 +76,10 @@ class LLMEngine:
         self._step_reqs: list[Request] = []  # the requests the running step serves
         self._ids = itertools.count()
         self.num_steps = 0
-        self.spec_stats = {"steps": 0, "accepted_tokens": 0}  # over all requests
+        # over all requests: verified speculative steps of requests, the tokens they
+        # committed, and engine steps that verified any (each one masked and, on the host
+        # path, synchronous for its whole batch)
+        self.spec_stats = {"steps": 0, "accepted_tokens": 0, "engine_steps": 0}
         self.spec_break_even = None  # set below, once the engine can run steps
         # compiled kernels the engine directory shipped for this machine (from_engine_dir)
         self.kernels_installed: dict[str, int] = {}
@@ -376,6 +379,8 @@ class LLMEngine:
         """Speculation statistics, worker state and detokenization after the commit; the
         outputs of the requests that committed tokens (finished ones leave the engine)."""
         outputs = []
+        if result.verified:
+            self.spec_stats["engine_steps"] += 1
         for req, n in committed.items():
             verified = req in result.verified
             try:

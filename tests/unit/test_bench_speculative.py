@@ -84,6 +84,10 @@ def test_every_set_reports_both_batch_sizes_with_equal_output(result, la_engine)
             assert 0 < b["spec_step_fraction"] < 1, where
             assert b["spec_step_fraction"] == pytest.approx(
                 spec["spec_steps"] / int(batch) / spec["engine_steps"]), where
+            # engine steps that verified any draft: at least a request's share of them
+            assert run["plain"]["masked_engine_steps"] == 0, where
+            assert 0 < spec["masked_engine_steps"] <= spec["engine_steps"], where
+            assert b["spec_step_fraction"] - 1e-9 <= b["masked_step_fraction"] < 1, where
             assert len(run["prompts"]) == int(batch), where
             # plain decoding takes a step per token; speculation commits several per step
             assert run["plain"]["spec_steps"] == 0, where
