@@ -228,12 +228,13 @@ class NgramPool:
         keys = torch.full((self.buckets, g), -1, dtype=torch.long)
         conts = torch.zeros(self.buckets, g, self.n - 1, dtype=torch.long)
         cursor = torch.zeros(self.buckets, dtype=torch.long)
-        for h, bucket in self._table.items():
-            for i, e in enumerate(bucket):
-                if e is not None:
-                    keys[h, i] = e[0]
-                    conts[h, i] = torch.tensor(e[1])
-            cursor[h] = self._cursor.get(h, 0)
+        flat, entry_keys, entry_conts, cursors = self.entries()
+        if flat:
+            at = torch.tensor(flat)
+            keys.view(-1)[at] = torch.tensor(entry_keys)
+            conts.view(-1, self.n - 1)[at] = torch.tensor(entry_conts).view(-1, self.n - 1)
+        for h, c in cursors:
+            cursor[h] = c
         return keys, conts, cursor
 
     def entries(self) -> tuple[list[int], list[int], list[tuple[int, ...]],

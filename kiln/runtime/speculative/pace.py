@@ -121,12 +121,9 @@ class Shadow:
         candidates = self.proposer.candidates
         pos = self.pos
         while pos + depth < len(ids):
-            future = tuple(ids[pos + 1 : pos + 1 + depth])  # what the drafts are checked on
+            future = ids[pos + 1 : pos + 1 + depth]  # what the step's drafts are checked on
             best = 0
             for cand in candidates(ids, pos):
-                if tuple(cand) == future:
-                    best = depth
-                    break
                 m = 0
                 for tok, actual in zip(cand, future):
                     if tok != actual:
