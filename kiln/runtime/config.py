@@ -49,10 +49,11 @@ class RuntimeConfig:
     # The break-even in committed tokens per speculative step; None: measured at start-up on
     # CUDA (speculative/break_even.py), and no pacing where there is nothing to measure.
     spec_break_even: float | None = None
-    # Lookahead state (window, n-gram table), proposal, greedy verification and the KV move
-    # of accepted rows on the device (kiln/runtime/speculative/device_lookahead.py) for
-    # greedy requests at the engine's window, inside the masked buckets' CUDA graphs and
-    # the async pipeline; the host worker stays for the rest. Off by default: on real
+    # Speculative state, proposal, greedy verification and the KV move of accepted rows on
+    # the device for greedy requests (lookahead at the engine's window:
+    # kiln/runtime/speculative/device_lookahead.py; prompt lookup: device_ngram.py), inside
+    # the masked buckets' CUDA graphs and the async pipeline; the host worker stays for the
+    # rest. Off by default: on real
     # smollm2 prompts it wins on some sets and loses on others (docs/decisions.md).
     device_speculation: bool = field(
         default_factory=lambda: env_flag("KILN_DEVICE_SPECULATION", False))

@@ -69,7 +69,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.spec_worker = make_worker(self.speculative, parts.device_lookahead)
+        self.spec_worker = make_worker(self.speculative, parts.device_state)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed in the running step; reported with its outputs
@@ -87,7 +87,9 @@ class LLMEngine:
         self._inflight: LaunchedStep | None = None
         # the host copies of a step's samples, or of a device speculative step's commits
         # ([B, N + 1]: tokens and their count)
-        width = self.speculative.lookahead[1] + 1 if parts.device_lookahead else 1
+        # the most a device speculative step commits per request (0: none on the device)
+        self._spec_width = parts.device_state.commit_width if parts.device_state else 0
+        width = self._spec_width + 1 if parts.device_state else 1
         self._readback = TokenReadback(self.scheduler.max_num_seqs * width, self.device)
         if self.spec_worker:
             t_pace = time.perf_counter()
@@ -317,7 +319,7 @@ class LLMEngine:
                for r in reqs):
             return None
         self.spec_worker.propose_batch(reqs, self.fail_request)
-        batch = self.scheduler.schedule_spec_ahead(cur.batch, self.speculative.lookahead[1],
+        batch = self.scheduler.schedule_spec_ahead(cur.batch, self._spec_width,
                                                    self.limits.max_seq_len)
         if batch is None or not self._device_plans_only(batch):
             for r in reqs:

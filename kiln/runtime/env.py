@@ -14,8 +14,9 @@ kiln/env.py, which the sources and the CLI read without importing the runtime.
   (default ``1``: the next decode step is launched first; same results).
 - ``KILN_ADAPTIVE_SPECULATION``: ``0`` always speculates (default ``1``: a request pauses
   speculation while it commits fewer tokens per step than the step costs; same results).
-- ``KILN_DEVICE_SPECULATION``: ``1`` keeps greedy lookahead requests' window and n-gram
-  table on the device and verifies there (default ``0``: the host worker; same results).
+- ``KILN_DEVICE_SPECULATION``: ``1`` keeps greedy speculative requests' state on the
+  device (lookahead: window and n-gram table; prompt lookup: the request's tokens) and
+  drafts and verifies there (default ``0``: the host worker; same results).
 
 For these, unset means the default and ``0`` or an empty value means off.
 

@@ -46,8 +46,9 @@ class ModelRunner:
         # CUDA graphs (which read the stager's buffers). None: the reference path below.
         self.stager: StepStager | None = None
         self.graphs: CudaGraphRunner | None = None
-        # Set by the engine when lookahead state lives on the device: plans of its slots are
-        # proposed and verified around the forward (in masked buckets' graphs, captured).
+        # Set by the engine when speculative state lives on the device (lookahead or prompt
+        # lookup): plans of its slots are proposed and verified around the forward (in
+        # masked buckets' graphs, captured).
         self.spec_step: DeviceSpecStep | None = None
 
     def use_staging(self, max_seqs: int, max_num_tokens: int, max_seq_len: int,
@@ -152,7 +153,10 @@ class ModelRunner:
         stager = self.stager
         out = ForwardOutput(torch.empty(0))
         plans = stager.plans(batch)
-        masked = any(p is not None and p.step_mask is not None for p in plans)
+        # device plans run in masked buckets, whose graphs hold their proposal and commit
+        # (a prompt-lookup chain has no tree mask but needs them too)
+        masked = any(p is not None and (p.step_mask is not None or p.device_slot is not None)
+                     for p in plans)
         # logit rows at most: one per plain item, every token of a draft
         rows = sum(n if p is not None else 1 for (_, n), p in zip(batch.items, plans))
         bucket = (self.graphs.find_bucket(len(batch.items), batch.num_tokens, masked, rows)

@@ -20,7 +20,9 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
+from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
+from kiln.runtime.speculative.workers import make_device_state
 from kiln.runtime.warmup import warm_eager_forward, warm_sampler
 
 
@@ -37,7 +39,8 @@ class EngineParts:
     runner: ModelRunner
     sampler: Sampler
     startup_times: dict[str, float]
-    device_lookahead: DeviceLookahead | None = None  # lookahead state on the device
+    # speculative state on the device (lookahead or prompt lookup), or None
+    device_state: DeviceLookahead | DeviceNgram | None = None
 
 
 def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -74,11 +77,10 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                           max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
     t_cache = time.perf_counter()
     runner = ModelRunner(model, cache, device)
-    lookahead = speculative.lookahead if speculative.mode == "lookahead" else None
-    device_lookahead = None
-    if config.device_speculation and lookahead is not None and lookahead[1] >= 2:
-        device_lookahead = DeviceLookahead(scheduler.max_num_seqs, lookahead, device)
-        runner.spec_step = DeviceSpecStep(device_lookahead)  # before the graphs capture it
+    device_state = (make_device_state(speculative, scheduler.max_num_seqs, limits.max_seq_len,
+                                      device) if config.device_speculation else None)
+    if device_state is not None:
+        runner.spec_step = DeviceSpecStep(device_state)  # before the graphs capture it
     graphs_s = 0.0
     tokens_per_step = speculative.tokens_per_step if speculative.enabled else 1
     max_seqs, max_tokens = scheduler.max_num_seqs, scheduler.max_num_tokens
@@ -96,7 +98,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
              "total_s": time.perf_counter() - t_start}
     return EngineParts(device, backend, model, cache, blocks, scheduler, runner, sampler, times,
-                       device_lookahead)
+                       device_state)
 
 
 def _resolve_backend(name: str, device: torch.device) -> str:

@@ -59,3 +59,47 @@ def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, windo
     assert eager == dev and eager_stats == dev_stats  # graph replay == eager steps
     assert dev_stats == host_stats  # the same steps committed the same counts
     assert dev_stats[1] > dev_stats[0]  # some drafts were accepted
+
+
+def test_device_prompt_lookup_equals_host_prompt_lookup_and_plain_greedy(tmp_path):
+    """The same for prompt lookup (the ngram kernels: the draft search over each slot's
+    tokens, chain verification and the history update, in the masked buckets' graphs),
+    with a plain request beside the speculating ones."""
+    from kiln.artifact.speculative import SpeculativeConfig
+    from kiln.builder import build_engine
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.runtime.sampling_params import SamplingParams
+
+    out = tmp_path / "e"
+    build_engine("random:smollm2-135m", out, dtype="float32", max_seq_len=512,
+                 max_num_tokens=1024, max_batch_size=8, progress=False,
+                 speculative=SpeculativeConfig.from_cli("ngram", None, 8, 2))
+    base = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] for j in range(4)]
+    prompts = [p * 3 for p in base]
+
+    def run(on_device: bool, plain: bool = False, graphs: bool = True):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cuda", device_speculation=on_device, adaptive_speculation=False,
+            cuda_graphs=graphs))
+        windows = [(1, 1, 0)] * 4 if plain else [None, None, None, (1, 1, 0)]
+        params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, lookahead=w)
+                  for w in windows]
+        outs = eng.generate(prompts, params)
+        stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
+        if on_device:
+            assert sorted(eng.spec_worker._free_slots) == list(range(8))
+            if graphs:
+                g = eng.runner.graphs
+                assert sum(n for b, n in g.replays.items() if b.masked) > 0
+        eng.blocks.check_all_free()
+        return [o.token_ids for o in outs], stats
+
+    plain, _ = run(False, plain=True)
+    host, host_stats = run(False)
+    dev, dev_stats = run(True)
+    eager, eager_stats = run(True, graphs=False)
+    assert host == plain
+    assert dev == plain
+    assert eager == dev and eager_stats == dev_stats
+    assert dev_stats == host_stats
+    assert dev_stats[1] > dev_stats[0]

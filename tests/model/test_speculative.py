@@ -119,17 +119,54 @@ def test_kv_after_lookahead_steps_equals_plain_forward(tiny_reference, on_device
     eng.blocks.check_all_free()
 
 
-def test_ngram_greedy_equals_plain_greedy(tiny_reference):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-state", "device-state"])
+def test_ngram_greedy_equals_plain_greedy(tiny_reference, on_device):
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=512, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("ngram", None, 6, 3))
-    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu",
+                                                       device_speculation=on_device))
     prompts = _repetitive_prompts()
     plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
     outs = eng.generate(prompts, _greedy())
     assert [o.token_ids for o in outs] == plain
     assert sum(o.metrics.spec_steps for o in outs) > 0
+    assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)
     eng.blocks.check_all_free()
+    if on_device:
+        assert sorted(eng.spec_worker._free_slots) == list(range(64))
+
+
+def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
+    """Device prompt-lookup requests beside plain ones and sampled ones (host state, seeded,
+    so their output is the host path's), with a KV cache small enough to preempt: greedy
+    output equals plain greedy, sampled output equals the host-state engine's."""
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=512, max_batch_size=64,
+        speculative=SpeculativeConfig.from_cli("ngram", None, 6, 2))
+    prompts = _repetitive_prompts()
+    plain = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu")).generate(
+        prompts, _greedy(window=PLAIN))
+    params = [_greedy(window=PLAIN if i % 3 == 0 else None) for i in range(len(prompts))]
+    params[1] = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+
+    def run(on_device):
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", block_size=4, num_kv_blocks=80, max_num_tokens=200,
+            device_speculation=on_device))
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_all_free()
+        return outs, eng
+
+    host, _ = run(False)
+    dev, eng = run(True)
+    assert [o.token_ids for o in dev] == [o.token_ids for o in host]
+    for i, (o, p) in enumerate(zip(dev, plain)):
+        if i != 1:
+            assert o.token_ids == p.token_ids, i
+    assert sum(o.metrics.num_preemptions for o in dev) > 0
+    assert sum(o.metrics.spec_tokens for o in dev) > sum(o.metrics.spec_steps for o in dev)
+    assert sorted(eng.spec_worker._free_slots) == list(range(64))
 
 
 def test_request_window_beyond_engine_is_rejected_naming_both(tiny_reference):
@@ -533,15 +570,18 @@ def test_measure_step_ms_on_an_ngram_engine_drafts_max_draft_len_every_step(
     assert eng.scheduler.waiting[-1].spec_pace.gain == 1.0
 
 
-def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch):
+@pytest.mark.parametrize("mode", ["lookahead", "ngram"])
+def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, mode):
     """Device speculative steps launched ahead (the next one queued before this one's
     commit is read; its positions and slots moved on by the device) commit what the
     synchronous device path and plain greedy commit: stops inside accepted runs (max_tokens
-    and stop tokens), an abort with a step in flight, a host-state request beside them
-    (the batch then runs synchronously), and every block and slot freed at the end."""
+    and stop tokens), an abort with a step in flight, a request beside them that is not
+    on the device (a smaller lookahead window, or a plain one for prompt lookup: the batch
+    then runs synchronously), and every block and slot freed at the end."""
+    spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
+            else SpeculativeConfig.from_cli("ngram", None, 5, 2))
     _, out = tiny_reference(
-        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8,
-        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+        "llama", max_seq_len=256, max_num_tokens=1024, max_batch_size=8, speculative=spec)
     prompts = _repetitive_prompts()[:4]
     plain_eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
     lengths = [5, 13, 24, 40]
@@ -595,5 +635,6 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch):
     assert ahead > 0 and stats[1] > stats[0]  # launched ahead, drafts accepted
     aborted, _, _ = run(True, abort=True)
     assert aborted[:3] == want[:3] and aborted[3] is None
-    mixed, _, _ = run(True, windows=(None, (2, 2, 1), None, None))
+    beside = (2, 2, 1) if mode == "lookahead" else PLAIN
+    mixed, _, _ = run(True, windows=(None, beside, None, None))
     assert mixed == want

@@ -61,6 +61,7 @@ def cases():
         gemv_kernel,
         kv_write,
         lookahead,
+        ngram,
         paged_attention,
         rms_norm,
         rotary,
@@ -145,6 +146,14 @@ def cases():
         "BS": 16, "T": 84, "T_PAD": 128, "PDL": True}, {
         a: "*i32" if a in ("pos_ptr", "cache_slots_ptr", "ctx_ptr", "bt_ptr") else "*i64"
         for a in lookahead._shift_rows_kernel.arg_names if a.endswith("_ptr")}, 1
+    ng_ptrs = {a: "*i64" for a in ngram._ngram_propose_kernel.arg_names
+               + ngram._ngram_commit_kernel.arg_names if a.endswith("_ptr")}
+    ng_ptrs.update(hist_ptr="*i32", ids_ptr="*i32")
+    yield "ngram propose (draft 8, match 3) into the input ids", ngram._ngram_propose_kernel, {
+        "MAXM": 3, "MINM": 1, "D": 8, "T_PAD": 16, "BLOCK": 256, "WRITE_IDS": True,
+        "PDL": True}, ng_ptrs, 4
+    yield "ngram commit (draft 8)", ngram._ngram_commit_kernel, {
+        "D": 8, "T_PAD": 16, "PDL": True}, ng_ptrs, 1
     yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
     yield "fp8 quant", fp8_quant._quant_kernel, {
         "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4

@@ -187,19 +187,26 @@ def test_prefill_bucket_ladder():
     assert not any(x.prefill for x in plan_buckets(64, 2048, 1, 1024, prefill=False))
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+# prompt lookup through the graph buffers only (the masked bucket its plans must take; the
+# interpreted draft search makes each run ~1 min on 2 cores)
+@pytest.mark.parametrize("graphs,mode", [(False, "lookahead"), (True, "lookahead"),
+                                         (True, "ngram")],
+                         ids=["eager", "graph-buffers", "graph-buffers-ngram"])
 def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, graphs,
-                                                              monkeypatch):
+                                                              monkeypatch, mode):
     """Device speculative steps launched ahead on the staged path: the kernels move each
     plan's staged positions, cache slots and context length on by what the step in flight
     committed (inside the masked bucket's replay with graph buffers); the tokens equal the
     torch backend's plain greedy ones."""
+    spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
+            else SpeculativeConfig.from_cli("ngram", None, 5, 1))
     _, out = tiny_reference(
-        "llama", max_seq_len=128, max_num_tokens=256, max_batch_size=8,
-        speculative=SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+        "llama", max_seq_len=128, max_num_tokens=256, max_batch_size=8, speculative=spec)
     prompts = [p + p[:6] + p for p in mixed_prompts()[:2]]
+    # a random model copies little: prompt lookup needs longer outputs to accept drafts
+    lengths = (10, 14) if mode == "lookahead" else (30, 50)
     plain_p = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lookahead=(1, 1, 0))
-               for n in (10, 14)]
+               for n in lengths]
     ref, _ = _tokens(out, "torch", prompts, plain_p)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
         device="cpu", block_size=4, num_kv_blocks=96, max_num_tokens=40,
@@ -211,7 +218,7 @@ def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, gr
     monkeypatch.setattr(eng, "_launch_spec_ahead", lambda cur: ahead.append(real(cur))
                         or ahead[-1])
     outs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-                                  for n in (10, 14)])
+                                  for n in lengths])
     assert [o.token_ids for o in outs] == ref
     assert any(a is not None for a in ahead)
     assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)

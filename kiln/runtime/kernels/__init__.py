@@ -16,6 +16,7 @@ triton is installed (``kiln.runtime.kernels.available()`` says whether it is).
 | fp8_quant | ``quantize_fp8_padded`` (static or dynamic scale) | ``quantize_fp8_padded_ref`` |
 | sampling | ``sample_tokens`` (greedy argmax / Gumbel-max temperature sampling) | ``sample_tokens_ref`` |
 | lookahead | ``lookahead_propose`` / ``lookahead_commit`` (a lookahead step's proposal; verification, n-gram inserts and window shift; one program per request) | ``DeviceLookahead`` (kiln/runtime/speculative/device_lookahead.py) |
+| ngram | ``ngram_propose`` / ``ngram_commit`` (a prompt-lookup step's draft search over the request's tokens; chain verification and the history update; one program per request) | ``DeviceNgram`` (kiln/runtime/speculative/device_ngram.py) |
 
 The GEMV is four files: gemv (the wrappers), gemv_kernel (the kernel and its launch),
 gemv_tiles (its tile operations) and gemv_configs (launch configs and the routing rules,

@@ -59,6 +59,7 @@ class DeviceLookahead:
             raise ValueError(f"device lookahead needs n >= 2, got window {window}")
         self.w, self.n, self.g, self.buckets = w, n, g, buckets
         self.window_size = (w, n, g)
+        self.commit_width = n  # the most a step commits
         self.num_slots = num_slots
         self.device = torch.device(device)
         self.levels = n - 1

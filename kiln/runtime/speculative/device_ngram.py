@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime.speculative.device_lookahead import StepVerdict
+
 
 def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, min_match: int,
                 max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,3 +56,83 @@ def verify_chains(drafts: torch.Tensor, draft_lens: torch.Tensor, argmax: torch.
     # accepted drafts equal argmax at their rows, and the bonus token is argmax[num_matched]
     accepted = torch.where(idx[None, :] <= num_matched[:, None], argmax.long(), 0)
     return accepted, num_matched + 1
+
+
+class DeviceNgram:
+    """Prompt-lookup state of ``num_slots`` requests on the device: each slot's committed
+    tokens (prompt included, the last one is x), from which every step's draft is found.
+
+        history [S, C] int32   the slot's tokens, C = max_seq_len + T (room for a step)
+        length  [S]    long    how many of them are real
+
+    One step of a batch of slots at fixed T = 1 + max_draft_len (x, then the draft padded
+    with 0; ``draft_lens`` says how much of it is real):
+
+        tokens, draft_lens = state.propose(slots)            # the step's input ids [B, T]
+        ... causal forward; argmax of every row [B, T] ...
+        verdict = state.verify(tokens, argmax, draft_lens)  # committed [B, T], count [B]
+        state.update(slots, tokens, argmax, verdict)         # the history moves on
+
+Tokens that plain steps of a paced request commit join through ``commit_tokens``.
+
+``find_drafts`` / ``verify_chains`` above are the step's math, equal to the host worker's
+(``find_draft``, ``NgramWorker.verify``). A chain's accepted rows already sit at their
+final KV indices, so a step moves no KV. Greedy only; sampled requests keep the host path.
+"""
+
+    def __init__(self, num_slots: int, max_draft_len: int, max_match: int, min_match: int,
+                 capacity: int, device: torch.device):
+        if max_draft_len < 1 or not 1 <= min_match <= max_match:
+            raise ValueError(f"device prompt lookup needs max_draft_len >= 1 and 1 <= "
+                             f"min_match <= max_match, got {max_draft_len}, {min_match}, "
+                             f"{max_match}")
+        self.num_slots = num_slots
+        self.max_draft_len, self.max_match, self.min_match = max_draft_len, max_match, min_match
+        self.num_tokens = 1 + max_draft_len  # T: x and the draft
+        self.commit_width = 1 + max_draft_len  # the most a step commits
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.history = torch.zeros(num_slots, capacity, dtype=torch.int32, device=self.device)
+        self.length = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+
+    def admit(self, slot: int, tokens: list[int]) -> None:
+        """Load a request's tokens so far (its prompt) into ``slot`` (one pinned copy)."""
+        if not 0 < len(tokens) <= self.capacity:
+            raise ValueError(f"{len(tokens)} tokens do not fit a device prompt-lookup slot "
+                             f"of {self.capacity}")
+        from kiln.runtime.host_copy import to_device
+
+        self.history[slot, : len(tokens)] = to_device(tokens, torch.int32, self.device)
+        self.length[slot] = len(tokens)
+
+    def propose(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's input ids [B, T] (x, then the draft, 0 past it) and the drafts'
+        lengths [B]."""
+        hist, n = self.history[slots], self.length[slots]
+        drafts, lens = find_drafts(hist, n, self.max_match, self.min_match, self.max_draft_len)
+        x = hist.gather(1, (n - 1).clamp(min=0)[:, None]).long()
+        return torch.cat([x, drafts], 1), lens
+
+    def verify(self, tokens: torch.Tensor, argmax: torch.Tensor, draft_lens: torch.Tensor
+               ) -> StepVerdict:
+        """Greedy chain verification: committed [B, T] (0 past count), count [B]; no KV
+        moves (``src_rows`` None: a chain's accepted rows are where they belong)."""
+        committed, count = verify_chains(tokens[:, 1:], draft_lens, argmax)
+        return StepVerdict(committed, count, None)
+
+    def update(self, slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
+               verdict: StepVerdict) -> None:
+        """Fold a verified step into the slots' histories (``commit_tokens`` of what it
+        committed)."""
+        self.commit_tokens(slots, verdict.committed, verdict.count)
+
+    def commit_tokens(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """``tokens[b, :count[b]]`` (any width K) join the slots' histories: what a verified
+        step committed, or what plain steps of a paced request committed."""
+        k = torch.arange(tokens.shape[1], device=self.device)
+        n = self.length[slots]
+        idx = (n[:, None] + k[None, :]).clamp(max=self.capacity - 1)
+        keep = k[None, :] < count[:, None]
+        old = self.history[slots[:, None], idx]
+        self.history[slots[:, None], idx] = torch.where(keep, tokens.to(torch.int32), old)
+        self.length[slots] = n + count

@@ -1,8 +1,9 @@
-"""A speculative step of device-state lookahead requests around the model's forward.
+"""A speculative step of device-state requests around the model's forward.
 
 The model runner runs it, not the worker (issue 25: the engine drives the forward, a
-worker only proposes and verifies). For a step whose batch holds lookahead plans of
-``DeviceLookahead`` slots (``DraftPlan.device_slot``):
+worker only proposes and verifies). For a step whose batch holds plans of the engine's
+device slots (``DraftPlan.device_slot``): lookahead (``DeviceLookahead``: a tree step,
+accepted rows' KV moved) or prompt lookup (``DeviceNgram``: a chain, nothing moved):
 
     proposal = step.prologue(entries, input_ids)      # before the forward: the plans'
                                                       # tokens into the step's input ids
@@ -17,10 +18,11 @@ bucket (kiln/runtime/cuda_graph.py); the entries then live in the stager's buffe
 same graph serves any mix of device plans, host plans and plain rows.
 
 On CUDA both are kernels of fixed shape (kiln/runtime/kernels/lookahead.py: proposal, the
-commit, the KV move; plus an argmax): no host sync, capturable. Elsewhere the same steps run
-as DeviceLookahead's torch ops on the entries that hold a slot (the reference the kernels
-are tested against). What a step commits comes back as ``SpecOutput`` (device tensors);
-the worker reads it with one host copy.
+commit, the KV move; kiln/runtime/kernels/ngram.py: proposal, the commit; plus an argmax):
+no host sync, capturable. Elsewhere the same steps run as the state's torch ops on the
+entries that hold a slot (the reference the kernels are tested against). What a step
+commits comes back as ``SpecOutput`` (device tensors); the worker reads it with one host
+copy.
 
 The state is advanced in place when the step runs. A step that fails after that fails its
 requests (LLMEngine.step: every request of a failed step fails, and its slot is released),
@@ -35,6 +37,7 @@ import torch
 
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
+from kiln.runtime.speculative.device_ngram import DeviceNgram
 
 
 @dataclass
@@ -84,15 +87,16 @@ class SpecOutput:
 @dataclass
 class _Proposal:
     tokens: torch.Tensor  # [B, T] (rows of entries without a plan: unset)
-    valid: torch.Tensor  # [B, G]
+    valid: torch.Tensor  # lookahead: [B, G] real candidates; prompt lookup: [B] draft lengths
     active: torch.Tensor | None = None  # torch path: indices of the entries with a slot
 
 
 class DeviceSpecStep:
     """Proposal before and verification after one forward, for the slots of ``state``."""
 
-    def __init__(self, state: DeviceLookahead):
+    def __init__(self, state: DeviceLookahead | DeviceNgram):
         self.state = state
+        self.chain = isinstance(state, DeviceNgram)  # prompt lookup: one causal chain
         self.kernels = state.device.type == "cuda"
         # what the last step committed per entry row (its count), for a step launched ahead
         self.last_count = torch.ones(state.num_slots, dtype=torch.long, device=state.device)
@@ -105,6 +109,10 @@ class DeviceSpecStep:
         st = self.state
         if staged is not None and entries.shift is not None:
             self._shift(entries, staged)
+        if self.kernels and self.chain:
+            from kiln.runtime.kernels.ngram import ngram_propose
+
+            return _Proposal(*ngram_propose(st, entries.slots, input_ids, entries.q0))
         if self.kernels:
             from kiln.runtime.kernels.lookahead import lookahead_propose
 
@@ -125,11 +133,17 @@ class DeviceSpecStep:
         greedy = logits.argmax(-1)
         rows = entries.r0[:, None] + torch.arange(t, device=st.device)
         if self.kernels:
-            from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_move_kv
-
             argmax = greedy[rows.clamp(max=greedy.shape[0] - 1)]  # no-plan rows: any row
-            verdict = lookahead_commit(st, entries.slots, proposal.tokens, argmax)
-            lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict)
+            if self.chain:
+                from kiln.runtime.kernels.ngram import ngram_commit
+
+                verdict = ngram_commit(st, entries.slots, proposal.tokens, proposal.valid,
+                                       argmax)
+            else:
+                from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_move_kv
+
+                verdict = lookahead_commit(st, entries.slots, proposal.tokens, argmax)
+                lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict)
             self.last_count[: verdict.count.shape[0]].copy_(verdict.count)
             return SpecOutput(verdict.committed, verdict.count)
         a = proposal.active
@@ -137,9 +151,10 @@ class DeviceSpecStep:
         argmax = greedy[rows[a]]
         verdict = st.verify(proposal.tokens, argmax, proposal.valid)
         st.update(slots, proposal.tokens, argmax, verdict)
-        move_accepted_kv(cache, slot_mapping, q0, verdict)
+        if verdict.src_rows is not None:  # a chain's accepted rows are in place already
+            move_accepted_kv(cache, slot_mapping, q0, verdict)
         b = entries.slots.shape[0]
-        committed = torch.zeros(b, st.n, dtype=torch.long, device=st.device)
+        committed = torch.zeros(b, st.commit_width, dtype=torch.long, device=st.device)
         count = torch.zeros(b, dtype=torch.long, device=st.device)
         committed[a], count[a] = verdict.committed, verdict.count
         self.last_count[:b].copy_(count)

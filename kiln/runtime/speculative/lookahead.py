@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.layers.sampler import warp
-from kiln.runtime.host_copy import to_device
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.draft import DraftPlan
@@ -33,7 +32,6 @@ from kiln.runtime.speculative.lookahead_math import (
 )
 from kiln.runtime.speculative.pace import PRIOR_GAIN
 from kiln.runtime.speculative.worker import DraftWorker
-from kiln.runtime.step import StepResult
 
 
 @dataclass
@@ -98,9 +96,7 @@ class LookaheadWorker(DraftWorker):
     name = "lookahead"
 
     def __init__(self, device: DeviceLookahead | None = None) -> None:
-        super().__init__()
-        self.device = device
-        self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
+        super().__init__(device)
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         w, n, g = window
@@ -109,13 +105,16 @@ class LookaheadWorker(DraftWorker):
         levels = max(n - 1, 1)
         grid = [[rng.choice(prompt) for _ in range(w)] for _ in range(levels)]
         dev = self.device
-        on_device = (dev is not None and self._free_slots and (w, n, g) == dev.window_size
-                     and req.params.greedy and req.matcher is None)
-        pool = NgramPool(n, g, dev.buckets if on_device else POOL_BUCKETS)
+        slot = (self.take_slot() if dev is not None and (w, n, g) == dev.window_size
+                and req.params.greedy and req.matcher is None else None)
+        pool = NgramPool(n, g, dev.buckets if slot is not None else POOL_BUCKETS)
         pool.seed_from_tokens(prompt)
-        if on_device:  # the device slot holds the window and pool from here on
-            slot = self._free_slots.pop()
-            dev.admit(slot, grid, pool, prompt)
+        if slot is not None:  # the device slot holds the window and pool from here on
+            try:
+                dev.admit(slot, grid, pool, prompt)
+            except BaseException:
+                self._free_slots.append(slot)
+                raise
             req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
         else:
             req.spec_state = LookaheadState(w, n, g, grid, pool, fed=len(prompt))
@@ -124,55 +123,11 @@ class LookaheadWorker(DraftWorker):
         st: LookaheadState = req.spec_state
         return PoolShadow(st.n, st.g, req.prompt_token_ids)
 
-    def release(self, req: Request) -> None:
-        st = req.spec_state
-        if isinstance(st, LookaheadState) and st.slot is not None:
-            self._free_slots.append(st.slot)
-            st.slot = None
-
-    def propose_batch(self, reqs: list[Request], on_error) -> None:
-        """Host requests one by one. Device slots' plans name their slot: the model runner
-        proposes and verifies them around the step's forward (``DeviceSpecStep``); here
-        only the tokens their plain steps committed are folded into the slots first."""
-        on_dev = [r for r in reqs if r.spec_state.slot is not None]
-        super().propose_batch([r for r in reqs if r.spec_state.slot is None], on_error)
-        if not on_dev:
-            return
-        pending = [r for r in on_dev if r.spec_state.pending]
-        if pending:
-            try:
-                self._fold_pending(pending)
-            except Exception as e:
-                for r in on_dev:
-                    on_error(r, "speculative proposal", e)
-                return
+    def device_plan(self, req: Request) -> DraftPlan:
         layout = step_layout(*self.device.window_size)
-        filler = [0] * (layout.num_tokens - 1)
-        for req in on_dev:
-            req.draft = DraftPlan([req.all_token_ids[-1]] + filler, layout.position_offsets,
-                                  layout.mask, device_slot=req.spec_state.slot)
-
-    def _fold_pending(self, reqs: list[Request]) -> None:
-        """Tokens committed by plain steps into the device slots (pool inserts, recent)."""
-        dev = self.device
-        slots = to_device([r.spec_state.slot for r in reqs], torch.long, dev.device)
-        pending = [r.spec_state.pending for r in reqs]
-        width = max(len(p) for p in pending)
-        toks = to_device([p + [0] * (width - len(p)) for p in pending], torch.long,
-                         dev.device).view(len(reqs), width)
-        dev.commit_tokens(slots, toks, to_device([len(p) for p in pending], torch.long,
-                                                 dev.device))
-        for r in reqs:
-            r.spec_state.pending = []
-
-    def verify_on_device(self, reqs: list[Request], result: StepResult, cache,
-                         on_error) -> None:
-        """The device plans were verified in the step (``result.spec``): read what each
-        committed, one host copy for the batch."""
-        host = result.spec.packed().tolist()
-        for req in reqs:
-            row = host[result.spec_entries[req]]
-            result.add_verified(req, row[: row[-1]])
+        return DraftPlan([req.all_token_ids[-1]] + [0] * (layout.num_tokens - 1),
+                         layout.position_offsets, layout.mask,
+                         device_slot=req.spec_state.slot)
 
     def propose(self, req: Request) -> DraftPlan | None:
         st: LookaheadState = req.spec_state
@@ -248,13 +203,10 @@ class LookaheadWorker(DraftWorker):
 
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
         st: LookaheadState = req.spec_state
-        ids = req.all_token_ids
         if st.slot is not None:  # device state: verified steps updated it already
-            if not verified:
-                st.pending += ids[len(ids) - num_new:]
-            return
-        if verified:  # plain steps' n-grams wait for the next proposal (``_feed_pool``)
-            self._feed_pool(st, ids)
+            super().on_commit(req, num_new, verified)
+        elif verified:  # plain steps' n-grams wait for the next proposal (``_feed_pool``)
+            self._feed_pool(st, req.all_token_ids)
 
     @staticmethod
     def _feed_pool(st: LookaheadState, ids: list[int]) -> None:

@@ -3,10 +3,13 @@ request's last k tokens (k from max_match down to min_match) in its own context.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from kiln.runtime.layers.sampler import warp
 from kiln.runtime.request import Request
+from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.lookahead_math import verify_position
 from kiln.runtime.speculative.worker import DraftWorker
@@ -70,22 +73,52 @@ class LookupShadow:
         return [draft] if draft else []
 
 
+@dataclass
+class NgramSlot:
+    """A prompt-lookup request whose tokens live in a ``DeviceNgram`` slot."""
+
+    slot: int | None
+    pending: list[int] = field(default_factory=list)  # committed by plain steps, not on
+    # the device yet (folded in before the next device proposal)
+
+
 class NgramWorker(DraftWorker):
-    """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step."""
+    """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step.
+
+    With a ``DeviceNgram`` (``device``), greedy requests without a grammar keep their tokens
+    in one of its slots: drafting, verification and the history update run on the device
+    around the step's forward (``DeviceSpecStep``), one host read per step. The rest, and
+    every request once the slots are taken, draft on the host (``LookupIndex``, the oracle
+    the device state is tested against)."""
 
     name = "ngram"
 
-    def __init__(self, max_draft_len: int, max_match: int, min_match: int):
-        super().__init__()
+    def __init__(self, max_draft_len: int, max_match: int, min_match: int,
+                 device: DeviceNgram | None = None):
+        super().__init__(device)
         self.max_draft_len = max_draft_len
         self.max_match = max_match
         self.min_match = min_match
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
-        req.spec_state = LookupIndex(self.max_match, self.min_match, self.max_draft_len)
+        slot = (self.take_slot() if self.device is not None and req.params.greedy
+                and req.matcher is None else None)
+        if slot is None:
+            req.spec_state = LookupIndex(self.max_match, self.min_match, self.max_draft_len)
+            return
+        try:
+            self.device.admit(slot, req.prompt_token_ids)
+        except BaseException:
+            self._free_slots.append(slot)
+            raise
+        req.spec_state = NgramSlot(slot)
 
     def shadow_proposer(self, req: Request) -> LookupShadow:
         return LookupShadow(self.max_match, self.min_match, self.max_draft_len)
+
+    def device_plan(self, req: Request) -> DraftPlan:
+        return DraftPlan([req.all_token_ids[-1]] + [0] * self.max_draft_len,
+                         device_slot=req.spec_state.slot)
 
     def propose(self, req: Request) -> DraftPlan | None:
         ids = req.all_token_ids

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache, slot_of
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
@@ -30,10 +31,15 @@ class DraftWorker(SpeculativeWorker):
 
     name = "draft"
 
-    def __init__(self) -> None:
+    def __init__(self, device=None) -> None:
         super().__init__()
         self.full_steps = False  # pad every host proposal to the step's worst case (full T:
         # the break-even measurement, speculative/break_even.py)
+        # the engine's device slots (a DeviceLookahead or a DeviceNgram), or None: requests
+        # that take a slot keep their state there (``req.spec_state.slot``) and their plans
+        # are proposed and verified on the device (``DeviceSpecStep``)
+        self.device = device
+        self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
 
     @abstractmethod
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
@@ -58,27 +64,83 @@ class DraftWorker(SpeculativeWorker):
         """What the request's shadow (``pace.Shadow``) proposes with: the worker's
         proposal from committed text alone (a ``pace.ShadowProposer``)."""
 
+    def device_plan(self, req: Request) -> DraftPlan:
+        """The plan of a request whose state is in a device slot: x and placeholders (the
+        step's tokens are proposed on the device), its slot named."""
+        raise NotImplementedError(f"{type(self).__name__} proposes no plans on the device")
+
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
         """Called after ``num_new`` tokens were committed to ``req`` (``verified``: by a
-        verified speculative step)."""
+        verified speculative step). A device slot holds what its verified steps committed;
+        what plain steps commit waits on the host until the slot's next proposal."""
+        st = req.spec_state
+        if getattr(st, "slot", None) is not None and not verified:
+            ids = req.all_token_ids
+            st.pending += ids[len(ids) - num_new:]
+
+    def take_slot(self) -> int | None:
+        """A free device slot for a request that is admitted to one, or None."""
+        return self._free_slots.pop() if self._free_slots else None
 
     def release(self, req: Request) -> None:
-        """``req`` finished or left the engine: free what the worker holds for it."""
+        """``req`` finished or left the engine: free what the worker holds for it (its
+        device slot)."""
+        st = req.spec_state
+        if getattr(st, "slot", None) is not None:
+            self._free_slots.append(st.slot)
+            st.slot = None
 
     def propose_batch(self, reqs: list[Request], on_error: OnError) -> None:
         """Set ``req.draft`` for each request (all may speculate now); a proposal that
-        raises goes to ``on_error`` and the rest go on."""
+        raises goes to ``on_error`` and the rest go on. Requests in device slots get plans
+        that name their slot (the model runner proposes and verifies them around the
+        step's forward); the tokens their plain steps committed are folded into the slots
+        first."""
+        on_dev = []
         for req in reqs:
+            if getattr(req.spec_state, "slot", None) is not None:
+                on_dev.append(req)
+                continue
             try:
                 req.draft = self.propose(req)
             except Exception as e:
                 req.draft = None
                 on_error(req, "speculative proposal", e)
+        if not on_dev:
+            return
+        try:
+            self._fold_pending([r for r in on_dev if r.spec_state.pending])
+            for req in on_dev:
+                req.draft = self.device_plan(req)
+        except Exception as e:
+            for req in on_dev:
+                req.draft = None
+                on_error(req, "speculative proposal", e)
+
+    def _fold_pending(self, reqs: list[Request]) -> None:
+        """Tokens committed by plain steps into the requests' device slots (one batched
+        update: ``commit_tokens`` of the slots' state)."""
+        if not reqs:
+            return
+        dev = self.device
+        slots = to_device([r.spec_state.slot for r in reqs], torch.long, dev.device)
+        pending = [r.spec_state.pending for r in reqs]
+        width = max(len(p) for p in pending)
+        toks = to_device([t for p in pending for t in p + [0] * (width - len(p))], torch.long,
+                         dev.device).view(len(reqs), width)
+        dev.commit_tokens(slots, toks, to_device([len(p) for p in pending], torch.long,
+                                                 dev.device))
+        for r in reqs:
+            r.spec_state.pending = []
 
     def verify_on_device(self, reqs: list[Request], result: StepResult, cache: KVCache,
                          on_error: OnError) -> None:
-        """Take what the plans run on the device (``DraftPlan.device_slot``) committed."""
-        raise NotImplementedError(f"{type(self).__name__} proposes no plans on the device")
+        """The device plans were verified in the step (``result.spec``): read what each
+        committed, one host copy for the batch."""
+        host = result.spec.packed().tolist()
+        for req in reqs:
+            row = host[result.spec_entries[req]]
+            result.add_verified(req, row[: row[-1]])
 
     @staticmethod
     def guided_chain(req: Request, logits: torch.Tensor, chain: list[int],

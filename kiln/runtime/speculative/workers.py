@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import torch
+
 from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
+from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 
 
-def make_worker(spec: SpeculativeConfig,
-                device_state: DeviceLookahead | None = None) -> DraftWorker | None:
+def make_worker(spec: SpeculativeConfig, device_state: DeviceLookahead | DeviceNgram | None
+                = None) -> DraftWorker | None:
     """The engine's speculative worker for its recorded mode (None: plain decoding);
-    ``device_state``: the slots that keep greedy lookahead requests' state on the device."""
+    ``device_state``: the slots that keep greedy requests' state on the device."""
     if spec.mode == "lookahead":
         warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
         return LookaheadWorker(device_state)
     if spec.mode == "ngram":
-        return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match)
+        return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match,
+                           device_state)
+    return None
+
+
+def make_device_state(spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
+                      device: torch.device) -> DeviceLookahead | DeviceNgram | None:
+    """The device slots of an engine whose speculation runs on the device (lookahead with
+    N >= 2, or prompt lookup), or None."""
+    if spec.mode == "lookahead" and spec.lookahead[1] >= 2:
+        return DeviceLookahead(num_slots, spec.lookahead, device)
+    if spec.mode == "ngram":
+        return DeviceNgram(num_slots, spec.max_draft_len, spec.ngram_max_match,
+                           spec.ngram_min_match, max_seq_len + spec.tokens_per_step, device)
     return None
 
 
