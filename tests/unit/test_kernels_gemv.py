@@ -64,10 +64,21 @@ def test_gemv_mid_m_tensor_core_tiles(wdtype, cfg):
 
 
 def test_gemv_wins_mid_m_rule():
-    """Past GEMV_MAX_M rows linear() keeps cuBLAS (gemv itself takes up to GEMM_MAX_M)."""
-    assert not gemv_configs.gemv_wins(84, 960, 576, False)
-    assert not gemv_configs.gemv_wins(gemv_configs.GEMV_MAX_M + 1, 960, 576, False)
-    assert not gemv_configs.gemv_wins(gemv_configs.GEMM_MAX_M + 1, 960, 576, False)
+    """Past GEMV_MAX_M rows (speculative steps) linear() takes the tensor-core tiles up to one
+    16-row block on any bf16 weight, and up to GEMM_MAX_M rows on small weights only (each
+    block reads the weight again); cuBLAS for FP8, wide-and-shallow weights and past
+    GEMM_MAX_M."""
+    wins = gemv_configs.gemv_wins
+    one, most = gemv_configs.GEMM_ONE_BLOCK_M, gemv_configs.GEMM_MAX_M
+    # smollm2's qkv and gate_up (small): every speculative step size
+    for m in (gemv_configs.GEMV_MAX_M + 1, one, one + 1, 84, most):
+        assert wins(m, 960, 576, False) and wins(m, 3072, 576, False), m
+    # Qwen2.5-1.5B's gate_up (27.5 M elements): one block only
+    assert wins(9, 17920, 1536, False) and wins(one, 17920, 1536, False)
+    assert not wins(one + 1, 17920, 1536, False) and not wins(84, 17920, 1536, False)
+    assert not wins(9, 960, 576, True)  # FP8: W8A8 / _scaled_mm past GEMV_MAX_M
+    assert not wins(9, 49152, 576, False)  # smollm2's lm_head: wide and shallow
+    assert not wins(most + 1, 960, 576, False)
 
 
 @pytest.fixture

@@ -22,10 +22,17 @@ from kiln.runtime.kernels._checks import FP8_DTYPES, cdiv
 
 GEMV_MAX_M = 8  # rows of the CUDA-core tiles (unrolled) and of the W8A8 form
 # Tensor-core tiles take up to GEMM_MAX_M rows, BLOCK_M = 16 per program (grid axis 2): the
-# speculative steps' 9-128-token batches on small weights, where cuBLAS is launch-bound and,
-# not being a PDL kernel, a full barrier in the chain. ``gemv_wins`` does not route them here:
-# on the H200 (smollm2, lookahead (7,7,7)) they were no faster than cuBLAS end to end.
+# speculative steps' 9-128-token batches, where cuBLAS is launch-bound and, not being a PDL
+# kernel, a full barrier in the chain. Each 16-row block reads the whole weight again, so
+# ``gemv_wins`` routes them here up to one block (GEMM_ONE_BLOCK_M rows) on any bf16 weight,
+# and past it only on small weights (GEMM_SMALL_WEIGHT elements), where reads are cheap and
+# launches are what costs. H200, graph replay ms, cuBLAS -> these tiles (docs/decisions.md):
+# smollm2 (every weight <= 1.8 M elements) 9 rows 0.995 -> 0.743, 18 1.018 -> 0.781, 72
+# 1.097 -> 0.940, 84 1.152 -> 1.091; Qwen2.5-1.5B shape 9 rows 1.61-1.74 -> 1.53, but 18
+# rows 1.65-1.77 -> 2.05 and 84 rows 2.14 -> 4.94 (its weights are 2.4-27.5 M elements).
 GEMM_MAX_M = 128
+GEMM_ONE_BLOCK_M = 16
+GEMM_SMALL_WEIGHT = 2 << 20
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 W8A8 = "w8a8"  # the tuning-table dtype of W8A8 launches (e4m3 x)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "num_warps", "num_stages")
@@ -145,11 +152,16 @@ def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
     for FP8) at this shape (linear() routes small batches by it).
 
     bf16/fp16: everywhere but wide-and-shallow (K < 1024, N >= 16384: smollm2's lm_head,
-    where cuBLAS is ~5 % faster). FP8: always at M = 1 (W8A16 streams half the bytes of
+    where cuBLAS is ~5 % faster); past GEMV_MAX_M rows (speculative steps, tensor-core
+    tiles) up to GEMM_ONE_BLOCK_M rows, or up to GEMM_MAX_M on small weights. FP8: always at M = 1 (W8A16 streams half the bytes of
     bf16 with no activation quant); at M >= 2 only up to 4096 x 4096 weights: beyond that
     W8A8 on the FP8 tensor cores wins (widening e4m3 in registers costs ALU time at M > 1).
     """
-    if not 1 <= m <= GEMV_MAX_M:
+    if m > GEMV_MAX_M:  # tensor-core tiles (bf16/fp16): see GEMM_ONE_BLOCK_M
+        if fp8 or m > GEMM_MAX_M or (k < 1024 and n >= 16384):
+            return False
+        return m <= GEMM_ONE_BLOCK_M or n * k <= GEMM_SMALL_WEIGHT
+    if m < 1:
         return False
     if fp8:
         return m == 1 or n * k <= 16 << 20
