@@ -33,6 +33,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.break_even import spec_break_even
 from kiln.runtime.speculative.pace import Shadow, SpecPace, gate_batch
+from kiln.runtime.speculative.worker import on_device
 from kiln.runtime.speculative.workers import make_worker, request_window
 from kiln.runtime.startup import assemble
 from kiln.runtime.step import LaunchedStep, StepResult, TokenReadback, sample_logits
@@ -232,10 +233,7 @@ class LLMEngine:
         """Draft plans for the requests that speculate now, then the scheduler's batch."""
         if self.spec_worker is not None:
             running = list(self.scheduler.running)
-            if self.spec_break_even is not None:  # paced at the batch running now
-                self.spec_break_even.batch = max(len(running), 1)
-                gate_batch([r.spec_pace for r in running if r.spec_state is not None],
-                           len(running), self.spec_break_even)
+            self._gate(running)
             self.spec_worker.propose_all(running, self.fail_request)
         batch = self.scheduler.schedule()
         self._step_reqs = [r for r, _ in batch.items]
@@ -245,6 +243,16 @@ class LLMEngine:
                               f"KV cache even alone ({self.blocks.num_blocks} blocks of "
                               f"{self.blocks.block_size} tokens); give the engine more KV blocks")
         return batch
+
+    def _gate(self, running: list[Request]) -> None:
+        """Pacing at the batch running now: which speculating requests may speculate in
+        the next step (``gate_batch``; requests of device slots ride along)."""
+        if self.spec_break_even is None:
+            return
+        self.spec_break_even.batch = max(len(running), 1)
+        paced = [r for r in running if r.spec_state is not None]
+        gate_batch([r.spec_pace for r in paced], len(running), self.spec_break_even,
+                   [on_device(r) for r in paced])
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """A step that needs the host between forward and commit (drafts to verify, a
@@ -315,8 +323,10 @@ class LLMEngine:
         committed. None when the chain stops (a request finished or pauses, requests wait,
         a length limit or the KV blocks are near): the plain scheduler runs next."""
         reqs = cur.reqs
-        if any(r.is_finished or (r.spec_pace is not None and not r.spec_pace.active)
-               for r in reqs):
+        if any(r.is_finished for r in reqs):
+            return None
+        self._gate(reqs)  # every request here has a device slot: all ride along, or none
+        if not any(r.spec_pace is None or r.spec_pace.active for r in reqs):
             return None
         self.spec_worker.propose_batch(reqs, self.fail_request)
         batch = self.scheduler.schedule_spec_ahead(cur.batch, self._spec_width,

@@ -101,5 +101,6 @@ def test_device_prompt_lookup_equals_host_prompt_lookup_and_plain_greedy(tmp_pat
     assert host == plain
     assert dev == plain
     assert eager == dev and eager_stats == dev_stats
-    assert dev_stats == host_stats
-    assert dev_stats[1] > dev_stats[0]
+    # the same drafts were accepted; the device also runs a step (one token) where the host
+    # finds no draft and decodes plainly, so only the accepted count is compared
+    assert dev_stats[1] - dev_stats[0] == host_stats[1] - host_stats[0] > 0

@@ -638,3 +638,42 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, m
     beside = (2, 2, 1) if mode == "lookahead" else PLAIN
     mixed, _, _ = run(True, windows=(None, beside, None, None))
     assert mixed == want
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-state", "device-state"])
+def test_device_requests_ride_along_when_one_speculates(tiny_reference, on_device):
+    """One paced request speculates: on the device path every request of a device slot
+    gets a plan for the same step (the masked bucket pads each sequence to a full step
+    anyway, and a batch of device plans only is launched ahead); on the host path only the
+    speculating one does. Output stays plain greedy either way."""
+    _, out = tiny_reference(
+        "llama", max_seq_len=256, max_num_tokens=512, max_batch_size=8,
+        speculative=SpeculativeConfig.from_cli("ngram", None, 4, 1))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", spec_break_even=1.5,
+                                                       device_speculation=on_device))
+    prompts = _repetitive_prompts()[:3]
+    plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
+    ids = [eng.add_request(p, _greedy()) for p in prompts]
+    reqs = [eng._requests[i] for i in ids]
+    while any(r.num_computed_tokens < r.num_tokens - 1 or r.num_tokens <= len(r.prompt_token_ids)
+              for r in reqs):
+        eng.step()  # prefill and a first token each
+    for i, r in enumerate(reqs):  # the first speculates (and pays), the others do not
+        r.spec_pace.speculating = i == 0
+        r.spec_pace.shadow.recent.clear()  # no evidence: they would not start on their own
+    reqs[0].spec_pace.shadow.recent.extend([5] * 8)
+    asked = []
+    real = eng.spec_worker.propose_batch
+    eng.spec_worker.propose_batch = lambda rs, on_error: (asked.extend(rs), real(rs, on_error))
+    eng._gate(list(eng.scheduler.running))
+    eng.spec_worker.propose_all(list(eng.scheduler.running), eng.fail_request)
+    assert asked == (reqs if on_device else reqs[:1])
+    if on_device:
+        assert all(r.draft is not None and r.draft.device_slot is not None for r in reqs)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert [done[i] for i in ids] == plain
+    eng.blocks.check_all_free()

@@ -236,3 +236,33 @@ def test_real_steps_replace_the_prior_in_the_gate_one_by_one():
     assert paces[0].estimate() == pytest.approx((1 + 3 * (MIN_REAL - 1)) / MIN_REAL)
     paces[0].on_spec_step(3, [1])  # more real steps than MIN_REAL: the real mean
     assert paces[0].estimate() == pytest.approx(sum(paces[0].real) / len(paces[0].real))
+
+
+def test_requests_on_the_device_ride_along_in_the_gate():
+    """A masked step pads every sequence to a full step, so requests whose state is on the
+    device ride along once one speculates: their expected tokens count in the gate (it
+    needs one speculating request), and a step they take while not speculating themselves
+    feeds their shadow, not their real-step record."""
+    from kiln.runtime.speculative.pace import gate_batch
+
+    be = BreakEven(((1, 2.0), (8, 2.0)))
+    paces = [SpecPace(FixedShadow(1.8), be, gain=1.0) for _ in range(8)]
+    paces[0].shadow.value = 3.0
+    paces[0].on_plain_step([1])
+    assert paces[0].speculating and not paces[1].speculating
+    gate_batch(paces, 8, be)  # alone: 2 < 8 x (2 - 1)
+    assert not paces[0].active
+    gate_batch(paces, 8, be, [True] * 8)  # riding along: 2 + 7 x 0.8 = 7.6 < 8
+    assert not paces[0].active
+    paces[1].shadow.value = 2.4
+    gate_batch(paces, 8, be, [True] * 8)  # 2 + 1.4 + 6 x 0.8 = 8.2 >= 8
+    assert all(p.batch_ok for p in paces) and paces[0].active and not paces[1].active
+    gate_batch(paces, 8, be, [False] + [True] * 7)  # the speculator is not on the device:
+    assert not paces[0].active  # no device plan runs, so nobody rides along
+    for p in paces:  # nobody speculating: the gate stays shut whatever the riders expect
+        p.speculating = False
+    gate_batch(paces, 8, be, [True] * 8)
+    assert not any(p.batch_ok for p in paces)
+    rider = paces[2]
+    rider.on_spec_step(4, [1])
+    assert rider.spec_steps == 1 and not rider.real and rider.shadow.updates == 1

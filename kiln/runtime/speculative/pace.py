@@ -177,9 +177,12 @@ class SpecPace:
         return (sum(self.real) + prior * (MIN_REAL - k)) / MIN_REAL if k else prior
 
     def on_spec_step(self, committed: int, ids: Sequence[int]) -> None:
-        """After a verified speculative step that committed ``committed`` tokens."""
+        """After a verified speculative step that committed ``committed`` tokens (one the
+        request took while not speculating itself, riding along in a device step of the
+        batch, counts for the shadow only)."""
         self.spec_steps += 1
-        self.real.append(committed)
+        if self.speculating:
+            self.real.append(committed)
         self._decide(ids)
 
     def on_plain_step(self, ids: Sequence[int]) -> None:
@@ -205,21 +208,31 @@ class SpecPace:
             self.starts += 1
 
 
-def gate_batch(paces: list[SpecPace | None], batch: int, break_even: BreakEven) -> None:
-    """The batch's speculative step pays only if what its speculating requests gain covers
-    what it costs everyone: a step with any speculating row is a masked, synchronous step
-    of the whole batch (``batch`` rows at ``break_even.at(batch)`` times a plain step's
-    cost), so the requests that want to speculate (``speculating``) may (``batch_ok``) only
-    while the sum of their expected extra tokens, estimate - 1, reaches
-    batch x (break-even - 1). At batch 1 this is the request's own rule.
+def gate_batch(paces: list[SpecPace | None], batch: int, break_even: BreakEven,
+               riders: Sequence[bool] | None = None) -> None:
+    """The batch's speculative step pays only if what it gains covers what it costs
+    everyone: a step with any speculating row is a masked step of the whole batch
+    (``batch`` rows at ``break_even.at(batch)`` times a plain step's cost), so the requests
+    that want to speculate (``speculating``) may (``batch_ok``) only while the sum of the
+    expected extra tokens, estimate - 1, reaches batch x (break-even - 1). At batch 1 this
+    is the request's own rule.
     ``paces``: one per running request that may speculate (None: not paced; if one of
-    those runs, the step is masked anyway and every paced request may)."""
+    those runs, the step is masked anyway and every paced request may). ``riders`` (one
+    per pace): requests whose state is on the device ride along in any masked step of the
+    batch (the bucket pads every sequence to a full step, so their drafts cost nothing
+    more), so once one of them speculates the others' expected tokens count too (the
+    worker's ``propose_all`` gives them their plans)."""
     live = [p for p in paces if p is not None]
     if len(live) < len(paces):
         ok = True  # an unpaced request speculates whenever it can: the cost is paid
     else:
         batch = max(batch, 1)
         need = batch * (break_even.at(batch) - 1.0)
-        ok = sum(p.estimate() - 1.0 for p in live if p.speculating) >= need
+        ride = riders or [False] * len(paces)
+        wanting = [p for p in live if p.speculating]
+        counted = wanting
+        if any(r and p.speculating for p, r in zip(paces, ride)):  # a device plan runs
+            counted = wanting + [p for p, r in zip(paces, ride) if r and not p.speculating]
+        ok = bool(wanting) and sum(p.estimate() - 1.0 for p in counted) >= need
     for p in live:
         p.batch_ok = ok

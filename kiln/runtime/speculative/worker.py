@@ -98,7 +98,7 @@ class DraftWorker(SpeculativeWorker):
         first."""
         on_dev = []
         for req in reqs:
-            if getattr(req.spec_state, "slot", None) is not None:
+            if on_device(req):
                 on_dev.append(req)
                 continue
             try:
@@ -186,11 +186,18 @@ class DraftWorker(SpeculativeWorker):
     # -- the step ----------------------------------------------------------------------------
     def propose_all(self, reqs: list[Request], on_error: OnError) -> None:
         """Plan the next step of every request that may speculate now; a proposal that
-        raises goes to ``on_error`` (the engine fails that request) and the rest go on."""
-        self.propose_batch([
-            req for req in reqs
-            if (req.spec_state is not None and req.num_computed_tokens == req.num_tokens - 1
-                and (req.spec_pace is None or req.spec_pace.active))], on_error)
+        raises goes to ``on_error`` (the engine fails that request) and the rest go on.
+        Once one request of a device slot speculates, every request of a device slot
+        rides along (``riders``): the step's masked bucket pads each sequence to a full
+        step, so their drafts cost no more forward, and a batch of device plans only is
+        launched ahead instead of running synchronously."""
+        ready = [r for r in reqs if r.spec_state is not None
+                 and r.num_computed_tokens == r.num_tokens - 1]
+        chosen = [r for r in ready if r.spec_pace is None or r.spec_pace.active]
+        if any(on_device(r) for r in chosen):
+            chosen = [r for r in ready if on_device(r)
+                      or r.spec_pace is None or r.spec_pace.active]
+        self.propose_batch(chosen, on_error)
 
     def after_commit(self, req: Request, num_new: int, verified: bool) -> None:
         """The worker's state and pacing after ``req`` committed ``num_new`` tokens
@@ -249,3 +256,8 @@ class DraftWorker(SpeculativeWorker):
             dev = cache.k.device
             cache.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         return result
+
+
+def on_device(req: Request) -> bool:
+    """Whether ``req``'s speculative state is in a device slot (its plans run there)."""
+    return getattr(req.spec_state, "slot", None) is not None
