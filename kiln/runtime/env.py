@@ -16,7 +16,8 @@ kiln/env.py, which the sources and the CLI read without importing the runtime.
   speculation while it commits fewer tokens per step than the step costs; same results).
 - ``KILN_DEVICE_SPECULATION``: ``1`` keeps greedy speculative requests' state on the
   device (lookahead: window and n-gram table; prompt lookup: the request's tokens) and
-  drafts and verifies there (default ``0``: the host worker; same results).
+  drafts and verifies there, ``0`` keeps it in the host worker (same results). Unset: on
+  for prompt-lookup engines on CUDA, off otherwise.
 
 For these, unset means the default and ``0`` or an empty value means off.
 
@@ -45,6 +46,12 @@ def env_flag(name: str, default: bool) -> bool:
     """``name`` as a switch: unset gives ``default``; ``0`` or empty is False, else True."""
     raw = os.environ.get(name)
     return default if raw is None else raw not in ("0", "")
+
+
+def env_flag_or_none(name: str) -> bool | None:
+    """``env_flag`` with no default: None where ``name`` is unset (the caller decides)."""
+    raw = os.environ.get(name)
+    return None if raw is None else raw not in ("0", "")
 
 
 def env_str(name: str, default: str) -> str:

@@ -78,7 +78,8 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     t_cache = time.perf_counter()
     runner = ModelRunner(model, cache, device)
     device_state = (make_device_state(speculative, scheduler.max_num_seqs, limits.max_seq_len,
-                                      device) if config.device_speculation else None)
+                                      device)
+                    if device_speculation_on(config, speculative, device) else None)
     if device_state is not None:
         runner.spec_step = DeviceSpecStep(device_state)  # before the graphs capture it
     graphs_s = 0.0
@@ -99,6 +100,16 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              "total_s": time.perf_counter() - t_start}
     return EngineParts(device, backend, model, cache, blocks, scheduler, runner, sampler, times,
                        device_state)
+
+
+def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
+                          device: torch.device) -> bool:
+    """Whether greedy speculative requests keep their state on the device:
+    ``config.device_speculation``, or where that is None the measured default, prompt
+    lookup on CUDA (RuntimeConfig's comment has the numbers)."""
+    if config.device_speculation is not None:
+        return config.device_speculation
+    return speculative.mode == "ngram" and device.type == "cuda"
 
 
 def _resolve_backend(name: str, device: torch.device) -> str:

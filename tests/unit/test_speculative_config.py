@@ -174,3 +174,28 @@ def test_validate_request_window():
     ngram = SpeculativeConfig.from_cli("ngram", None, 4, None)
     with pytest.raises(ValueError, match="mode 'ngram'"):
         validate_request_window(ngram, 2, 2, 1)
+
+
+def test_device_speculation_defaults_to_prompt_lookup_on_cuda(monkeypatch):
+    """Unset, speculative state goes on the device for prompt-lookup engines on CUDA only
+    (where it was measured to win); KILN_DEVICE_SPECULATION / RuntimeConfig force it."""
+    import torch
+
+    from kiln.runtime.config import RuntimeConfig
+    from kiln.runtime.startup import device_speculation_on
+
+    monkeypatch.delenv("KILN_DEVICE_SPECULATION", raising=False)
+    ngram = SpeculativeConfig.from_cli("ngram", None, 8, 3)
+    la = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = RuntimeConfig()
+    assert auto.device_speculation is None
+    assert device_speculation_on(auto, ngram, cuda)
+    assert not device_speculation_on(auto, ngram, cpu)
+    assert not device_speculation_on(auto, la, cuda)
+    assert device_speculation_on(RuntimeConfig(device_speculation=True), la, cpu)
+    assert not device_speculation_on(RuntimeConfig(device_speculation=False), ngram, cuda)
+    monkeypatch.setenv("KILN_DEVICE_SPECULATION", "0")
+    assert not device_speculation_on(RuntimeConfig(), ngram, cuda)
+    monkeypatch.setenv("KILN_DEVICE_SPECULATION", "1")
+    assert device_speculation_on(RuntimeConfig(), la, cuda)
