@@ -104,3 +104,36 @@ def test_device_prompt_lookup_equals_host_prompt_lookup_and_plain_greedy(tmp_pat
     # the same drafts were accepted; the device also runs a step (one token) where the host
     # finds no draft and decodes plainly, so only the accepted count is compared
     assert dev_stats[1] - dev_stats[0] == host_stats[1] - host_stats[0] > 0
+
+
+def test_fold_kernel_equals_commit_tokens_on_cuda():
+    """The compiled ``lookahead_fold`` (what a paced request's plain-step tokens take into
+    its device slot) leaves the state ``commit_tokens``' torch ops leave, on CUDA."""
+    import random
+
+    from kiln.runtime.kernels.lookahead import lookahead_fold
+    from kiln.runtime.speculative.device_lookahead import DeviceLookahead
+    from kiln.runtime.speculative.lookahead_math import NgramPool
+
+    rng = random.Random(3)
+    window, vocab = (7, 7, 7), 9
+    states = [DeviceLookahead(6, window, torch.device("cuda")) for _ in range(2)]
+    for slot, length in enumerate((1, 4, 30, 80, 7, 12)):
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        pool = NgramPool(7, 7, states[0].buckets)
+        pool.seed_from_tokens(prompt)
+        grid = [[rng.randrange(vocab) for _ in range(7)] for _ in range(6)]
+        for st in states:
+            st.admit(slot, grid, pool, prompt)
+    ref, dut = states
+    for step in range(6):
+        slots = torch.tensor([5, -1, 0, 2, 1], device="cuda")
+        counts = [0 if s < 0 else rng.choice([0, 1, 5, 9, 40]) for s in slots.tolist()]
+        tokens = torch.tensor([[rng.randrange(vocab) for _ in range(40)] for _ in counts],
+                              device="cuda")
+        count = torch.tensor(counts, device="cuda")
+        live = slots >= 0
+        ref.commit_tokens(slots[live], tokens[live], count[live])
+        lookahead_fold(dut, slots, tokens, count)
+        for name in ("window", "keys", "conts", "cursor", "recent", "total"):
+            assert torch.equal(getattr(ref, name), getattr(dut, name)), (step, name)

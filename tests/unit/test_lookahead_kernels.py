@@ -191,3 +191,25 @@ def test_device_spec_step_kernels_equal_its_torch_path(window):
         accepted += int((a.count[live] - 1).sum())
     if window[2]:
         assert accepted > 0  # moves were compared, not only bonus tokens
+
+
+@pytest.mark.parametrize("window", [(4, 4, 4), (7, 7, 7), (2, 2, 1), (3, 3, 0)])
+def test_fold_kernel_equals_commit_tokens(window):
+    """The tokens plain steps committed, folded in one launch (``lookahead_fold``) vs the
+    torch ops (``commit_tokens``): runs of 0, 1, short and longer than N tokens per slot,
+    slots whose recent tokens still hold -1, spare entries (slot -1), repeated folds."""
+    from kiln.runtime.kernels.lookahead import lookahead_fold
+
+    rng = random.Random(sum(window) * 7)
+    vocab = 6
+    ref, dut = make_states(window, 5, rng, vocab)
+    for step in range(5):
+        slots = torch.tensor([3, -1, 0, 1, 4] if step % 2 else [2, 0, 4])
+        counts = [0 if s < 0 else rng.choice([0, 1, 3, window[1] + 2, 11]) for s in slots.tolist()]
+        width = max(max(counts), 1)
+        tokens = torch.tensor([[rng.randrange(vocab) for _ in range(width)] for _ in counts])
+        count = torch.tensor(counts)
+        live = slots >= 0
+        ref.commit_tokens(slots[live], tokens[live], count[live])
+        lookahead_fold(dut, slots, tokens, count)
+        assert_same_state(ref, dut, step)

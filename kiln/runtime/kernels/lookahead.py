@@ -256,6 +256,70 @@ def _lookahead_commit_kernel(
     tl.store(wptr, shifted, mask=rm)
 
 
+@triton.jit
+def _lookahead_fold_kernel(
+    slots_ptr, tokens_ptr, count_ptr, keys_ptr, conts_ptr, cursor_ptr, recent_ptr, total_ptr,
+    stride_tok, H, GM,
+    N: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, N1_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    N1: tl.constexpr = N - 1
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + b)
+    k_new = tl.load(count_ptr + b)
+    if (slot < 0) | (k_new <= 0):
+        return
+    tok = tokens_ptr + b * stride_tok
+    rec = recent_ptr + slot * N1
+    c = tl.arange(0, N1_PAD)
+    cm = c < N1
+    # seq = recent [N-1] then the K tokens; the n-gram ending at token e is seq[e .. e+N-1]
+    if G > 0:
+        for e in range(0, k_new):
+            i = e + 1 + c  # the continuation's indices in seq
+            old = tl.load(rec + i, mask=cm & (i < N1), other=0)
+            new = tl.load(tok + i - N1, mask=cm & (i >= N1), other=0)
+            cont = tl.where(i < N1, old, new)
+            key_old = tl.load(rec + e, mask=e < N1, other=0)
+            key_new = tl.load(tok + e - N1, mask=e >= N1, other=0)
+            key = tl.where(e < N1, key_old, key_new)
+            neg = tl.sum(tl.where(cm & (cont < 0), 1, 0), axis=0)
+            _insert_one(keys_ptr, conts_ptr, cursor_ptr, slot, key, cont,
+                        (key >= 0) & (neg == 0), H, GM, G, N1, G_PAD, N1_PAD)
+            tl.debug_barrier()  # the next insert reads this one's writes
+    i = k_new + c  # the new recent tokens: seq[K .. K+N-2]
+    old = tl.load(rec + i, mask=cm & (i < N1), other=0)
+    new = tl.load(tok + i - N1, mask=cm & (i >= N1), other=0)
+    recent = tl.where(i < N1, old, new)
+    total = tl.load(total_ptr + slot)
+    tl.debug_barrier()  # every read of the old recent tokens is done
+    tl.store(rec + c, recent, mask=cm)
+    tl.store(total_ptr + slot, total + k_new)
+
+
+def lookahead_fold(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.Tensor,
+                   count: torch.Tensor) -> None:
+    """``state.commit_tokens(slots, tokens, count)`` in one launch: the tokens plain steps
+    committed (``tokens[b, :count[b]]``, [B, K] long) join the slots' pools, recent tokens
+    and totals. The torch ops run a dozen launches per token (``_insert``); a paced request
+    that decoded plainly for a while folds dozens of tokens at its next proposal."""
+    _check_state(state, slots)
+    dev = state.window.device
+    b = slots.shape[0]
+    check_tensor("tokens", tokens, ndim=2, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("count", count, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_shape("tokens", tokens, (b, None))
+    check_shape("count", count, (b,))
+    if b:
+        _lookahead_fold_kernel[(b,)](
+            slots, tokens, count, state.keys, state.conts, state.cursor, state.recent,
+            state.total, tokens.stride(0), state.buckets, state.keys.shape[2], N=state.n,
+            G=state.g, G_PAD=next_pow2(max(state.g, 1)), N1_PAD=next_pow2(state.n - 1),
+            num_warps=1, **_pdl.launch_kwargs(),
+        )
+
+
 def _check_state(state: DeviceLookahead, slots: torch.Tensor) -> None:
     dev = state.window.device
     for name in ("window", "keys", "conts", "cursor", "recent", "total"):

@@ -208,6 +208,16 @@ class DeviceLookahead:
         self.recent[slots] = seq.gather(1, take)
         self.total[slots] += count
 
+    def fold(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """``commit_tokens`` of the tokens plain steps committed: on CUDA one kernel
+        (``lookahead_fold``), elsewhere the torch ops."""
+        if self.device.type == "cuda":
+            from kiln.runtime.kernels.lookahead import lookahead_fold
+
+            lookahead_fold(self, slots, tokens, count)
+        else:
+            self.commit_tokens(slots, tokens, count)
+
     def _insert(self, slots: torch.Tensor, grams: torch.Tensor, ok: torch.Tensor) -> None:
         """Insert n-grams [B, K, N] (``ok`` [B, K]) in order k = 0 .. K-1, each one as
         ``NgramPool.add``: skipped when its bucket holds it, else written at the cursor."""

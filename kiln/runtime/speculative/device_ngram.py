@@ -126,6 +126,10 @@ final KV indices, so a step moves no KV. Greedy only; sampled requests keep the 
         committed)."""
         self.commit_tokens(slots, verdict.committed, verdict.count)
 
+    def fold(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """``commit_tokens`` of the tokens plain steps committed (a few torch ops)."""
+        self.commit_tokens(slots, tokens, count)
+
     def commit_tokens(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
         """``tokens[b, :count[b]]`` (any width K) join the slots' histories: what a verified
         step committed, or what plain steps of a paced request committed."""

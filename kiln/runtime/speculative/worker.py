@@ -119,7 +119,7 @@ class DraftWorker(SpeculativeWorker):
 
     def _fold_pending(self, reqs: list[Request]) -> None:
         """Tokens committed by plain steps into the requests' device slots (one batched
-        update: ``commit_tokens`` of the slots' state)."""
+        update: ``fold`` of the slots' state)."""
         if not reqs:
             return
         dev = self.device
@@ -128,8 +128,7 @@ class DraftWorker(SpeculativeWorker):
         width = max(len(p) for p in pending)
         toks = to_device([t for p in pending for t in p + [0] * (width - len(p))], torch.long,
                          dev.device).view(len(reqs), width)
-        dev.commit_tokens(slots, toks, to_device([len(p) for p in pending], torch.long,
-                                                 dev.device))
+        dev.fold(slots, toks, to_device([len(p) for p in pending], torch.long, dev.device))
         for r in reqs:
             r.spec_state.pending = []
 
