@@ -45,6 +45,10 @@ def environment(engine: Any = None, engine_dir: str | Path | None = None) -> dic
         "cuda_graphs": getattr(getattr(engine, "runner", None), "graphs", None) is not None
         if engine is not None else None,
         "async_scheduling": getattr(engine, "async_scheduling", None),
+        # speculative engines: greedy requests' speculative state, drafting and verification
+        # on the device (KILN_DEVICE_SPECULATION; the default for prompt lookup on CUDA)
+        "device_speculation": getattr(getattr(engine, "runner", None), "spec_step", None)
+        is not None if engine is not None else None,
         # programmatic dependent launch of the Triton kernels (KILN_PDL 0/1/2; None off CUDA)
         "pdl": _pdl_mode(device),
         # tokens chosen by kiln's sampling kernels (CUDA; rows without top-k/top-p/min-p)

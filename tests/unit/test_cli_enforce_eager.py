@@ -79,5 +79,6 @@ def test_bench_latency_records_how_the_engine_ran(tmp_path):
     assert runs[False]["async_scheduling"] is True and runs[True]["async_scheduling"] is False
     assert runs[False]["attention_backend"] == "torch" and runs[False]["cuda_graphs"] is False
     assert runs[False]["spec_break_even"] is None  # not speculative
+    assert runs[False]["device_speculation"] is False
     assert runs[False]["pdl"] is None  # recorded on CUDA only (KILN_PDL's mode)
     assert runs[False]["sampling_kernels"] is False  # CPU: torch's argmax / softmax
