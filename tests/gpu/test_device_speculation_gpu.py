@@ -18,42 +18,53 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("window", ["7,7,7", "4,3,4"])
-def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, window):
-    from kiln.artifact.speculative import SpeculativeConfig
+# repetitive prompts: the pool and prompt lookup find candidates, and random weights still
+# accept some
+PROMPTS = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] * 3 for j in range(4)]
+
+
+def _engine(tmp_path, spec):
     from kiln.builder import build_engine
-    from kiln.runtime.engine import LLMEngine, RuntimeConfig
-    from kiln.runtime.sampling_params import SamplingParams
 
     out = tmp_path / "e"
     build_engine("random:smollm2-135m", out, dtype="float32", max_seq_len=512,
-                 max_num_tokens=1024, max_batch_size=8, progress=False,
-                 speculative=SpeculativeConfig.from_cli("lookahead", window, None, None))
-    # repetitive prompts: the pool finds candidates and random weights still accept some
-    base = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] for j in range(4)]
-    prompts = [p * 3 for p in base]
+                 max_num_tokens=1024, max_batch_size=8, progress=False, speculative=spec)
+    return out
 
-    def run(on_device: bool, plain: bool = False, graphs: bool = True):
-        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-            device="cuda", device_speculation=on_device, adaptive_speculation=False,
-            cuda_graphs=graphs))
-        windows = [(1, 1, 0)] * 4 if plain else [None, None, None, (2, 2, 1)]  # None: engine's
-        params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, lookahead=w)
-                  for w in windows]
-        outs = eng.generate(prompts, params)
-        stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
-        if on_device:
-            assert sorted(eng.spec_worker._free_slots) == list(range(8))  # all released
-            if graphs:  # the speculative steps ran as masked buckets' replays
-                g = eng.runner.graphs
-                assert sum(n for b, n in g.replays.items() if b.masked) > 0
-        eng.blocks.check_all_free()
-        return [o.token_ids for o in outs], stats
 
-    plain, _ = run(False, plain=True)
-    host, host_stats = run(False)
-    dev, dev_stats = run(True)
-    eager, eager_stats = run(True, graphs=False)
+def _run(out, windows, max_tokens, on_device: bool, graphs: bool = True):
+    """Greedy tokens of PROMPTS (one window per prompt; None: the engine's) and the
+    engine's (speculative steps, tokens they committed); checks every slot and block is
+    freed and, on the device with graphs, that masked buckets' replays ran the steps."""
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.runtime.sampling_params import SamplingParams
+
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cuda", device_speculation=on_device, adaptive_speculation=False,
+        cuda_graphs=graphs))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                             lookahead=w) for w in windows]
+    outs = eng.generate(PROMPTS, params)
+    stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
+    if on_device:
+        assert sorted(eng.spec_worker._free_slots) == list(range(8))  # all released
+        if graphs:
+            g = eng.runner.graphs
+            assert sum(n for b, n in g.replays.items() if b.masked) > 0
+    eng.blocks.check_all_free()
+    return [o.token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("window", ["7,7,7", "4,3,4"])
+def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, window):
+    from kiln.artifact.speculative import SpeculativeConfig
+
+    out = _engine(tmp_path, SpeculativeConfig.from_cli("lookahead", window, None, None))
+    windows = [None, None, None, (2, 2, 1)]  # the last one at a smaller window: host state
+    plain, _ = _run(out, [(1, 1, 0)] * 4, 40, False)
+    host, host_stats = _run(out, windows, 40, False)
+    dev, dev_stats = _run(out, windows, 40, True)
+    eager, eager_stats = _run(out, windows, 40, True, graphs=False)
     assert host == plain
     assert dev == plain
     assert eager == dev and eager_stats == dev_stats  # graph replay == eager steps
@@ -66,38 +77,13 @@ def test_device_prompt_lookup_equals_host_prompt_lookup_and_plain_greedy(tmp_pat
     tokens, chain verification and the history update, in the masked buckets' graphs),
     with a plain request beside the speculating ones."""
     from kiln.artifact.speculative import SpeculativeConfig
-    from kiln.builder import build_engine
-    from kiln.runtime.engine import LLMEngine, RuntimeConfig
-    from kiln.runtime.sampling_params import SamplingParams
 
-    out = tmp_path / "e"
-    build_engine("random:smollm2-135m", out, dtype="float32", max_seq_len=512,
-                 max_num_tokens=1024, max_batch_size=8, progress=False,
-                 speculative=SpeculativeConfig.from_cli("ngram", None, 8, 2))
-    base = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] for j in range(4)]
-    prompts = [p * 3 for p in base]
-
-    def run(on_device: bool, plain: bool = False, graphs: bool = True):
-        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-            device="cuda", device_speculation=on_device, adaptive_speculation=False,
-            cuda_graphs=graphs))
-        windows = [(1, 1, 0)] * 4 if plain else [None, None, None, (1, 1, 0)]
-        params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, lookahead=w)
-                  for w in windows]
-        outs = eng.generate(prompts, params)
-        stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
-        if on_device:
-            assert sorted(eng.spec_worker._free_slots) == list(range(8))
-            if graphs:
-                g = eng.runner.graphs
-                assert sum(n for b, n in g.replays.items() if b.masked) > 0
-        eng.blocks.check_all_free()
-        return [o.token_ids for o in outs], stats
-
-    plain, _ = run(False, plain=True)
-    host, host_stats = run(False)
-    dev, dev_stats = run(True)
-    eager, eager_stats = run(True, graphs=False)
+    out = _engine(tmp_path, SpeculativeConfig.from_cli("ngram", None, 8, 2))
+    windows = [None, None, None, (1, 1, 0)]
+    plain, _ = _run(out, [(1, 1, 0)] * 4, 48, False)
+    host, host_stats = _run(out, windows, 48, False)
+    dev, dev_stats = _run(out, windows, 48, True)
+    eager, eager_stats = _run(out, windows, 48, True, graphs=False)
     assert host == plain
     assert dev == plain
     assert eager == dev and eager_stats == dev_stats
