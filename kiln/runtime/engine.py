@@ -90,8 +90,8 @@ class LLMEngine:
         # ([B, N + 1]: tokens and their count)
         # the most a device speculative step commits per request (0: none on the device)
         self._spec_width = parts.device_state.commit_width if parts.device_state else 0
-        width = self._spec_width + 1 if parts.device_state else 1
-        self._readback = TokenReadback(self.scheduler.max_num_seqs * width, self.device)
+        self._readback = TokenReadback(self.scheduler.max_num_seqs * (self._spec_width + 1),
+                                       self.device)
         if self.spec_worker:
             t_pace = time.perf_counter()
             self.spec_break_even = spec_break_even(self)

@@ -153,9 +153,10 @@ def gemv_wins(m: int, n: int, k: int, fp8: bool) -> bool:
 
     bf16/fp16: everywhere but wide-and-shallow (K < 1024, N >= 16384: smollm2's lm_head,
     where cuBLAS is ~5 % faster); past GEMV_MAX_M rows (speculative steps, tensor-core
-    tiles) up to GEMM_ONE_BLOCK_M rows, or up to GEMM_MAX_M on small weights. FP8: always at M = 1 (W8A16 streams half the bytes of
-    bf16 with no activation quant); at M >= 2 only up to 4096 x 4096 weights: beyond that
-    W8A8 on the FP8 tensor cores wins (widening e4m3 in registers costs ALU time at M > 1).
+    tiles) up to GEMM_ONE_BLOCK_M rows, or up to GEMM_MAX_M on small weights. FP8: always
+    at M = 1 (W8A16 streams half the bytes of bf16 with no activation quant); at M >= 2
+    only up to 4096 x 4096 weights: beyond that W8A8 on the FP8 tensor cores wins
+    (widening e4m3 in registers costs ALU time at M > 1).
     """
     if m > GEMV_MAX_M:  # tensor-core tiles (bf16/fp16): see GEMM_ONE_BLOCK_M
         if fp8 or m > GEMM_MAX_M or (k < 1024 and n >= 16384):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.speculative.device_lookahead import StepVerdict
 
 
@@ -73,12 +74,13 @@ class DeviceNgram:
         verdict = state.verify(tokens, argmax, draft_lens)  # committed [B, T], count [B]
         state.update(slots, tokens, argmax, verdict)         # the history moves on
 
-Tokens that plain steps of a paced request commit join through ``commit_tokens``.
+    Tokens that plain steps of a paced request commit join through ``commit_tokens``.
 
-``find_drafts`` / ``verify_chains`` above are the step's math, equal to the host worker's
-(``find_draft``, ``NgramWorker.verify``). A chain's accepted rows already sit at their
-final KV indices, so a step moves no KV. Greedy only; sampled requests keep the host path.
-"""
+    ``find_drafts`` / ``verify_chains`` above are the step's math, equal to the host
+    worker's (``find_draft``, ``NgramWorker.verify``). A chain's accepted rows already sit at
+    their final KV indices, so a step moves no KV. Greedy only; sampled requests keep the
+    host path.
+    """
 
     def __init__(self, num_slots: int, max_draft_len: int, max_match: int, min_match: int,
                  capacity: int, device: torch.device):
@@ -100,8 +102,6 @@ final KV indices, so a step moves no KV. Greedy only; sampled requests keep the 
         if not 0 < len(tokens) <= self.capacity:
             raise ValueError(f"{len(tokens)} tokens do not fit a device prompt-lookup slot "
                              f"of {self.capacity}")
-        from kiln.runtime.host_copy import to_device
-
         self.history[slot, : len(tokens)] = to_device(tokens, torch.int32, self.device)
         self.length[slot] = len(tokens)
 
@@ -126,10 +126,6 @@ final KV indices, so a step moves no KV. Greedy only; sampled requests keep the 
         committed)."""
         self.commit_tokens(slots, verdict.committed, verdict.count)
 
-    def fold(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
-        """``commit_tokens`` of the tokens plain steps committed (a few torch ops)."""
-        self.commit_tokens(slots, tokens, count)
-
     def commit_tokens(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
         """``tokens[b, :count[b]]`` (any width K) join the slots' histories: what a verified
         step committed, or what plain steps of a paced request committed."""
@@ -140,3 +136,5 @@ final KV indices, so a step moves no KV. Greedy only; sampled requests keep the 
         old = self.history[slots[:, None], idx]
         self.history[slots[:, None], idx] = torch.where(keep, tokens.to(torch.int32), old)
         self.length[slots] = n + count
+
+    fold = commit_tokens  # plain steps' tokens: the same few torch ops as a step's

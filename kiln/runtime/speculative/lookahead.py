@@ -110,11 +110,7 @@ class LookaheadWorker(DraftWorker):
         pool = NgramPool(n, g, dev.buckets if slot is not None else POOL_BUCKETS)
         pool.seed_from_tokens(prompt)
         if slot is not None:  # the device slot holds the window and pool from here on
-            try:
-                dev.admit(slot, grid, pool, prompt)
-            except BaseException:
-                self._free_slots.append(slot)
-                raise
+            self.admit_to(slot, lambda s: dev.admit(s, grid, pool, prompt))
             req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
         else:
             req.spec_state = LookaheadState(w, n, g, grid, pool, fed=len(prompt))

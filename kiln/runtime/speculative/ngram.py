@@ -106,11 +106,7 @@ class NgramWorker(DraftWorker):
         if slot is None:
             req.spec_state = LookupIndex(self.max_match, self.min_match, self.max_draft_len)
             return
-        try:
-            self.device.admit(slot, req.prompt_token_ids)
-        except BaseException:
-            self._free_slots.append(slot)
-            raise
+        self.admit_to(slot, lambda s: self.device.admit(s, req.prompt_token_ids))
         req.spec_state = NgramSlot(slot)
 
     def shadow_proposer(self, req: Request) -> LookupShadow:

@@ -82,6 +82,15 @@ class DraftWorker(SpeculativeWorker):
         """A free device slot for a request that is admitted to one, or None."""
         return self._free_slots.pop() if self._free_slots else None
 
+    def admit_to(self, slot: int, admit: Callable[[int], None]) -> None:
+        """Load a request's state into ``slot`` (``admit(slot)``); if that raises, the slot
+        is free again and the error goes on."""
+        try:
+            admit(slot)
+        except BaseException:
+            self._free_slots.append(slot)
+            raise
+
     def release(self, req: Request) -> None:
         """``req`` finished or left the engine: free what the worker holds for it (its
         device slot)."""
