@@ -140,3 +140,11 @@ def tiny_reference(tiny_reference_source, tmp_path_factory) -> Callable[..., tup
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def bigram_source(tmp_path_factory) -> Path:
+    """The bigram llama of ``helpers.write_bigram``: a known sampling distribution."""
+    from helpers import write_bigram
+
+    return write_bigram(tmp_path_factory.mktemp("bigram"))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -79,4 +81,62 @@ def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool):
         "kv_cache_scheme": {**FP8_SCHEME, "dynamic": False} if kv else None,
     }
     (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def tv(a: dict, b: dict) -> float:
+    """Total variation distance between two histograms (counts or probabilities)."""
+    na, nb = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
+
+
+CYCLE = 16
+
+
+def write_bigram(src: Path) -> Path:
+    """A llama whose next token depends only on the last one: after t (< 16) it puts
+    logits 10 on t+1 and 10 - ln 2 on t+2 (mod 16), 0 elsewhere. With top_k=2 and
+    temperature 1 that is p(t+1) = 2/3, p(t+2) = 1/3 exactly (temperature 0.5 alone:
+    4/5 and 1/5, the other 298 tokens under 1e-6), so sampled sequences have a known
+    distribution and the prompt's n-grams make good, often-accepted drafts."""
+    import transformers
+
+    from kiln.sources import make_byte_tokenizer
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # attention and MLP add nothing: h = embed(x)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        emb[:CYCLE] = torch.eye(CYCLE, 64)  # rmsnorm turns e_t into 8 e_t
+        head = model.lm_head.weight
+        head.zero_()
+        for t in range(CYCLE):
+            head[(t + 1) % CYCLE, t] = 10 / 8
+            head[(t + 2) % CYCLE, t] = (10 - math.log(2)) / 8
+    model.save_pretrained(src, safe_serialization=True)
+    make_byte_tokenizer().save_pretrained(src)
+    return src
+
+
+def exact_three_token_distribution(last: int, p_one: float = 2 / 3) -> dict:
+    """The bigram's three tokens after ``last``: each step +1 with probability ``p_one``,
+    else +2."""
+    out: dict = {}
+    for a in (1, 2):
+        for b in (1, 2):
+            for c in (1, 2):
+                t1 = (last + a) % CYCLE
+                t2 = (t1 + b) % CYCLE
+                t3 = (t2 + c) % CYCLE
+                p = 1.0
+                for step in (a, b, c):
+                    p *= p_one if step == 1 else 1 - p_one
+                out[(t1, t2, t3)] = out.get((t1, t2, t3), 0) + p
     return out

@@ -96,6 +96,7 @@ class ModelRunner:
         seqs: list[SeqAttention] = []
         logit_rows: list[int] = []
         spec = ([], [], [])  # device plans: slot, input row and logits row of x
+        sampling = ([], [])  # and how each is verified: 1 / temperature, Philox key
         # launched ahead: the step in flight committed last_count[e] tokens, not one
         ahead = self.spec_step.last_count.tolist() if batch.spec_in_flight else None
         out = ForwardOutput(torch.empty(0))
@@ -124,7 +125,8 @@ class ModelRunner:
                 out.draft_rows[req] = (len(logit_rows), n)
                 if plan.device_slot is not None:
                     out.spec_entries[req] = len(spec[0])
-                    for col, v in zip(spec, (plan.device_slot, q0, len(logit_rows))):
+                    for col, v in zip(spec + sampling, (plan.device_slot, q0, len(logit_rows),
+                                                        plan.inv_temp, plan.key)):
                         col.append(v)
                 logit_rows.extend(range(q0, q0 + n))
         dev = self.device
@@ -133,7 +135,9 @@ class ModelRunner:
         if input_patch is not None:  # clamped: a failed row's INVALID_TOKEN (-1) stays valid
             ids[: len(input_patch)] = input_patch
             ids[: len(input_patch)].clamp_(min=0)
-        entries = (SpecEntries(*(to_device(col, torch.long, dev) for col in spec))
+        entries = (SpecEntries(*(to_device(col, torch.long, dev) for col in spec),
+                               inv_temp=to_device(sampling[0], torch.float32, dev),
+                               key=to_device(sampling[1], torch.long, dev))
                    if out.spec_entries else None)
         proposal = self.spec_step.prologue(entries, ids) if entries is not None else None
         out.logits = self.model.forward(

@@ -56,7 +56,10 @@ class StepStager:
                  "spec_slots": max_seqs, "spec_q0": max_seqs, "spec_r0": max_seqs,
                  # launched ahead: 1 = staged as if the step in flight committed one token;
                  # the plan's sequence index
-                 "spec_shift": max_seqs, "spec_seq": max_seqs}
+                 "spec_shift": max_seqs, "spec_seq": max_seqs,
+                 # how the plan is verified: float32 bits of 1 / temperature (0: greedy),
+                 # its Philox key
+                 "spec_temp": max_seqs, "spec_key": max_seqs}
         pin = device.type == "cuda"
         self.host = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin)
         self.dev = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
@@ -68,6 +71,7 @@ class StepStager:
             self.h[name], self.d[name] = np_all[off : off + n], self.dev[off : off + n]
             off += n
         self.h["block_tables"] = self.h["block_tables"].reshape(s1, max_blocks)
+        self.spec_temp = self.h["spec_temp"].view(np.float32)
         self.d["block_tables"] = self.d["block_tables"].view(s1, max_blocks)
         self.mask_host = torch.zeros(max(max_mask, 1), dtype=torch.uint8, pin_memory=pin)
         self.mask_dev = torch.zeros(max(max_mask, 1), dtype=torch.uint8, device=device)
@@ -191,6 +195,7 @@ class StepStager:
                     spec_slots[e] = plan.device_slot
                     h["spec_q0"][e], h["spec_r0"][e] = q0, nrows
                     h["spec_seq"][e], h["spec_shift"][e] = i, batch.spec_in_flight
+                    self.spec_temp[e], h["spec_key"][e] = plan.inv_temp, plan.key
                 rows[nrows : nrows + n] = np.arange(q0, q0 + n)
                 nrows += n
             q0 += n
@@ -228,7 +233,8 @@ class StepStager:
         """The device speculation entries of the staged step, ``num`` rows (device)."""
         d = self.d
         return SpecEntries(*(d[name][:num].long() for name in (
-            "spec_slots", "spec_q0", "spec_r0", "spec_shift", "spec_seq")))
+            "spec_slots", "spec_q0", "spec_r0", "spec_shift", "spec_seq")),
+            inv_temp=d["spec_temp"][:num].view(torch.float32), key=d["spec_key"][:num].long())
 
     def staged_rows(self) -> StagedRows:
         """The device inputs a plan staged ahead rewrites (``DeviceSpecStep.prologue``)."""
@@ -245,6 +251,7 @@ class StepStager:
         h["slots"][:] = -1
         h["mask_offsets"][:] = -1
         h["spec_slots"][:] = -1
+        h["spec_temp"][:] = 0
         h["query_start_loc"][:] = 0
         h["query_start_loc"][num_seqs + 1] = num_tokens
         h["context_lens"][num_seqs] = num_tokens

@@ -13,7 +13,7 @@ import collections
 
 import pytest
 import torch
-from helpers import mixed_prompts
+from helpers import CYCLE, exact_three_token_distribution, mixed_prompts, tv
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -138,9 +138,10 @@ def test_ngram_greedy_equals_plain_greedy(tiny_reference, on_device):
 
 
 def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
-    """Device prompt-lookup requests beside plain ones and sampled ones (host state, seeded,
-    so their output is the host path's), with a KV cache small enough to preempt: greedy
-    output equals plain greedy, sampled output equals the host-state engine's."""
+    """Device prompt-lookup requests beside plain ones and sampled ones, with a KV cache
+    small enough to preempt: greedy output equals plain greedy; a top-k sampled request
+    keeps the host state (seeded, so its output equals the host-state engine's); a
+    temperature-only sampled request is verified on the device (seeded: two runs agree)."""
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=512, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("ngram", None, 6, 2))
@@ -148,7 +149,9 @@ def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
     plain = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu")).generate(
         prompts, _greedy(window=PLAIN))
     params = [_greedy(window=PLAIN if i % 3 == 0 else None) for i in range(len(prompts))]
-    params[1] = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    params[1] = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=7,
+                               ignore_eos=True)
+    params[2] = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
 
     def run(on_device):
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
@@ -160,9 +163,13 @@ def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
 
     host, _ = run(False)
     dev, eng = run(True)
-    assert [o.token_ids for o in dev] == [o.token_ids for o in host]
+    again, _ = run(True)
+    assert [o.token_ids for o in dev] == [o.token_ids for o in again]
+    assert len(dev[2].token_ids) == 24 and dev[2].metrics.spec_steps > 0
+    assert [o.token_ids for i, o in enumerate(dev) if i != 2] == [
+        o.token_ids for i, o in enumerate(host) if i != 2]
     for i, (o, p) in enumerate(zip(dev, plain)):
-        if i != 1:
+        if i not in (1, 2):
             assert o.token_ids == p.token_ids, i
     assert sum(o.metrics.num_preemptions for o in dev) > 0
     assert sum(o.metrics.spec_tokens for o in dev) > sum(o.metrics.spec_steps for o in dev)
@@ -177,64 +184,6 @@ def test_request_window_beyond_engine_is_rejected_naming_both(tiny_reference):
     with pytest.raises(ValueError, match=r"\(5,3,4\).*\(4,3,4\)"):
         eng.add_request([1, 2, 3], _greedy(window=(5, 3, 4)))
     assert not eng.has_unfinished_requests()
-
-
-def _tv(a: dict, b: dict) -> float:
-    na, nb = sum(a.values()), sum(b.values())
-    return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
-
-
-CYCLE = 16
-
-
-@pytest.fixture(scope="module")
-def bigram_source(tmp_path_factory):
-    """A llama whose next token depends only on the last one: after t (< 16) it puts
-    logits 10 on t+1 and 10 - ln 2 on t+2 (mod 16), 0 elsewhere. With top_k=2 and
-    temperature 1 that is p(t+1) = 2/3, p(t+2) = 1/3 exactly, so sampled sequences have a
-    known distribution and the prompt's n-grams make good, often-accepted drafts."""
-    import math
-
-    import transformers
-
-    from kiln.sources import make_byte_tokenizer
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:  # attention and MLP add nothing: h = embed(x)
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = model.model.embed_tokens.weight
-        emb[:CYCLE] = torch.eye(CYCLE, 64)  # rmsnorm turns e_t into 8 e_t
-        head = model.lm_head.weight
-        head.zero_()
-        for t in range(CYCLE):
-            head[(t + 1) % CYCLE, t] = 10 / 8
-            head[(t + 2) % CYCLE, t] = (10 - math.log(2)) / 8
-    src = tmp_path_factory.mktemp("bigram")
-    model.save_pretrained(src, safe_serialization=True)
-    make_byte_tokenizer().save_pretrained(src)
-    return src
-
-
-def _exact_three_token_distribution(last: int) -> dict:
-    out = {}
-    for a in (1, 2):
-        for b in (1, 2):
-            for c in (1, 2):
-                t1 = (last + a) % CYCLE
-                t2 = (t1 + b) % CYCLE
-                t3 = (t2 + c) % CYCLE
-                p = 1.0
-                for step in (a, b, c):
-                    p *= 2 / 3 if step == 1 else 1 / 3
-                out[(t1, t2, t3)] = out.get((t1, t2, t3), 0) + p
-    return out
 
 
 @pytest.mark.parametrize("mode", ["lookahead", "ngram"])
@@ -261,7 +210,7 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
                  max_num_tokens=8192, max_batch_size=1024, speculative=spec, progress=False)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", num_kv_blocks=4096))
     prompt = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]  # ends at 11
-    exact = _exact_three_token_distribution(11)
+    exact = exact_three_token_distribution(11)
     trials = 1500
 
     def run(window):
@@ -275,8 +224,8 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     steps = sum(o.metrics.spec_steps for o in outs)
     committed = sum(o.metrics.spec_tokens for o in outs)
     assert steps > 0 and committed > 1.2 * steps  # drafts were accepted, often
-    assert _tv(plain, exact) < 0.06  # the oracle itself
-    assert _tv(spec_counts, exact) < 0.06
+    assert tv(plain, exact) < 0.06  # the oracle itself
+    assert tv(spec_counts, exact) < 0.06
 
     def accept_any_supported(p, drafts, generator=None):  # the wrong rule
         for idx, d in enumerate(drafts):
@@ -290,8 +239,74 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     for module in (lookahead, ngram):
         monkeypatch.setattr(module, "verify_position", accept_any_supported)
     _, wrong = run(None)
-    assert _tv(wrong, exact) > 0.2, _tv(wrong, exact)  # the test can tell
+    assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "ngram"])
+def test_device_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_path,
+                                                                    mode, monkeypatch):
+    """Sampled requests verified on the device (``device_step.row_targets``: every
+    verifying row draws, a draft is accepted where it equals its row's draw): the joint
+    distribution of 3 tokens vs the exact one, as the host test above, 1500 seeds.
+
+    Temperature 0.5 and no top-k (the device verifies temperature-only sampling; top-k
+    keeps the host path): the bigram's logits 10 and 10 - ln 2 become 20 and 20 - 2 ln 2,
+    so p(t+1) = 4/5, p(t+2) = 1/5 (the other 298 tokens hold under 1e-6). The negative
+    control verifies the sampled requests greedily (their rows' argmax as targets, a wrong
+    rule that accepts the most likely draft every time); it must fail the bound by a wide
+    margin. Seeded requests: keys come from their generators, so the run is deterministic.
+    """
+    from kiln.builder import build_engine
+    from kiln.runtime.speculative import device_step
+
+    if mode == "lookahead":
+        spec = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
+    else:
+        spec = SpeculativeConfig.from_cli("ngram", None, 4, 2)
+    out = tmp_path / "engine"
+    build_engine(str(bigram_source), out, dtype="float32", max_seq_len=128,
+                 max_num_tokens=8192, max_batch_size=256, speculative=spec, progress=False)
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cpu", num_kv_blocks=2048, device_speculation=True,
+        adaptive_speculation=False))
+    prompt = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]  # ends at 11
+    exact = exact_three_token_distribution(11, p_one=0.8)
+    trials, chunk = 1500, 250  # a chunk fits the engine's 256 device slots
+
+    def run(window):
+        counts, steps, committed = collections.Counter(), 0, 0
+        for first in range(0, trials, chunk):
+            ps = [SamplingParams(max_tokens=3, temperature=0.5, seed=s, ignore_eos=True,
+                                 lookahead=window) for s in range(first, first + chunk)]
+            if window is None:
+                ids = [eng.add_request(prompt, p) for p in ps]
+                assert all(eng._requests[i].spec_state.slot is not None for i in ids)
+                done = {}
+                while eng.has_unfinished_requests():
+                    done.update((o.request_id, o) for o in eng.step() if o.finished)
+                outs = [done[i] for i in ids]
+            else:
+                outs = eng.generate([prompt] * chunk, ps)
+            counts.update(tuple(o.token_ids) for o in outs)
+            steps += sum(o.metrics.spec_steps for o in outs)
+            committed += sum(o.metrics.spec_tokens for o in outs)
+        return counts, steps, committed
+
+    plain, _, _ = run(PLAIN)
+    spec_counts, steps, committed = run(None)
+    assert steps > 0 and committed > 1.2 * steps  # drafts were accepted, often
+    assert tv(plain, exact) < 0.06  # the oracle itself
+    assert tv(spec_counts, exact) < 0.06, tv(spec_counts, exact)
+
+    def greedy_targets(logits, rows, entries, active, offsets):  # the wrong rule
+        return logits.argmax(-1)[rows]
+
+    monkeypatch.setattr(device_step, "row_targets_torch", greedy_targets)
+    wrong, _, _ = run(None)
+    assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
+    eng.blocks.check_all_free()
+    assert sorted(eng.spec_worker._free_slots) == list(range(256))
 
 
 @pytest.mark.parametrize("fault", ["verify", "oom-in-forward", "device-update"])

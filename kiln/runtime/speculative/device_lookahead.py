@@ -21,7 +21,9 @@ One step of a batch of slots, for the engine's window (W, N, G) at fixed T = (W+
 
 Everything is tensor ops with fixed shapes and no host sync (no ``.item()``, no
 data-dependent shapes), so it runs on the CPU for tests and inside a CUDA graph later.
-Greedy verification only; sampled verification stays on the host for now.
+Verification compares drafts with each row's target token (``argmax`` below): the argmax
+for greedy requests, a draw for sampled ones (device_step.row_targets; the lookahead
+branch's rows always hold their argmax).
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ class DeviceLookahead:
         self.window_rows = layout.window_rows.to(self.device)  # [L, W]
         self.last_rows = layout.last_level_rows.to(self.device)  # [W]
         self.cand_rows = layout.candidate_rows.to(self.device)  # [G, N-1]
+        # the depth of the rows that verify (x, the candidates' tokens), -1 for the
+        # window's rows: sampled plans draw there (device_step.row_targets)
+        offs = torch.full((self.num_tokens,), -1, dtype=torch.long)
+        verifying = torch.cat([torch.zeros(1, dtype=torch.long), layout.candidate_rows.reshape(-1)])
+        offs[verifying] = layout.position_offsets[verifying]
+        self.verify_offsets = offs.to(self.device)
         dev, long = self.device, torch.long
         self.window = torch.zeros(num_slots, self.levels, w, dtype=long, device=dev)
         self.keys = torch.full((num_slots, buckets, max(g, 1)), -1, dtype=long, device=dev)

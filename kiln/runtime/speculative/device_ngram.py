@@ -78,8 +78,8 @@ class DeviceNgram:
 
     ``find_drafts`` / ``verify_chains`` above are the step's math, equal to the host
     worker's (``find_draft``, ``NgramWorker.verify``). A chain's accepted rows already sit at
-    their final KV indices, so a step moves no KV. Greedy only; sampled requests keep the
-    host path.
+    their final KV indices, so a step moves no KV. ``argmax`` is each row's target token:
+    the argmax, or a draw for a sampled request (device_step.row_targets).
     """
 
     def __init__(self, num_slots: int, max_draft_len: int, max_match: int, min_match: int,
@@ -94,6 +94,8 @@ class DeviceNgram:
         self.commit_width = 1 + max_draft_len  # the most a step commits
         self.capacity = capacity
         self.device = torch.device(device)
+        # every row verifies, at its own depth (device_step.row_targets)
+        self.verify_offsets = torch.arange(self.num_tokens, device=self.device)
         self.history = torch.zeros(num_slots, capacity, dtype=torch.int32, device=self.device)
         self.length = torch.zeros(num_slots, dtype=torch.long, device=self.device)
 

@@ -9,16 +9,28 @@ accepted rows' KV moved) or prompt lookup (``DeviceNgram``: a chain, nothing mov
                                                       # tokens into the step's input ids
     logits = model.forward(...)
     out = step.epilogue(entries, proposal, logits, slot_mapping, cache)
-                                                      # greedy verify, state update, KV move
+                                                      # verify, state update, KV move
 
 ``entries`` has one row per possible plan: the slot (-1: none), the input row of the plan's
-x (``q0``) and the logits row of x (``r0``; a plan's T rows follow in order). A CUDA graph
+x (``q0``), the logits row of x (``r0``; a plan's T rows follow in order) and how the plan
+is verified (``inv_temp`` 0: greedy; else sampled at that inverse temperature with the
+plan's Philox ``key``, see ``row_targets``). A CUDA graph
 of a masked bucket captures both around its forward with one entry per sequence of the
 bucket (kiln/runtime/cuda_graph.py); the entries then live in the stager's buffers, so the
 same graph serves any mix of device plans, host plans and plain rows.
 
+Verification compares each draft token with the row's *target*: the argmax for greedy
+plans, a draw from the row's distribution for sampled ones (``row_targets``). Accepting the
+longest prefix of drafts that equal their targets, then the target after it, is exact
+in distribution for a sampled request: a draft token d is accepted with probability p(d),
+and on rejection the committed token is distributed as p without d, renormalised (the
+rejection rule for a one-token draft; ``verify_position`` is the host's form of it). The
+rows of one plan at the same depth (lookahead candidates sharing a prefix) draw with the
+same noise, so they agree on the token there as one draw would.
+
 On CUDA both are kernels of fixed shape (kiln/runtime/kernels/lookahead.py: proposal, the
-commit, the KV move; kiln/runtime/kernels/ngram.py: proposal, the commit; plus an argmax):
+commit, the KV move; kiln/runtime/kernels/ngram.py: proposal, the commit; plus the
+sampling kernels, kiln/runtime/kernels/sampling.py):
 no host sync, capturable. Elsewhere the same steps run as the state's torch ops on the
 entries that hold a slot (the reference the kernels are tested against). What a step
 commits comes back as ``SpecOutput`` (device tensors); the worker reads it with one host
@@ -36,6 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.layers.sampler import kernel_inv_temps
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 
@@ -50,6 +64,9 @@ class SpecEntries:
     (1: so staged) and ``seq`` [B] (the plan's sequence in the step) let ``prologue`` move
     such a plan's positions, cache slots and context length on by the tokens the step in
     flight committed beyond one (``DeviceSpecStep.last_count``, same entry row).
+
+    ``inv_temp`` [B] float32 (0: greedy) and ``key`` [B] long (a Philox key below 2**31):
+    how each plan is verified (``row_targets``); None: every plan greedy.
     """
 
     slots: torch.Tensor
@@ -57,6 +74,8 @@ class SpecEntries:
     r0: torch.Tensor
     shift: torch.Tensor | None = None
     seq: torch.Tensor | None = None
+    inv_temp: torch.Tensor | None = None
+    key: torch.Tensor | None = None
 
 
 @dataclass
@@ -125,15 +144,15 @@ class DeviceSpecStep:
 
     def epilogue(self, entries: SpecEntries, proposal: _Proposal, logits: torch.Tensor,
                  slot_mapping: torch.Tensor, cache: KVCache) -> SpecOutput:
-        """Greedy verification of each entry's step from ``logits`` (its T rows from
-        ``r0``), the state update, and the KV move of the accepted rows (``slot_mapping``:
-        the cache slot of every input row)."""
+        """Verification of each entry's step from ``logits`` (its T rows from ``r0``;
+        greedy or sampled, ``row_targets``), the state update, and the KV move of the
+        accepted rows (``slot_mapping``: the cache slot of every input row)."""
         st = self.state
         t = st.num_tokens
-        greedy = logits.argmax(-1)
         rows = entries.r0[:, None] + torch.arange(t, device=st.device)
         if self.kernels:
-            argmax = greedy[rows.clamp(max=greedy.shape[0] - 1)]  # no-plan rows: any row
+            targets = row_targets(logits, entries, st.verify_offsets)
+            argmax = targets[rows.clamp(max=targets.shape[0] - 1)]  # no-plan rows: any row
             if self.chain:
                 from kiln.runtime.kernels.ngram import ngram_commit
 
@@ -148,7 +167,7 @@ class DeviceSpecStep:
             return SpecOutput(verdict.committed, verdict.count)
         a = proposal.active
         slots, q0 = entries.slots[a], entries.q0[a]
-        argmax = greedy[rows[a]]
+        argmax = row_targets_torch(logits, rows[a], entries, a, st.verify_offsets)
         verdict = st.verify(proposal.tokens, argmax, proposal.valid)
         st.update(slots, proposal.tokens, argmax, verdict)
         if verdict.src_rows is not None:  # a chain's accepted rows are in place already
@@ -184,6 +203,70 @@ class DeviceSpecStep:
         staged.positions[rows] = pos.to(staged.positions.dtype)
         staged.slots[rows] = (blocks * bs + pos % bs).to(staged.slots.dtype)
         staged.context_lens[seq] += delta[live].to(staged.context_lens.dtype)
+
+
+def device_verifiable(params: SamplingParams) -> bool:
+    """Whether a request's speculative steps can be verified on the device: greedy, or
+    sampled at a temperature alone. Top-k, top-p and min-p warp the distribution (a sort
+    per row, which a step's graph does not hold): those requests keep the host path, as
+    the plain sampler's kernels leave them to torch."""
+    return kernel_inv_temps([params], vocab=2**62) is not None
+
+
+def row_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor
+                ) -> torch.Tensor:
+    """Every logits row's target token [R] (the sampling kernels): its argmax (the first
+    maximum), except the verification rows of sampled plans, which draw by Gumbel-max at
+    the plan's ``inv_temp``. ``offsets`` [T]: each row's depth in its plan (its position
+    offset from x) where the row verifies, -1 where it does not (lookahead's window rows
+    keep their argmax: the Jacobi iteration is greedy). A row draws with Philox key
+    ``key + depth * 2**32``: fresh noise per step and depth, the same for the rows of one
+    plan at one depth. No host sync (a masked bucket's graph captures it). A row that is
+    not finite gives token 0 (the draw's -1, clamped: a valid id for the state)."""
+    from kiln.runtime.kernels.sampling import sample_tokens
+
+    r, dev = logits.shape[0], logits.device
+    t = offsets.shape[0]
+    if entries.inv_temp is None:
+        return logits.argmax(-1)
+    rows = entries.r0[:, None] + torch.arange(t, device=dev)
+    live = ((entries.slots >= 0) & (entries.inv_temp > 0))[:, None] & (offsets >= 0)[None, :]
+    idx = torch.where(live, rows, r).reshape(-1)  # row r: where the rest is dropped
+    inv = torch.zeros(r + 1, dtype=torch.float32, device=dev).scatter_(
+        0, idx, entries.inv_temp.float()[:, None].expand(-1, t).reshape(-1))
+    keys = entries.key[:, None] + (offsets.clamp(min=0) << 32)[None, :]
+    key = torch.zeros(r + 1, dtype=torch.long, device=dev).scatter_(0, idx, keys.reshape(-1))
+    return sample_tokens(logits, inv[:r], key[:r]).clamp_(min=0)
+
+
+def gumbel_noise(key: int, depths: int, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [depths, V] from a CPU generator seeded with ``key``, row d for
+    depth d (the torch path's stand-in for the kernel's Philox streams: the same key gives
+    the same noise). One generator per key, not one per key + depth * 2**32: torch's CPU
+    generator seeds from the low 32 bits alone, so those would all draw the same noise."""
+    u = torch.rand(depths, vocab, generator=torch.Generator().manual_seed(key),
+                   dtype=torch.float64)
+    return -torch.log(-torch.log(u))
+
+
+def row_targets_torch(logits: torch.Tensor, rows: torch.Tensor, entries: SpecEntries,
+                      active: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``row_targets``' rule as torch ops on the active entries' rows ``rows`` [A, T]:
+    [A, T] target tokens, with the noise of ``gumbel_noise`` (per key, a row per depth)."""
+    from kiln.runtime.kernels.sampling import sample_tokens_ref
+
+    targets = logits.argmax(-1)[rows]
+    if entries.inv_temp is None:
+        return targets
+    inv, keys = entries.inv_temp[active].tolist(), entries.key[active].tolist()
+    verifying = [(j, int(o)) for j, o in enumerate(offsets.tolist()) if o >= 0]
+    depths = max(o for _, o in verifying) + 1
+    for i in (i for i, v in enumerate(inv) if v > 0):
+        noise = gumbel_noise(keys[i], depths, logits.shape[-1]).float()
+        for j, o in verifying:
+            tok = sample_tokens_ref(logits[rows[i, j]][None], inv[i], noise[o : o + 1])
+            targets[i, j] = tok.clamp(min=0)[0]
+    return targets
 
 
 def move_accepted_kv(cache: KVCache, slot_mapping: torch.Tensor, q0: torch.Tensor,

@@ -19,7 +19,8 @@ class DraftPlan:
 
     ``device_slot``: the plan is proposed and verified on the device, from this slot of
     the engine's ``DeviceLookahead``, around the step's forward (the model runner's
-    ``DeviceSpecStep``); ``token_ids`` then holds x and placeholders.
+    ``DeviceSpecStep``); ``token_ids`` then holds x and placeholders, and ``inv_temp`` (0:
+    greedy) and ``key`` say how the device verifies it (``SpecEntries``).
     """
 
     token_ids: list[int]
@@ -27,6 +28,8 @@ class DraftPlan:
     step_mask: torch.Tensor | None = None
     data: Any = None
     device_slot: int | None = None
+    inv_temp: float = 0.0
+    key: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -85,10 +85,11 @@ class PoolShadow:
 class LookaheadWorker(DraftWorker):
     """Proposes lookahead steps and verifies them (greedy or sampled).
 
-    With a ``DeviceLookahead`` (``device``), greedy requests without a grammar at its window
-    keep their window and pool in one of its slots: proposal, verification, the state update
-    and the KV move of accepted rows run on the device around the step's forward (the model
-    runner's ``DeviceSpecStep``, inside a masked bucket's CUDA graph), one host read per step
+    With a ``DeviceLookahead`` (``device``), requests at its window that the device can
+    verify (``may_take_slot``: greedy or temperature-only sampling, no grammar) keep their
+    window and pool in one of its slots: proposal, verification, the state update and the KV
+    move of accepted rows run on the device around the step's forward (the model runner's
+    ``DeviceSpecStep``, inside a masked bucket's CUDA graph), one host read per step
     (``propose_batch`` / ``verify_on_device``). The rest, and every request once the slots
     are taken, use the host state (the oracle the device state is tested against).
     """
@@ -105,8 +106,8 @@ class LookaheadWorker(DraftWorker):
         levels = max(n - 1, 1)
         grid = [[rng.choice(prompt) for _ in range(w)] for _ in range(levels)]
         dev = self.device
-        slot = (self.take_slot() if dev is not None and (w, n, g) == dev.window_size
-                and req.params.greedy and req.matcher is None else None)
+        slot = (self.take_slot() if self.may_take_slot(req) and (w, n, g) == dev.window_size
+                else None)
         pool = NgramPool(n, g, dev.buckets if slot is not None else POOL_BUCKETS)
         pool.seed_from_tokens(prompt)
         if slot is not None:  # the device slot holds the window and pool from here on
@@ -123,7 +124,7 @@ class LookaheadWorker(DraftWorker):
         layout = step_layout(*self.device.window_size)
         return DraftPlan([req.all_token_ids[-1]] + [0] * (layout.num_tokens - 1),
                          layout.position_offsets, layout.mask,
-                         device_slot=req.spec_state.slot)
+                         device_slot=req.spec_state.slot, **self.device_sampling(req))
 
     def propose(self, req: Request) -> DraftPlan | None:
         st: LookaheadState = req.spec_state

@@ -85,8 +85,8 @@ class NgramSlot:
 class NgramWorker(DraftWorker):
     """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step.
 
-    With a ``DeviceNgram`` (``device``), greedy requests without a grammar keep their tokens
-    in one of its slots: drafting, verification and the history update run on the device
+    With a ``DeviceNgram`` (``device``), requests the device can verify (``may_take_slot``:
+    greedy or temperature-only sampling, no grammar) keep their tokens in one of its slots: drafting, verification and the history update run on the device
     around the step's forward (``DeviceSpecStep``), one host read per step. The rest, and
     every request once the slots are taken, draft on the host (``LookupIndex``, the oracle
     the device state is tested against)."""
@@ -101,8 +101,7 @@ class NgramWorker(DraftWorker):
         self.min_match = min_match
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
-        slot = (self.take_slot() if self.device is not None and req.params.greedy
-                and req.matcher is None else None)
+        slot = self.take_slot() if self.may_take_slot(req) else None
         if slot is None:
             req.spec_state = LookupIndex(self.max_match, self.min_match, self.max_draft_len)
             return
@@ -114,7 +113,7 @@ class NgramWorker(DraftWorker):
 
     def device_plan(self, req: Request) -> DraftPlan:
         return DraftPlan([req.all_token_ids[-1]] + [0] * self.max_draft_len,
-                         device_slot=req.spec_state.slot)
+                         device_slot=req.spec_state.slot, **self.device_sampling(req))
 
     def propose(self, req: Request) -> DraftPlan | None:
         ids = req.all_token_ids

@@ -20,6 +20,7 @@ from kiln.runtime.kv_cache import KVCache, slot_of
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
+from kiln.runtime.speculative.device_step import device_verifiable
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.step import StepResult
 
@@ -68,6 +69,23 @@ class DraftWorker(SpeculativeWorker):
         """The plan of a request whose state is in a device slot: x and placeholders (the
         step's tokens are proposed on the device), its slot named."""
         raise NotImplementedError(f"{type(self).__name__} proposes no plans on the device")
+
+    @staticmethod
+    def device_sampling(req: Request) -> dict:
+        """How the device verifies ``req``'s next plan (``DraftPlan.inv_temp`` / ``key``):
+        greedy, or sampled at its temperature with a fresh Philox key (from the request's
+        own generator when it is seeded, so its draws do not depend on the batch)."""
+        p = req.params
+        if p.greedy:
+            return {}
+        key = int(torch.randint(0, 2**31 - 1, (), generator=req.generator))
+        return {"inv_temp": 1.0 / p.temperature, "key": key}
+
+    def may_take_slot(self, req: Request) -> bool:
+        """Whether ``req`` may keep its state in a device slot: the worker has slots, and
+        the device can verify its steps (greedy or temperature-only sampling, no grammar)."""
+        return (self.device is not None and req.matcher is None
+                and device_verifiable(req.params))
 
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
         """Called after ``num_new`` tokens were committed to ``req`` (``verified``: by a

@@ -1,0 +1,94 @@
+"""The targets device speculative steps verify against (``device_step.row_targets``, the
+sampling kernels under TRITON_INTERPRET=1 on the CPU, and its torch form): greedy plans and
+rows that do not verify keep their argmax, a sampled plan's verifying rows draw from the
+row's distribution at the plan's temperature, fresh noise per depth, the same noise for
+the rows of one plan at one depth."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are built on import)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.runtime.speculative import device_step
+from kiln.runtime.speculative.device_step import SpecEntries
+
+V, T = 8, 4
+OFFSETS = torch.tensor([0, 1, 1, -1])  # x, two rows at depth 1 (candidates), a window row
+P = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
+
+
+def _entries(b: int, inv: list[float], keys: list[int], slots=None) -> SpecEntries:
+    return SpecEntries(torch.tensor(slots if slots is not None else list(range(b))),
+                       torch.arange(b) * T, torch.arange(b) * T,
+                       inv_temp=torch.tensor(inv, dtype=torch.float32),
+                       key=torch.tensor(keys, dtype=torch.long))
+
+
+def _logits(b: int) -> torch.Tensor:
+    """Every row log P (temperature 1 draws P), except row 3 of each plan (a window row),
+    whose argmax is token 5."""
+    x = P.clamp(min=1e-30).log().repeat(b * T, 1)
+    x[3::T, 5] = 10.0
+    return x
+
+
+def _targets(kind: str, logits: torch.Tensor, entries: SpecEntries) -> torch.Tensor:
+    b = entries.slots.shape[0]
+    if kind == "kernel":
+        return device_step.row_targets(logits, entries, OFFSETS).view(b, T)
+    rows = entries.r0[:, None] + torch.arange(T)
+    active = torch.nonzero(entries.slots >= 0)[:, 0]
+    return device_step.row_targets_torch(logits, rows[active], entries, active, OFFSETS)
+
+
+@pytest.mark.parametrize("kind", ["kernel", "torch"])
+def test_sampled_rows_follow_the_distribution_and_share_noise_by_depth(kind):
+    b = 300  # the interpreter runs a program per row: ~13 s
+    targets = _targets(kind, _logits(b), _entries(b, [1.0] * b, list(range(7, 7 + b))))
+    assert (targets[:, 1] == targets[:, 2]).all()  # one depth, one draw
+    assert (targets[:, 3] == 5).all()  # the window row keeps its argmax
+    for depth in (0, 1):
+        freq = torch.bincount(targets[:, depth], minlength=V).double() / b
+        assert 0.5 * (freq - P.double()).abs().sum() < 0.08, freq  # noise alone: ~0.04
+    # depths 0 and 1 draw independently: they agree at sum p^2 = 0.30, not always
+    agree = (targets[:, 0] == targets[:, 1]).double().mean()
+    assert 0.18 < agree < 0.42, agree
+
+
+@pytest.mark.parametrize("kind", ["kernel", "torch"])
+def test_greedy_plans_and_rows_without_a_plan_keep_the_argmax(kind):
+    logits = torch.randn(3 * T, V, generator=torch.Generator().manual_seed(0))
+    entries = _entries(3, [0.0, 2.0, 0.0], [0, 5, 0], slots=[0, 1, -1])
+    targets = _targets(kind, logits, entries)
+    argmax = logits.argmax(-1).view(3, T)
+    assert targets[0].tolist() == argmax[0].tolist()
+    if kind == "kernel":  # the entry without a plan: its rows keep the argmax too
+        assert targets[2].tolist() == argmax[2].tolist()
+    assert targets[1, 3] == argmax[1, 3]  # a sampled plan's window row
+
+
+@pytest.mark.parametrize("kind", ["kernel", "torch"])
+def test_the_same_key_draws_the_same_tokens(kind):
+    b = 50
+    logits = _logits(b)
+    one = _targets(kind, logits, _entries(b, [1.0] * b, [3] * b))
+    assert (one == one[0]).all()  # one key: one draw per depth, whatever the entry
+    other = _targets(kind, logits, _entries(b, [1.0] * b, list(range(b))))
+    assert not (other == other[0]).all()
+
+
+def test_only_temperature_sampling_is_verified_on_the_device():
+    from kiln.runtime.sampling_params import SamplingParams
+
+    ok = device_step.device_verifiable
+    assert ok(SamplingParams(temperature=0)) and ok(SamplingParams(temperature=0.7))
+    assert ok(SamplingParams(temperature=0.7, top_k=1))  # greedy
+    assert not ok(SamplingParams(temperature=0.7, top_k=5))
+    assert not ok(SamplingParams(temperature=0.7, top_p=0.9))
+    assert not ok(SamplingParams(temperature=0.7, min_p=0.1))
