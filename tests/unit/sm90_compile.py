@@ -125,10 +125,13 @@ def cases():
         "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32",
             "key_ptr": "*i64"}
+    samp = dict(samp, plan_slot_ptr="*i64", plan_r0_ptr="*i64", depth_ptr="*i64")
     yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, {
-        "PER_ROW": True, "ROW_KEYS": False, "BLOCK": 2048, "PDL": True}, samp, 4
+        "PER_ROW": True, "ROW_KEYS": False, "PLANS": False, "BLOCK": 2048, "PDL": True}, samp, 4
     yield "sampling partial (per-row Philox keys)", sampling._sample_partial_kernel, {
-        "PER_ROW": False, "ROW_KEYS": True, "BLOCK": 2048, "PDL": True}, samp, 4
+        "PER_ROW": False, "ROW_KEYS": True, "PLANS": False, "BLOCK": 2048, "PDL": True}, samp, 4
+    yield "sampling partial (speculative plans)", sampling._sample_partial_kernel, {
+        "PER_ROW": False, "ROW_KEYS": True, "PLANS": True, "BLOCK": 2048, "PDL": True}, samp, 4
     yield "sampling final", sampling._sample_final_kernel, {"BLOCK_P": 64, "PDL": True}, dict(
         samp, out_ptr="*i64"), 1
     la = {"W": 7, "N": 7, "G": 7, "WL_PAD": 64, "G_PAD": 8, "N1_PAD": 8, "PDL": True}

@@ -40,8 +40,16 @@ def _logits(b: int) -> torch.Tensor:
 
 def _targets(kind: str, logits: torch.Tensor, entries: SpecEntries) -> torch.Tensor:
     b = entries.slots.shape[0]
-    if kind == "kernel":
-        return device_step.row_targets(logits, entries, OFFSETS).view(b, T)
+    if kind == "kernel":  # 10 plans a call: each row's program scans the call's plans, and
+        # the interpreter runs that loop in Python
+        parts = []
+        for i in range(0, b, 10):
+            e = SpecEntries(*(x[i : i + 10] for x in (entries.slots, entries.q0, entries.r0)),
+                            inv_temp=entries.inv_temp[i : i + 10], key=entries.key[i : i + 10])
+            e.r0 = e.r0 - i * T
+            e.q0 = e.q0 - i * T
+            parts.append(device_step.row_targets(logits[i * T : (i + 10) * T], e, OFFSETS))
+        return torch.cat(parts).view(b, T)
     rows = entries.r0[:, None] + torch.arange(T)
     active = torch.nonzero(entries.slots >= 0)[:, 0]
     return device_step.row_targets_torch(logits, rows[active], entries, active, OFFSETS)
@@ -92,3 +100,21 @@ def test_only_temperature_sampling_is_verified_on_the_device():
     assert not ok(SamplingParams(temperature=0.7, top_k=5))
     assert not ok(SamplingParams(temperature=0.7, top_p=0.9))
     assert not ok(SamplingParams(temperature=0.7, min_p=0.1))
+
+
+def test_plan_rows_kernel_equals_per_row_keys():
+    """``sample_plan_rows`` (each row finds its plan in the kernel) draws what
+    ``sample_tokens`` draws with the per-row temperatures and keys laid out by hand."""
+    from kiln.runtime.kernels.sampling import sample_plan_rows, sample_tokens
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3 * T + 2, V, generator=g)  # two rows of no plan at the end
+    slots, r0 = torch.tensor([0, -1, 2]), torch.tensor([0, T, 2 * T])
+    inv, key = torch.tensor([1.5, 2.0, 0.0]), torch.tensor([11, 12, 13])
+    got = sample_plan_rows(logits, slots, r0, inv, key, OFFSETS)
+    row_inv = torch.zeros(logits.shape[0])
+    row_key = torch.zeros(logits.shape[0], dtype=torch.long)
+    for j, d in enumerate(OFFSETS.tolist()):  # only plan 0 samples, where it verifies
+        if d >= 0:
+            row_inv[j], row_key[j] = 1.5, 11 + (d << 32)
+    assert got.tolist() == sample_tokens(logits, row_inv, row_key).tolist()

@@ -32,10 +32,12 @@ MAX_PARTS = 1024  # BLOCK x MAX_PARTS = the largest vocabulary (2 M)
 
 # The seed changes every step: never a specialisation (a seed divisible by 16, as greedy's 0,
 # compiled another variant, a ~0.5 s stall at the first sampled request).
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "num_plans"])
 def _sample_partial_kernel(
     logits_ptr, inv_temp_ptr, key_ptr, val_ptr, idx_ptr, V, parts, stride_r, inv_temp, seed,
-    PER_ROW: tl.constexpr, ROW_KEYS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    plan_slot_ptr, plan_r0_ptr, depth_ptr, num_plans, T,
+    PER_ROW: tl.constexpr, ROW_KEYS: tl.constexpr, PLANS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)  # rows x V may pass 2**31
@@ -50,10 +52,23 @@ def _sample_partial_kernel(
     x = tl.where(x == x, x, float("inf"))
     if PER_ROW:
         inv_temp = tl.load(inv_temp_ptr + row)
+    if PLANS:
+        # speculative plans (sample_plan_rows): the plan that holds this row, if any, gives
+        # its inverse temperature and key where the row verifies (depth >= 0)
+        key = seed.to(tl.int64) * 0
+        for e in range(num_plans):
+            j = row - tl.load(plan_r0_ptr + e)
+            inside = (tl.load(plan_slot_ptr + e) >= 0) & (j >= 0) & (j < T)
+            d = tl.load(depth_ptr + tl.where(inside, j, 0))
+            take = inside & (d >= 0)
+            inv_temp = tl.where(take, tl.load(inv_temp_ptr + e), inv_temp)
+            key = tl.where(take, tl.load(key_ptr + e) + (d.to(tl.int64) << 32), key)
     if inv_temp > 0:
         # [0, 1), one Philox stream per row: its own key, or (seed, row); u == 0 gives
         # G = -inf: never wins
-        if ROW_KEYS:
+        if PLANS:
+            pass
+        elif ROW_KEYS:
             key = tl.load(key_ptr + row)
         else:
             key = seed + (row << 32)
@@ -114,15 +129,62 @@ def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0 or vocab == 0:
         return out.zero_()
+    _launch(logits, out, inv_temp if per_row else None, seed if row_keys else None,
+            0.0 if per_row else float(inv_temp), 0 if row_keys else seed, None)
+    return out
+
+
+def _launch(logits: torch.Tensor, out: torch.Tensor, inv_temp: torch.Tensor | None,
+            keys: torch.Tensor | None, one_inv_temp: float, seed: int,
+            plans: tuple | None) -> None:
+    """The two kernels over ``logits`` into ``out`` (checked by the callers)."""
+    rows, vocab = logits.shape
+    parts = triton.cdiv(vocab, BLOCK)
     vals = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
+    slots, r0, depths = plans if plans is not None else (out, out, out)
     _sample_partial_kernel[(rows, parts)](
-        logits, inv_temp if per_row else vals, seed if row_keys else out, vals, idx, vocab,
-        parts, logits.stride(0), 0.0 if per_row else float(inv_temp), 0 if row_keys else seed,
-        PER_ROW=per_row, ROW_KEYS=row_keys, BLOCK=BLOCK, num_warps=4, **_pdl.launch_kwargs())
+        logits, inv_temp if inv_temp is not None else vals,
+        keys if keys is not None else out, vals, idx, vocab, parts, logits.stride(0),
+        one_inv_temp, seed, slots, r0, depths, slots.shape[0] if plans is not None else 0,
+        depths.shape[0] if plans is not None else 0,
+        PER_ROW=inv_temp is not None and plans is None, ROW_KEYS=keys is not None,
+        PLANS=plans is not None, BLOCK=BLOCK, num_warps=4, **_pdl.launch_kwargs())
     _sample_final_kernel[(rows,)](vals, idx, out, parts,
                                   BLOCK_P=max(16, triton.next_power_of_2(parts)), num_warps=1,
                                   **_pdl.launch_kwargs())
+
+
+def sample_plan_rows(logits: torch.Tensor, slots: torch.Tensor, r0: torch.Tensor,
+                     inv_temp: torch.Tensor, key: torch.Tensor, depths: torch.Tensor
+                     ) -> torch.Tensor:
+    """Every row's token [R] (int64) when the rows hold speculative plans: plan e (``slots``
+    [B] >= 0; -1: no plan) owns rows ``r0[e] .. r0[e] + T - 1`` (T = ``depths`` [T]); its row
+    ``r0[e] + j`` draws at ``inv_temp[e]`` (float32 [B]; 0: greedy) with Philox key
+    ``key[e] + depths[j] * 2**32`` where ``depths[j] >= 0``. Every other row (greedy plans,
+    rows that do not verify, rows of no plan) gets its argmax. The same two kernels as
+    ``sample_tokens``; each row's program finds its plan by scanning the B plans (no launch
+    builds per-row arrays first). -1 for rows that are not finite."""
+    check_tensor("logits", logits, ndim=2,
+                 dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits must have contiguous rows (stride(1) == 1), got strides "
+                         f"{tuple(logits.stride())}; pass logits.contiguous()")
+    dev = logits.device
+    b = slots.shape[0]
+    for name, t, dtype in (("slots", slots, torch.int64), ("r0", r0, torch.int64),
+                           ("inv_temp", inv_temp, torch.float32), ("key", key, torch.int64)):
+        check_tensor(name, t, ndim=1, dtypes=(dtype,), device=dev)
+        if t.shape[0] != b:
+            raise ValueError(f"{name} has {t.shape[0]} values for {b} plans")
+    check_tensor("depths", depths, ndim=1, dtypes=(torch.int64,), device=dev)
+    rows, vocab = logits.shape
+    if triton.cdiv(vocab, BLOCK) > MAX_PARTS:
+        raise ValueError(f"vocabulary {vocab} is over the kernel's limit {BLOCK * MAX_PARTS}")
+    out = torch.empty(rows, dtype=torch.long, device=dev)
+    if rows == 0 or vocab == 0:
+        return out.zero_()
+    _launch(logits, out, inv_temp, key, 0.0, 0, (slots, r0, depths))
     return out
 
 

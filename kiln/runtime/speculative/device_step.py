@@ -221,22 +221,16 @@ def row_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tenso
     offset from x) where the row verifies, -1 where it does not (lookahead's window rows
     keep their argmax: the Jacobi iteration is greedy). A row draws with Philox key
     ``key + depth * 2**32``: fresh noise per step and depth, the same for the rows of one
-    plan at one depth. No host sync (a masked bucket's graph captures it). A row that is
-    not finite gives token 0 (the draw's -1, clamped: a valid id for the state)."""
-    from kiln.runtime.kernels.sampling import sample_tokens
+    plan at one depth. The sampling kernels find each row's plan themselves
+    (``sample_plan_rows``): no launch builds per-row arrays, and a greedy step costs what
+    an argmax does. No host sync (a masked bucket's graph captures it). A row that is not
+    finite gives token 0 (the draw's -1, clamped: a valid id for the state)."""
+    from kiln.runtime.kernels.sampling import sample_plan_rows
 
-    r, dev = logits.shape[0], logits.device
-    t = offsets.shape[0]
     if entries.inv_temp is None:
         return logits.argmax(-1)
-    rows = entries.r0[:, None] + torch.arange(t, device=dev)
-    live = ((entries.slots >= 0) & (entries.inv_temp > 0))[:, None] & (offsets >= 0)[None, :]
-    idx = torch.where(live, rows, r).reshape(-1)  # row r: where the rest is dropped
-    inv = torch.zeros(r + 1, dtype=torch.float32, device=dev).scatter_(
-        0, idx, entries.inv_temp.float()[:, None].expand(-1, t).reshape(-1))
-    keys = entries.key[:, None] + (offsets.clamp(min=0) << 32)[None, :]
-    key = torch.zeros(r + 1, dtype=torch.long, device=dev).scatter_(0, idx, keys.reshape(-1))
-    return sample_tokens(logits, inv[:r], key[:r]).clamp_(min=0)
+    return sample_plan_rows(logits, entries.slots, entries.r0, entries.inv_temp, entries.key,
+                            offsets).clamp_(min=0)
 
 
 def gumbel_noise(key: int, depths: int, vocab: int) -> torch.Tensor:
