@@ -274,7 +274,7 @@ def _speculative_cells(s: dict, repeats: int, dtype: str | None) -> list[str]:
         row.append(f"{min(ups):.2f}-{max(ups):.2f}x" if ups else "-")
     # greedy output is equal in float32; in bf16/fp16 the speculative step's GEMMs round
     # differently from the decode GEMV and may pick the other token at a near-tie
-    same = ("yes" if s["same_output"] else
+    same = ("n/a (sampled)" if s["same_output"] is None else "yes" if s["same_output"] else
             f"differs ({dtype} rounding)" if dtype and dtype != "float32" else "NO")
     return row + [_fmt(s["tokens_per_step"], "{:.2f}"), _fmt(s.get("step_cost_ratio"), "{:.2f}x"),
                   _fmt(s.get("spec_step_fraction"), "{:.0%}"), same]

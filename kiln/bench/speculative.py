@@ -91,7 +91,8 @@ def _run_batch(engine: Any, texts: list[str], ids: list[list[int]], plain_p: Sam
     engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, lookahead=PLAIN))
     runs = [(_timed(engine, ids, plain_p), _timed(engine, ids, spec_p)) for _ in range(repeats)]
     plain, spec = (_median_run([r[i] for r in runs]) for i in (0, 1))
-    same = plain["token_ids"] == spec["token_ids"]
+    # sampled runs draw different texts (both distributed as plain sampling): nothing to compare
+    same = plain["token_ids"] == spec["token_ids"] if plain_p.greedy else None
     for p, s in runs:
         del p["token_ids"], s["token_ids"]
     return {"prompts": texts, "plain": plain, "spec": spec, "same_output": same,
@@ -137,7 +138,8 @@ def _summary(rows: list[dict], batch_size: int, repeats: int) -> dict:
         "speedup": _ratio(_ratio(s_tok, s_time), _ratio(p_tok, p_time)),
         "speedups": speedups,
         "tokens_per_step": _ratio(total("spec", "spec_tokens"), total("spec", "spec_steps")),
-        "same_output": all(r["same_output"] for r in rows),
+        "same_output": (None if any(r["same_output"] is None for r in rows)
+                        else all(r["same_output"] for r in rows)),
         "plain_engine_steps": p_steps,
         "spec_engine_steps": s_steps,
         "plain_ms_per_step": p_ms,
@@ -190,6 +192,7 @@ def run_speculative_latency(
     progress: Callable[[int], None] | None = None,
     repeats: int = 1,
     batch_sizes: Sequence[int] = BATCH_SIZES,
+    temperature: float = 0.0,
 ) -> dict:
     """Per prompt set (grounded, code, chat) and batch size: plain and speculative tokens/s,
     speed-up, tokens/step and the cost of an engine step (see ``_summary``).
@@ -199,6 +202,8 @@ def run_speculative_latency(
     max_num_seqs are skipped (``config["skipped_batch_sizes"]``). ``repeats``: each batch
     runs plain then speculative that many times, alternating; the rates use each one's
     median time, and ``speedups`` lists the ratio per repeat (their spread is the noise).
+    ``temperature`` > 0: both runs sample at it (speculative steps verify by the rejection
+    rule); their texts differ, so ``same_output`` is None and the rates compare tokens/s.
 
     Result: ``sets[name]["batches"][str(b)]`` holds a set's numbers at batch b;
     ``sets[name]`` itself also carries the batch-1 numbers at its top level (when batch 1
@@ -212,8 +217,10 @@ def run_speculative_latency(
             "this engine has no speculative decoding (mode none); rebuild it with "
             "--speculative-decoding-mode lookahead --lookahead-config W,N,G (or ngram)"
         )
-    plain_p = SamplingParams(max_tokens=output_len, temperature=0, lookahead=PLAIN)
-    spec_p = SamplingParams(max_tokens=output_len, temperature=0, lookahead=window)
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0: greedy)")
+    plain_p = SamplingParams(max_tokens=output_len, temperature=temperature, lookahead=PLAIN)
+    spec_p = SamplingParams(max_tokens=output_len, temperature=temperature, lookahead=window)
     chat = getattr(engine.tokenizer, "chat_template", None)
 
     def encode(text: str) -> list[int]:
@@ -254,7 +261,8 @@ def run_speculative_latency(
             "batch_sizes": sizes,
             "skipped_batch_sizes": skipped,
             "max_num_seqs": engine.scheduler.max_num_seqs,
-            "greedy": True,
+            "greedy": plain_p.greedy,
+            "temperature": temperature,
         },
         "sets": sets,
         "replay": replay_cost(engine, sizes, window),

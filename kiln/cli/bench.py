@@ -205,8 +205,8 @@ def latency(
     spec_prompts: int = typer.Option(
         3, "--spec-prompts", min=1,
         help="Speculative engines: bundled prompts per set (grounded, code, chat) that run "
-        "alone at batch 1 in the plain vs speculative comparison (greedy, --output-len "
-        "tokens).",
+        "alone at batch 1 in the plain vs speculative comparison (--output-len tokens, "
+        "greedy unless --spec-temperature).",
     ),
     lookahead: str | None = typer.Option(
         None, "--lookahead",
@@ -222,6 +222,12 @@ def latency(
         "1,8", "--spec-batch-sizes", callback=_check_batch_sizes,
         help="Speculative engines: batch sizes of the comparison, comma separated; at 1 each "
         "prompt runs alone, at B the set's first B prompts run together.",
+    ),
+    spec_temperature: float = typer.Option(
+        0.0, "--spec-temperature", min=0.0,
+        help="Speculative engines: sampling temperature of both runs of the comparison (0, "
+        "the default: greedy, and the outputs must match; above 0 the runs draw different "
+        "texts and tokens/s compares).",
     ),
     baseline: str = typer.Option("none", "--baseline", help=_BASELINE_HELP),
     hf_compile: bool | None = typer.Option(
@@ -262,7 +268,7 @@ def latency(
                        num_runs(engine, spec_prompts, sizes)) as advance:
             result["speculative"] = run_speculative_latency(
                 engine, output_len, spec_prompts, window, progress=advance,
-                repeats=spec_repeats, batch_sizes=sizes)
+                repeats=spec_repeats, batch_sizes=sizes, temperature=spec_temperature)
     result.update(startup)
     env = environment(engine, engine_dir)
     if baseline == "hf":

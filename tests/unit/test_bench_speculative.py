@@ -180,3 +180,22 @@ def test_spec_batch_sizes_must_be_positive_integers(bad):
 def test_run_speculative_latency_rejects_bad_batch_sizes(la_engine):
     with pytest.raises(ValueError, match="integers >= 1"):
         run_speculative_latency(la_engine, output_len=2, batch_sizes=(0,))
+
+
+def test_a_sampled_comparison_reports_rates_and_no_output_check(la_engine):
+    """--spec-temperature: both runs sample; their texts differ by design, so the report
+    says n/a where a greedy run checks the outputs, and the config records it."""
+    from rich.console import Console
+
+    from kiln.bench.report import render_speculative
+
+    res = run_speculative_latency(la_engine, output_len=6, prompts_per_set=1, warmup=0,
+                                  batch_sizes=(1,), temperature=0.8)
+    assert res["config"]["temperature"] == 0.8 and res["config"]["greedy"] is False
+    for s in res["sets"].values():
+        assert s["same_output"] is None and s["plain_tokens_per_s"] > 0
+    buf = io.StringIO()
+    render_speculative(res, Console(file=buf, width=220))
+    assert "n/a (sampled)" in buf.getvalue() and "NO" not in buf.getvalue()
+    with pytest.raises(ValueError, match="temperature"):
+        run_speculative_latency(la_engine, output_len=2, temperature=-1.0)
