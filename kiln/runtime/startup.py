@@ -23,7 +23,7 @@ from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
 from kiln.runtime.speculative.workers import make_device_state
-from kiln.runtime.warmup import warm_eager_forward, warm_sampler
+from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_sampler
 
 
 @dataclass
@@ -95,6 +95,8 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     if fused and device.type == "cuda":  # what the graphs did not compile
         warm_eager_forward(model, cache, runner.stager, tokens_per_step)
         warm_sampler(sampler, c.vocab_size, device)
+        if device_state is not None:
+            warm_device_state(device_state)
     times = {"place_weights_s": t_model - t_start, "kv_cache_s": t_cache - t_model,
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
              "total_s": time.perf_counter() - t_start}

@@ -21,7 +21,7 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + 11 + salt) % 5000 + 100 for i in range(n)]
 
 
-@pytest.mark.parametrize("spec", [None, "lookahead"])
+@pytest.mark.parametrize("spec", [None, "lookahead", "lookahead-device", "ngram"])
 def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
     from triton import knobs
 
@@ -33,9 +33,11 @@ def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
     out = tmp_path / "e"
     build_engine("random:smollm2-135m", out, dtype="bfloat16", max_seq_len=2048,
                  max_num_tokens=2048, max_batch_size=16, progress=False,
-                 speculative=(SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
+                 speculative=(SpeculativeConfig.from_cli("ngram", None, 6, 2) if spec == "ngram"
+                              else SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
                               if spec else None))
-    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cuda"))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cuda", device_speculation=True if spec == "lookahead-device" else None))
     assert eng.startup_times["warmup_s"] > 0
     compiled: list[str] = []
     old = knobs.runtime.jit_cache_hook
@@ -57,10 +59,22 @@ def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
         eng.generate([_prompt(n, n) for n in (5, 9, 40, 77, 130, 260, 511, 700)], greedy)
         eng.generate([_prompt(30, i) for i in range(16)],
                      SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
-        if spec:  # speculative steps at several batch sizes (masked graphs and eager)
+        if spec:  # speculative steps at several batch sizes (masked graphs and eager),
+            # greedy and sampled (verified on the device where the state is there)
             code = _prompt(12) * 6
-            eng.generate([code] * 12, SamplingParams(max_tokens=24, temperature=0,
-                                                     ignore_eos=True, lookahead=(4, 3, 4)))
+            window = None if spec == "ngram" else (4, 3, 4)
+            for t in (0.0, 0.8):
+                for n in (1, 3, 12):
+                    eng.generate([code] * n, SamplingParams(
+                        max_tokens=24, temperature=t, ignore_eos=True, lookahead=window))
+        state = eng.runner.spec_step.state if eng.runner.spec_step is not None else None
+        if state is not None and hasattr(state, "window"):  # lookahead's fold of pending
+            # tokens, at the widths paced requests bring (1, a multiple of 16, the rest)
+            for width in (1, 5, 16, 40):
+                slots = torch.tensor([0, -1], device="cuda")
+                toks = torch.zeros(2, width, dtype=torch.long, device="cuda")
+                state.fold(slots, toks, torch.tensor([width, 0], device="cuda"))
+            torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_cache_hook = old
     assert compiled == [], f"kernel variants compiled after start-up: {compiled}"

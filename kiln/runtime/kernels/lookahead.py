@@ -256,7 +256,10 @@ def _lookahead_commit_kernel(
     tl.store(wptr, shifted, mask=rm)
 
 
-@triton.jit
+# the tokens' row stride is the width of the batch's pending tokens, which varies call to
+# call: never a specialisation (width 1, a multiple of 16 and the rest each compiled a
+# variant mid-serving, a 0.5-1.9 s stall of the engine thread)
+@triton.jit(do_not_specialize=["stride_tok"])
 def _lookahead_fold_kernel(
     slots_ptr, tokens_ptr, count_ptr, keys_ptr, conts_ptr, cursor_ptr, recent_ptr, total_ptr,
     stride_tok, H, GM,
