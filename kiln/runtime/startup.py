@@ -4,6 +4,7 @@ the seconds each phase took. ``LLMEngine`` runs them; this module only assembles
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
 from kiln.runtime.speculative.workers import make_device_state
 from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_sampler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,6 +113,13 @@ def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
     ``config.device_speculation``, or where that is None the measured default, prompt
     lookup on CUDA (RuntimeConfig's comment has the numbers)."""
     if config.device_speculation is not None:
+        if (config.device_speculation and speculative.mode == "lookahead"
+                and device.type == "cuda"):
+            logger.warning(
+                "device lookahead (KILN_DEVICE_SPECULATION=1 / device_speculation=True) is "
+                "experimental: on the H200 with real smollm2-135m weights in float32 its "
+                "greedy output differed from plain decoding on 7 of 9 bundled prompts "
+                "(2026-12-04, issue 25); leave it off (the default) for lookahead engines")
         return config.device_speculation
     return speculative.mode == "ngram" and device.type == "cuda"
 

@@ -160,3 +160,4 @@ def test_device_sampled_verification_follows_the_target_distribution_on_cuda(
     assert tv(counts, exact) < 0.06, tv(counts, exact)
     eng.blocks.check_all_free()
     assert sorted(eng.spec_worker._free_slots) == list(range(8))
+
