@@ -117,9 +117,10 @@ def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
                 and device.type == "cuda"):
             logger.warning(
                 "device lookahead (KILN_DEVICE_SPECULATION=1 / device_speculation=True) is "
-                "experimental: on the H200 with real smollm2-135m weights in float32 its "
-                "greedy output differed from plain decoding on 7 of 9 bundled prompts "
-                "(2026-12-04, issue 25); leave it off (the default) for lookahead engines")
+                "experimental: its greedy output differed from plain decoding on the H200 "
+                "(real smollm2-135m weights, float32) until a fix of its launched-ahead "
+                "steps' cache slots that is not yet re-checked on the GPU (issue 25); leave "
+                "it off (the default) for lookahead engines")
         return config.device_speculation
     return speculative.mode == "ngram" and device.type == "cuda"
 

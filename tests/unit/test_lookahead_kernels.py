@@ -213,3 +213,54 @@ def test_fold_kernel_equals_commit_tokens(window):
         ref.commit_tokens(slots[live], tokens[live], count[live])
         lookahead_fold(dut, slots, tokens, count)
         assert_same_state(ref, dut, step)
+
+
+@pytest.mark.parametrize("window", [(4, 3, 4), (7, 7, 7), None], ids=["tree-434", "tree-777",
+                                                                     "chain-9"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_plans_staged_ahead_shift_to_the_slots_of_their_rows_indices(window, kernel):
+    """A plan staged ahead (as if the step in flight committed one token) moves on by what
+    that step committed beyond one: positions by delta, and each row's cache slot to that
+    of token index x + delta + t. A tree's rows share positions, so the slot must come
+    from the row's index, not its position (it did, and on the GPU a launched-ahead
+    lookahead step wrote its KV over other rows': greedy output differed from plain)."""
+    from kiln.runtime.kernels.lookahead import shift_staged_rows
+    from kiln.runtime.speculative.device_ngram import DeviceNgram
+    from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries, StagedRows
+    from kiln.runtime.speculative.lookahead_math import step_layout
+
+    if window is None:
+        state = DeviceNgram(4, 8, 3, 1, 512, torch.device("cpu"))
+        offsets = torch.arange(state.num_tokens)
+    else:
+        state = DeviceLookahead(4, window, torch.device("cpu"))
+        offsets = step_layout(*window).position_offsets
+    t, bs, max_blocks = state.num_tokens, 4, 64
+    g = torch.Generator().manual_seed(t)
+    tables = torch.stack([torch.randperm(500, generator=g)[:max_blocks] for _ in range(3)])
+    starts, deltas = [37, 5, 90], [4, 1, 3]  # seq 1: delta 0 (count 1), nothing moves
+    # three sequences, each a staged plan (x's index = its position = start)
+    q0 = torch.tensor([0, t, 2 * t])
+    positions = torch.cat([s + offsets for s in starts]).to(torch.int32)
+    idx = torch.cat([s + torch.arange(t) for s in starts])
+    seqs = torch.arange(3).repeat_interleave(t)
+    slots = (tables[seqs, idx // bs] * bs + idx % bs).to(torch.int32)
+    staged = StagedRows(positions.clone(), slots.clone(),
+                        torch.tensor([s + t for s in starts], dtype=torch.int32),
+                        tables.to(torch.int32), bs)
+    entries = SpecEntries(torch.tensor([2, 0, 3]), q0, q0, shift=torch.ones(3, dtype=torch.long),
+                          seq=torch.arange(3))
+    step = DeviceSpecStep(state)
+    step.last_count[:3] = torch.tensor(deltas) + 1
+    step.last_count[1] = 1
+    if kernel:
+        shift_staged_rows(entries, staged, step.last_count, t)
+    else:
+        step._shift(entries, staged)
+    moved = torch.tensor([deltas[0], 0, deltas[2]]).repeat_interleave(t)
+    want_idx = idx + moved
+    assert staged.positions.tolist() == (positions + moved).tolist()
+    assert staged.slots.tolist() == (tables[seqs, want_idx // bs] * bs
+                                     + want_idx % bs).tolist()
+    assert staged.context_lens.tolist() == [starts[0] + t + deltas[0], starts[1] + t,
+                                            starts[2] + t + deltas[2]]

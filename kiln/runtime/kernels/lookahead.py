@@ -482,10 +482,14 @@ def _shift_rows_kernel(
     seq = tl.load(seq_ptr + e)
     t = tl.arange(0, T_PAD)
     m = t < T
+    # row t writes its KV at token index x + t (x: row 0's position), not at its position
+    # (a tree's rows share positions): the new cache slots come from the shifted index
+    idx = tl.load(pos_ptr + q).to(tl.int64) + delta + t
     pos = tl.load(pos_ptr + q + t, mask=m, other=0).to(tl.int64) + delta
-    blk = tl.load(bt_ptr + seq * stride_bt + pos // BS, mask=m, other=0).to(tl.int64)
+    blk = tl.load(bt_ptr + seq * stride_bt + idx // BS, mask=m, other=0).to(tl.int64)
+    tl.debug_barrier()  # row 0's position is read before it is rewritten
     tl.store(pos_ptr + q + t, pos.to(pos_ptr.dtype.element_ty), mask=m)
-    tl.store(cache_slots_ptr + q + t, (blk * BS + pos % BS).to(cache_slots_ptr.dtype.element_ty),
+    tl.store(cache_slots_ptr + q + t, (blk * BS + idx % BS).to(cache_slots_ptr.dtype.element_ty),
              mask=m)
     ctx = tl.load(ctx_ptr + seq)
     tl.store(ctx_ptr + seq, (ctx + delta).to(ctx_ptr.dtype.element_ty))
@@ -493,8 +497,9 @@ def _shift_rows_kernel(
 
 def shift_staged_rows(entries, staged, last_count: torch.Tensor, num_tokens: int) -> None:
     """``DeviceSpecStep._shift`` in one launch (kiln/runtime/speculative/device_step.py):
-    each entry staged ahead (``entries.shift``, a slot) moves its ``num_tokens`` positions
-    and cache slots, and its context length, on by ``last_count[e] - 1``."""
+    each entry staged ahead (``entries.shift``, a slot) moves its ``num_tokens`` positions,
+    cache slots (those of token indices x + t, t the row) and context length on by
+    ``last_count[e] - 1``."""
     b = entries.slots.shape[0]
     if not b:
         return

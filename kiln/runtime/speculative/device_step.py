@@ -181,8 +181,10 @@ class DeviceSpecStep:
 
     def _shift(self, entries: SpecEntries, staged: StagedRows) -> None:
         """Plans staged as if the step before committed one token: their positions, cache
-        slots (from the staged block table) and context length move on by what it
-        committed beyond one."""
+        slots and context length move on by what it committed beyond one. Row t of a plan
+        writes its KV at token index x + t (x: its row 0's position), whatever its position
+        (a tree's rows share positions), so its new slot is that index's, moved on, in the
+        staged block table."""
         t = self.state.num_tokens
         if self.kernels:
             from kiln.runtime.kernels.lookahead import shift_staged_rows
@@ -194,14 +196,16 @@ class DeviceSpecStep:
         live = torch.nonzero(delta)[:, 0]
         if not live.numel():
             return
-        rows = (entries.q0[live, None] + torch.arange(t, device=delta.device)).reshape(-1)
+        k = torch.arange(t, device=delta.device)
+        rows = (entries.q0[live, None] + k).reshape(-1)
         d = delta[live].repeat_interleave(t)
         seq = entries.seq[live]
+        idx = (staged.positions[entries.q0[live]].long()[:, None] + k).reshape(-1) + d
         pos = staged.positions[rows].long() + d
         bs = staged.block_size
-        blocks = staged.block_tables[seq.repeat_interleave(t), pos // bs].long()
+        blocks = staged.block_tables[seq.repeat_interleave(t), idx // bs].long()
         staged.positions[rows] = pos.to(staged.positions.dtype)
-        staged.slots[rows] = (blocks * bs + pos % bs).to(staged.slots.dtype)
+        staged.slots[rows] = (blocks * bs + idx % bs).to(staged.slots.dtype)
         staged.context_lens[seq] += delta[live].to(staged.context_lens.dtype)
 
 
