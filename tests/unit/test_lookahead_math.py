@@ -276,6 +276,43 @@ def test_verify_position_preserves_distribution(drafts):
         assert accepted > 0
 
 
+def _verify_position_walk(p, drafts, generator):
+    """The rule as it was first written (a Python walk over the vocabulary): the oracle
+    the tensor form must match draw for draw."""
+    u = torch.rand(len(drafts) + 1, generator=generator, dtype=torch.float64).tolist()
+    q = p.to(torch.float64).tolist()
+    for idx, d in enumerate(drafts):
+        total = sum(q)
+        if total <= 0.0:
+            break
+        if u[idx] * total < q[d]:
+            return int(d), idx
+        q[d] = 0.0
+    total = sum(q)
+    if total <= 0.0:
+        q = p.to(torch.float64).tolist()
+        total = sum(q)
+    target, acc, last = u[-1] * total, 0.0, 0
+    for tok, mass in enumerate(q):
+        if mass <= 0.0:
+            continue
+        acc += mass
+        last = tok
+        if target < acc:
+            return tok, None
+    return last, None
+
+
+@pytest.mark.parametrize("drafts", [[], [2, 5], [5, 5, 1], [3, 0, 1, 2, 4, 5], [4, 4]])
+def test_verify_position_draws_what_the_vocabulary_walk_draws(drafts):
+    """Same generator, same draws, same (token, accepted draft) as the walk, over 3000
+    seeds (duplicates, a zero-mass draft, every token a draft)."""
+    p = torch.tensor([0.30, 0.05, 0.20, 0.15, 0.0, 0.30])
+    for seed in range(3000):
+        got = verify_position(p, drafts, torch.Generator().manual_seed(seed))
+        assert got == _verify_position_walk(p, drafts, torch.Generator().manual_seed(seed)), seed
+
+
 def test_verify_position_accepts_certain_draft():
     p = torch.tensor([0.0, 1.0, 0.0])
     assert verify_position(p, [1], torch.Generator().manual_seed(0)) == (1, 0)

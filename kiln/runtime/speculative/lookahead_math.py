@@ -309,30 +309,34 @@ def verify_position(
     """
     if p.dim() != 1:
         raise ValueError(f"verify_position expects p of shape [V], got {tuple(p.shape)}")
-    # One uniform per draft plus one for the residual sample, drawn up front. Plain Python
-    # floats: this is the per-position reference, not the batched device path.
+    # One uniform per draft plus one for the residual sample, drawn up front, on the CPU
+    # (a seeded request's generator). The vocabulary stays a tensor where p is: two small
+    # reads (the drafts' masses and the total; the residual's token), not a Python walk
+    # over every token (2.7-3 ms per call at a 49152 vocabulary).
     u = torch.rand(len(drafts) + 1, generator=generator, dtype=torch.float64).tolist()
-    q = p.detach().to(torch.float64).tolist()
+    q = p.detach().to(torch.float64)
+    head = q.new_tensor([int(d) for d in drafts], dtype=torch.long)
+    *masses, total = torch.cat([q[head], q.sum()[None]]).tolist()
+    rejected: dict[int, None] = {}
     for idx, d in enumerate(drafts):
-        total = sum(q)
         if total <= 0.0:
             break
-        if u[idx] * total < q[d]:  # accept with probability q(d) / sum(q)
+        mass = 0.0 if d in rejected else masses[idx]
+        if u[idx] * total < mass:  # accept with probability q(d) / sum(q)
             return int(d), idx
-        q[d] = 0.0
-    total = sum(q)
-    if total <= 0.0:
+        if d not in rejected:
+            rejected[d] = None
+            total -= mass
+    if rejected and total > 0.0:
+        q = q.index_fill(0, q.new_tensor(list(rejected), dtype=torch.long), 0.0)
+    elif rejected:
         # every token with mass was a rejected draft (only possible through rounding)
-        q = p.detach().to(torch.float64).tolist()
-        total = sum(q)
-    target = u[-1] * total
-    acc = 0.0
-    last = 0
-    for tok, mass in enumerate(q):
-        if mass <= 0.0:
-            continue
-        acc += mass
-        last = tok
-        if target < acc:
-            return tok, None
-    return last, None
+        total = float(q.sum())
+    if not total > 0.0:
+        return int(p.argmax()), None  # no mass at all (the sampler's rule for such rows)
+    # the first token whose running mass passes u * total; tokens without mass never do
+    cum = q.cumsum(0)
+    tok = int(torch.searchsorted(cum, cum.new_tensor([u[-1] * total]), right=True)[0])
+    if tok >= q.shape[0]:  # rounding past the end: the last token with mass
+        tok = int(torch.nonzero(q > 0)[-1, 0])
+    return tok, None

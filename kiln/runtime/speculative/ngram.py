@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.layers.sampler import warp
+from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.draft import DraftPlan
@@ -138,14 +138,14 @@ class NgramWorker(DraftWorker):
                     break
                 accepted.append(d)
             accepted.append(argmax[len(accepted)])
-        else:
+        else:  # every row warped at once; then the rejection rule position by position
+            probs = warp_batch(logits[: len(draft) + 1], [req.params] * (len(draft) + 1))
             for i, d in enumerate(draft):
-                tok, idx = verify_position(warp(logits[i], req.params), [d], req.generator)
+                tok, idx = verify_position(probs[i], [d], req.generator)
                 accepted.append(tok)
                 if idx is None:
                     break
             else:
-                tok, _ = verify_position(warp(logits[len(draft)], req.params), [],
-                                         req.generator)
+                tok, _ = verify_position(probs[len(draft)], [], req.generator)
                 accepted.append(tok)
         return accepted, []  # a chain: accepted rows already sit at their final indices
