@@ -125,6 +125,22 @@ def write_bigram(src: Path) -> Path:
     return src
 
 
+BIGRAM_PROMPT = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]  # ends at 11
+
+
+def build_bigram_engine(source: Path, out: Path, mode: str, **limits) -> Path:
+    """The bigram model's float32 engine with lookahead (4,3,4) or prompt lookup (draft 4,
+    match 2): drafts from BIGRAM_PROMPT's n-grams are accepted often."""
+    from kiln.artifact.speculative import SpeculativeConfig
+    from kiln.builder import build_engine
+
+    spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
+            else SpeculativeConfig.from_cli("ngram", None, 4, 2))
+    build_engine(str(source), out, dtype="float32", max_seq_len=128, speculative=spec,
+                 progress=False, **limits)
+    return out
+
+
 def exact_three_token_distribution(last: int, p_one: float = 2 / 3) -> dict:
     """The bigram's three tokens after ``last``: each step +1 with probability ``p_one``,
     else +2."""

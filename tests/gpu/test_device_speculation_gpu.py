@@ -133,21 +133,16 @@ def test_device_sampled_verification_follows_the_target_distribution_on_cuda(
     masked buckets' graphs, a Philox key per plan and depth): the joint distribution of 3
     tokens at temperature 0.5 against the exact one, 1500 seeds, as the CPU test
     (tests/model/test_speculative.py) does for the torch ops."""
-    from helpers import CYCLE, exact_three_token_distribution, tv
+    from helpers import BIGRAM_PROMPT, build_bigram_engine, exact_three_token_distribution, tv
 
-    from kiln.artifact.speculative import SpeculativeConfig
-    from kiln.builder import build_engine
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
     from kiln.runtime.sampling_params import SamplingParams
 
-    spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
-            else SpeculativeConfig.from_cli("ngram", None, 4, 2))
-    out = tmp_path / "engine"
-    build_engine(str(bigram_source), out, dtype="float32", max_seq_len=128,
-                 max_num_tokens=1024, max_batch_size=8, speculative=spec, progress=False)
+    out = build_bigram_engine(bigram_source, tmp_path / "engine", mode, max_num_tokens=1024,
+                              max_batch_size=8)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
         device="cuda", device_speculation=True, adaptive_speculation=False))
-    prompt = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]
+    prompt = BIGRAM_PROMPT
     exact = exact_three_token_distribution(11, p_one=0.8)
     counts = collections.Counter()
     for first in range(0, 1500, 8):  # 8 at a time: each fits the graphs' masked buckets

@@ -13,7 +13,13 @@ import collections
 
 import pytest
 import torch
-from helpers import CYCLE, exact_three_token_distribution, mixed_prompts, tv
+from helpers import (
+    BIGRAM_PROMPT,
+    build_bigram_engine,
+    exact_three_token_distribution,
+    mixed_prompts,
+    tv,
+)
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -199,17 +205,10 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     (measured: correct verifier 0.038 / 0.040, wrong rule 0.555 / 0.556, lookahead /
     ngram). Seeds are fixed, so the result is deterministic for a given implementation.
     """
-    from kiln.builder import build_engine
-
-    if mode == "lookahead":
-        spec = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
-    else:
-        spec = SpeculativeConfig.from_cli("ngram", None, 4, 2)
-    out = tmp_path / "engine"
-    build_engine(str(bigram_source), out, dtype="float32", max_seq_len=128,
-                 max_num_tokens=8192, max_batch_size=1024, speculative=spec, progress=False)
+    out = build_bigram_engine(bigram_source, tmp_path / "engine", mode, max_num_tokens=8192,
+                              max_batch_size=1024)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", num_kv_blocks=4096))
-    prompt = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]  # ends at 11
+    prompt = BIGRAM_PROMPT
     exact = exact_three_token_distribution(11)
     trials = 1500
 
@@ -257,20 +256,14 @@ def test_device_sampled_speculation_follows_the_target_distribution(bigram_sourc
     rule that accepts the most likely draft every time); it must fail the bound by a wide
     margin. Seeded requests: keys come from their generators, so the run is deterministic.
     """
-    from kiln.builder import build_engine
     from kiln.runtime.speculative import device_step
 
-    if mode == "lookahead":
-        spec = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
-    else:
-        spec = SpeculativeConfig.from_cli("ngram", None, 4, 2)
-    out = tmp_path / "engine"
-    build_engine(str(bigram_source), out, dtype="float32", max_seq_len=128,
-                 max_num_tokens=8192, max_batch_size=256, speculative=spec, progress=False)
+    out = build_bigram_engine(bigram_source, tmp_path / "engine", mode, max_num_tokens=8192,
+                              max_batch_size=256)
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
         device="cpu", num_kv_blocks=2048, device_speculation=True,
         adaptive_speculation=False))
-    prompt = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]  # ends at 11
+    prompt = BIGRAM_PROMPT
     exact = exact_three_token_distribution(11, p_one=0.8)
     trials, chunk = 1500, 250  # a chunk fits the engine's 256 device slots
 

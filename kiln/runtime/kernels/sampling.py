@@ -102,12 +102,8 @@ def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
     seed + r * 2**32), or int64 [R] on logits' device: each row's own Philox key (a seeded
     request's draw then depends on its key alone, not on its row or the batch). Returns
     int64 [R]."""
-    check_tensor("logits", logits, ndim=2,
-                 dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    rows, vocab = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError(f"logits must have contiguous rows (stride(1) == 1), got strides "
-                         f"{tuple(logits.stride())}; pass logits.contiguous()")
+    _check_logits(logits)
+    rows = logits.shape[0]
     per_row = isinstance(inv_temp, torch.Tensor)
     if per_row:
         check_tensor("inv_temp", inv_temp, ndim=1, dtypes=(torch.float32,),
@@ -123,22 +119,30 @@ def sample_tokens(logits: torch.Tensor, inv_temp: float | torch.Tensor,
             raise ValueError(f"seed has {seed.shape[0]} keys for {rows} rows")
     elif not 0 <= seed < 2**31:
         raise ValueError(f"seed={seed} must be in [0, 2**31)")
-    parts = triton.cdiv(vocab, BLOCK)
-    if parts > MAX_PARTS:
+    return _launch(logits, inv_temp if per_row else None, seed if row_keys else None,
+                   0.0 if per_row else float(inv_temp), 0 if row_keys else seed, None)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    """What both entry points need of ``logits``: [R, V] float rows, contiguous, a
+    vocabulary the kernels' split covers."""
+    check_tensor("logits", logits, ndim=2,
+                 dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits must have contiguous rows (stride(1) == 1), got strides "
+                         f"{tuple(logits.stride())}; pass logits.contiguous()")
+    vocab = logits.shape[1]
+    if triton.cdiv(vocab, BLOCK) > MAX_PARTS:
         raise ValueError(f"vocabulary {vocab} is over the kernel's limit {BLOCK * MAX_PARTS}")
+
+
+def _launch(logits: torch.Tensor, inv_temp: torch.Tensor | None, keys: torch.Tensor | None,
+            one_inv_temp: float, seed: int, plans: tuple | None) -> torch.Tensor:
+    """The two kernels over ``logits`` (checked by the callers): each row's token [R]."""
+    rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0 or vocab == 0:
         return out.zero_()
-    _launch(logits, out, inv_temp if per_row else None, seed if row_keys else None,
-            0.0 if per_row else float(inv_temp), 0 if row_keys else seed, None)
-    return out
-
-
-def _launch(logits: torch.Tensor, out: torch.Tensor, inv_temp: torch.Tensor | None,
-            keys: torch.Tensor | None, one_inv_temp: float, seed: int,
-            plans: tuple | None) -> None:
-    """The two kernels over ``logits`` into ``out`` (checked by the callers)."""
-    rows, vocab = logits.shape
     parts = triton.cdiv(vocab, BLOCK)
     vals = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
@@ -153,6 +157,7 @@ def _launch(logits: torch.Tensor, out: torch.Tensor, inv_temp: torch.Tensor | No
     _sample_final_kernel[(rows,)](vals, idx, out, parts,
                                   BLOCK_P=max(16, triton.next_power_of_2(parts)), num_warps=1,
                                   **_pdl.launch_kwargs())
+    return out
 
 
 def sample_plan_rows(logits: torch.Tensor, slots: torch.Tensor, r0: torch.Tensor,
@@ -165,11 +170,7 @@ def sample_plan_rows(logits: torch.Tensor, slots: torch.Tensor, r0: torch.Tensor
     rows that do not verify, rows of no plan) gets its argmax. The same two kernels as
     ``sample_tokens``; each row's program finds its plan by scanning the B plans (no launch
     builds per-row arrays first). -1 for rows that are not finite."""
-    check_tensor("logits", logits, ndim=2,
-                 dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    if logits.stride(1) != 1:
-        raise ValueError(f"logits must have contiguous rows (stride(1) == 1), got strides "
-                         f"{tuple(logits.stride())}; pass logits.contiguous()")
+    _check_logits(logits)
     dev = logits.device
     b = slots.shape[0]
     for name, t, dtype in (("slots", slots, torch.int64), ("r0", r0, torch.int64),
@@ -178,14 +179,7 @@ def sample_plan_rows(logits: torch.Tensor, slots: torch.Tensor, r0: torch.Tensor
         if t.shape[0] != b:
             raise ValueError(f"{name} has {t.shape[0]} values for {b} plans")
     check_tensor("depths", depths, ndim=1, dtypes=(torch.int64,), device=dev)
-    rows, vocab = logits.shape
-    if triton.cdiv(vocab, BLOCK) > MAX_PARTS:
-        raise ValueError(f"vocabulary {vocab} is over the kernel's limit {BLOCK * MAX_PARTS}")
-    out = torch.empty(rows, dtype=torch.long, device=dev)
-    if rows == 0 or vocab == 0:
-        return out.zero_()
-    _launch(logits, out, inv_temp, key, 0.0, 0, (slots, r0, depths))
-    return out
+    return _launch(logits, inv_temp, key, 0.0, 0, (slots, r0, depths))
 
 
 def sample_tokens_ref(logits: torch.Tensor, inv_temp: float | torch.Tensor,
