@@ -55,8 +55,9 @@ class RuntimeConfig:
     # the masked buckets' CUDA graphs and the async pipeline; the host worker stays for the
     # rest. None (the default): on for prompt-lookup engines on CUDA, where it beat the host
     # worker (smollm2 grounded prompts 1.80x vs 1.16x plain at batch 1, 1.22x vs 0.76x at
-    # batch 8), off for lookahead, whose 84-token device steps lost (0.72-0.80x) where the
-    # host path held 0.86-1.30x (docs/decisions.md).
+    # batch 8), off for lookahead: equal to plain greedy on the H200 (real smollm2, float32)
+    # but no faster than the host worker there (bf16 (7,7,7), 2026-12-04: grounded 1.15x vs
+    # 1.22x at batch 1, 0.87x vs 0.77x at batch 8; chat 0.89x vs 0.95x; docs/decisions.md).
     device_speculation: bool | None = field(
         default_factory=lambda: env_flag_or_none("KILN_DEVICE_SPECULATION"))
 

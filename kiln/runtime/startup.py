@@ -4,7 +4,6 @@ the seconds each phase took. ``LLMEngine`` runs them; this module only assembles
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -25,8 +24,6 @@ from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
 from kiln.runtime.speculative.workers import make_device_state
 from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_sampler
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,14 +110,6 @@ def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
     ``config.device_speculation``, or where that is None the measured default, prompt
     lookup on CUDA (RuntimeConfig's comment has the numbers)."""
     if config.device_speculation is not None:
-        if (config.device_speculation and speculative.mode == "lookahead"
-                and device.type == "cuda"):
-            logger.warning(
-                "device lookahead (KILN_DEVICE_SPECULATION=1 / device_speculation=True) is "
-                "experimental: its greedy output differed from plain decoding on the H200 "
-                "(real smollm2-135m weights, float32) until a fix of its launched-ahead "
-                "steps' cache slots that is not yet re-checked on the GPU (issue 25); leave "
-                "it off (the default) for lookahead engines")
         return config.device_speculation
     return speculative.mode == "ngram" and device.type == "cuda"
 
