@@ -78,19 +78,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         # over all requests: verified speculative steps of requests, the tokens they
-        # committed, and engine steps that verified any (each one masked and, on the host
-        # path, synchronous for its whole batch)
-        self.spec_stats = {"steps": 0, "accepted_tokens": 0, "engine_steps": 0}
+        # committed, engine steps that verified any (each one masked), and those of them
+        # that ran synchronously (host plans, or rows the device cannot sample alone)
+        self.spec_stats = {"steps": 0, "accepted_tokens": 0, "engine_steps": 0,
+                           "sync_engine_steps": 0}
         self.spec_break_even = None  # set below, once the engine can run steps
         # compiled kernels the engine directory shipped for this machine (from_engine_dir)
         self.kernels_installed: dict[str, int] = {}
         self.async_scheduling = config.async_scheduling  # may be switched between steps
         self._inflight: LaunchedStep | None = None
         # the host copies of a step's samples, or of a device speculative step's commits
-        # ([B, N + 1]: tokens and their count)
+        # ([B, N + 1]: tokens and their count) and its plain rows' samples
         # the most a device speculative step commits per request (0: none on the device)
         self._spec_width = parts.device_state.commit_width if parts.device_state else 0
-        self._readback = TokenReadback(self.scheduler.max_num_seqs * (self._spec_width + 1),
+        seqs = self.scheduler.max_num_seqs
+        self._readback = TokenReadback((seqs + 1) * (self._spec_width + 1) + seqs,
                                        self.device)
         if self.spec_worker:
             t_pace = time.perf_counter()
@@ -259,6 +261,7 @@ class LLMEngine:
         grammar, penalties, logprobs, seeds): forward, sample, verify, commit."""
         result = self.forward_and_sample(batch)
         if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
+            self.spec_stats["sync_engine_steps"] += 1
             self.spec_worker.step(batch, result, self.cache, self.fail_request)
         live = batch.unfinished()
         committed = self._commit_all(result)
@@ -269,23 +272,40 @@ class LLMEngine:
 
     def _can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether the step's tokens can be chosen on the device alone (plain decode rows,
-        no grammar, no penalties / logprobs / seeds; or device speculative plans only)."""
+        no grammar, no penalties / logprobs / seeds; or device speculative plans, with
+        such plain rows beside them)."""
         if not self.async_scheduling:
             return False
-        if self._device_plans_only(batch):
+        if self._device_spec_step(batch):
             return True
         reqs = [r for r, _ in batch.items]
-        return (all(r.draft is None and r.matcher is None for r in reqs)
+        return all(r.draft is None for r in reqs) and self._device_samples(reqs)
+
+    def _device_samples(self, reqs: list[Request]) -> bool:
+        """Whether the device alone picks these requests' next tokens (no grammar, and
+        ``Sampler.device_only``)."""
+        return (all(r.matcher is None for r in reqs)
                 and self.sampler.device_only([r.params for r in reqs],
                                              [r.generator for r in reqs],
                                              kernels=self.device.type == "cuda"
                                              and kernels_enabled()))
 
-    def _device_plans_only(self, batch: ScheduledBatch) -> bool:
-        """Every item runs a plan proposed and verified on the device (DeviceSpecStep)."""
-        return self.runner.spec_step is not None and bool(batch.items) and all(
-            r.draft is not None and r.draft.device_slot is not None and n == r.draft.num_tokens
-            for r, n in batch.items)
+    def _device_spec_step(self, batch: ScheduledBatch) -> bool:
+        """A step of plans proposed and verified on the device (DeviceSpecStep), and
+        beside them only plain decode rows whose tokens the device samples alone (one
+        token each, at the end of what the request has; ``batch.in_flight`` counts a
+        token in flight)."""
+        if self.runner.spec_step is None or not batch.items:
+            return False
+        plain = []
+        for r, n in batch.items:
+            if r.draft is None:
+                if n != 1 or r.num_computed_tokens + 1 != r.num_tokens + batch.in_flight:
+                    return False
+                plain.append(r)
+            elif r.draft.device_slot is None or n != r.draft.num_tokens:
+                return False
+        return len(plain) < len(batch.items) and (not plain or self._device_samples(plain))
 
     def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> LaunchedStep:
         """Queue the forward and the sampling of ``batch`` on the device (``inputs``: the
@@ -296,9 +316,18 @@ class LLMEngine:
             reqs = [r for r, _ in batch.items]
             for r in reqs:
                 r.draft = None  # a plan is one step's
-            host, ready = self._readback.start(fwd.spec.packed())
-            return LaunchedStep(batch, reqs, None, host, ready, fwd.spec_entries,
-                                {r: 1 for r in reqs})
+            packed = fwd.spec.packed()
+            plain, tokens = [], None
+            if fwd.sample_rows:  # plain rows beside the plans: sampled here, read together
+                plain, logits = sample_logits(fwd)
+                tokens = self.sampler.choose(logits, [r.params for r in plain],
+                                             [r.generator for r in plain])
+                host, ready = self._readback.start(torch.cat([packed.reshape(-1), tokens]))
+            else:
+                host, ready = self._readback.start(packed)
+            return LaunchedStep(batch, reqs, tokens, host, ready, fwd.spec_entries,
+                                {r: 1 for r in reqs}, plain=plain,
+                                spec_shape=tuple(packed.shape))
         reqs, logits = sample_logits(fwd)
         tokens = self.sampler.choose(logits, [r.params for r in reqs],
                                      [r.generator for r in reqs])
@@ -325,17 +354,19 @@ class LLMEngine:
         reqs = cur.reqs
         if any(r.is_finished for r in reqs):
             return None
-        self._gate(reqs)  # every request here has a device slot: all ride along, or none
-        if not any(r.spec_pace is None or r.spec_pace.active for r in reqs):
+        self._gate(reqs)  # every request of a device slot here: all ride along, or none
+        dev = [r for r in reqs if r not in cur.plain]
+        if not any(r.spec_pace is None or r.spec_pace.active for r in dev):
             return None
-        self.spec_worker.propose_batch(reqs, self.fail_request)
+        self.spec_worker.propose_batch(dev, self.fail_request)
         batch = self.scheduler.schedule_spec_ahead(cur.batch, self._spec_width,
-                                                   self.limits.max_seq_len)
-        if batch is None or not self._device_plans_only(batch):
-            for r in reqs:
+                                                   self.limits.max_seq_len, cur.plain)
+        if batch is None or not self._device_spec_step(batch):
+            for r in dev:
                 r.draft = None
             return None
-        return self._launch(batch)
+        # the plain rows come first: their inputs are their samples in flight
+        return self._launch(batch, cur.inputs_for_plain(batch) if cur.plain else None)
 
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the step's one host sync) and commit them."""
@@ -352,12 +383,23 @@ class LLMEngine:
 
     def _collect_spec(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched device speculative step's commits (one host sync) and commit
-        them; each request's computed count, one at launch, moves on by the rest."""
+        them; each request's computed count, one at launch, moves on by the rest. Plain
+        rows beside the plans commit their sample."""
         rows = self._readback.read(launched)
         result = StepResult()
+        if launched.plain:
+            n, w = launched.spec_shape
+            flat, rows = rows, [rows[i * w : (i + 1) * w] for i in range(n)]
+            for req, tok in zip(launched.plain, flat[n * w :]):
+                if tok == INVALID_TOKEN:
+                    self.fail_request(req, "sampling", "its logits row is not finite (NaN "
+                                      "or inf in the model's output)")
+                elif not req.is_finished:
+                    result.tokens[req] = [tok]
+        plain = set(launched.plain)
         for req in launched.reqs:
-            if req.is_finished:  # aborted, or stopped in the step before: dropped
-                continue
+            if req.is_finished or req in plain:
+                continue  # aborted or stopped in the step before (dropped), or a plain row
             row = rows[launched.spec_entries[req]]
             if row[-1] < 1:
                 self.fail_request(req, "speculative verification", "the device step "

@@ -47,9 +47,11 @@ class LaunchedStep:
 
     ``tokens`` [len(reqs)] (device) is row i's sample for ``reqs[i]``; ``host`` receives
     them (pinned on CUDA) and is valid once ``ready`` has passed. A speculative step of
-    device plans (``spec_entries``: request -> its row) has no samples: ``host`` receives
-    [B, N + 1] rows of committed tokens and their count, and ``advance`` is what the
-    scheduler counted at launch (one token each: the rest comes with the commit).
+    device plans (``spec_entries``: request -> its row) samples only its ``plain`` rows
+    (requests decoding one token beside the plans; ``tokens`` [len(plain)]): ``host``
+    receives [B, N + 1] rows of committed tokens and their count (``spec_shape``), then,
+    flattened, the plain rows' samples; ``advance`` is what the scheduler counted at launch
+    (one token each: the rest comes with the commit).
     """
 
     batch: ScheduledBatch
@@ -59,6 +61,8 @@ class LaunchedStep:
     ready: torch.cuda.Event | None
     spec_entries: dict[Request, int] | None = None
     advance: dict[Request, int] | None = None
+    plain: list[Request] = field(default_factory=list)
+    spec_shape: tuple[int, int] = (0, 0)
 
     @property
     def stale(self) -> bool:
@@ -73,6 +77,16 @@ class LaunchedStep:
             return self.tokens
         row = {r: i for i, r in enumerate(self.reqs)}
         return self.tokens[to_device([row[r] for r in order], torch.long, self.tokens.device)]
+
+
+    def inputs_for_plain(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The device token ids of ``batch``'s first items, this speculative step's plain
+        rows (a step launched on top of it lays them out first): their samples."""
+        row = {r: i for i, r in enumerate(self.plain)}
+        order = [row[r] for r, _ in batch.items[: len(self.plain)]]
+        if order == list(range(len(self.plain))):
+            return self.tokens
+        return self.tokens[to_device(order, torch.long, self.tokens.device)]
 
 
 class TokenReadback:

@@ -1,8 +1,9 @@
 """On CUDA: lookahead with the device state (the Triton propose / commit / KV move kernels,
 captured in the masked buckets' CUDA graphs around the forward) commits exactly the host
 worker's tokens, which equal plain greedy decoding (float32), in a batch of requests at the
-engine's window and at smaller windows (host state) side by side; and the graph replay of
-those steps commits what the same steps run eagerly commit."""
+engine's window beside a plain request (a plain row of the steps launched ahead) or one at
+a smaller window (host state); and the graph replay of those steps commits what the same
+steps run eagerly commit."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, windo
     from kiln.artifact.speculative import SpeculativeConfig
 
     out = _engine(tmp_path, SpeculativeConfig.from_cli("lookahead", window, None, None))
-    windows = [None, None, None, (2, 2, 1)]  # the last one at a smaller window: host state
+    windows = [None, None, None, (1, 1, 0)]  # a plain request: a plain row beside the plans
     plain, _ = _run(out, [(1, 1, 0)] * 4, 40, False)
     host, host_stats = _run(out, windows, 40, False)
     dev, dev_stats = _run(out, windows, 40, True)
@@ -71,6 +72,10 @@ def test_device_lookahead_equals_host_lookahead_and_plain_greedy(tmp_path, windo
     assert eager == dev and eager_stats == dev_stats  # graph replay == eager steps
     assert dev_stats == host_stats  # the same steps committed the same counts
     assert dev_stats[1] > dev_stats[0]  # some drafts were accepted
+    # the last one at a smaller window (host state): it decodes plainly while the device
+    # requests speculate, and speculates on the host once they are done
+    smaller, _ = _run(out, [None, None, None, (2, 2, 1)], 40, True)
+    assert smaller == plain
 
 
 def test_device_prompt_lookup_equals_host_prompt_lookup_and_plain_greedy(tmp_path):

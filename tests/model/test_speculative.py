@@ -145,9 +145,11 @@ def test_ngram_greedy_equals_plain_greedy(tiny_reference, on_device):
 
 def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
     """Device prompt-lookup requests beside plain ones and sampled ones, with a KV cache
-    small enough to preempt: greedy output equals plain greedy; a top-k sampled request
-    keeps the host state (seeded, so its output equals the host-state engine's); a
-    temperature-only sampled request is verified on the device (seeded: two runs agree)."""
+    small enough to preempt: greedy output equals plain greedy; a temperature-only sampled
+    request is verified on the device and a top-k one keeps the host state, decoding
+    plainly while device requests speculate (seeded: two runs agree). The plain greedy
+    requests ride in the device steps as plain rows, launched ahead: most speculative
+    engine steps are not synchronous (on the host-state engine every one is)."""
     _, out = tiny_reference(
         "llama", max_seq_len=256, max_num_tokens=512, max_batch_size=64,
         speculative=SpeculativeConfig.from_cli("ngram", None, 6, 2))
@@ -172,14 +174,53 @@ def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
     again, _ = run(True)
     assert [o.token_ids for o in dev] == [o.token_ids for o in again]
     assert len(dev[2].token_ids) == 24 and dev[2].metrics.spec_steps > 0
-    assert [o.token_ids for i, o in enumerate(dev) if i != 2] == [
-        o.token_ids for i, o in enumerate(host) if i != 2]
+    assert len(dev[1].token_ids) == 24
+    stats = eng.spec_stats  # admissions and preemptions' prefills still run synchronously
+    assert stats["sync_engine_steps"] < stats["engine_steps"], stats
+    for i, (o, p) in enumerate(zip(host, plain)):
+        if i not in (1, 2):
+            assert o.token_ids == p.token_ids, i
     for i, (o, p) in enumerate(zip(dev, plain)):
         if i not in (1, 2):
             assert o.token_ids == p.token_ids, i
     assert sum(o.metrics.num_preemptions for o in dev) > 0
     assert sum(o.metrics.spec_tokens for o in dev) > sum(o.metrics.spec_steps for o in dev)
     assert sorted(eng.spec_worker._free_slots) == list(range(64))
+
+
+@pytest.mark.parametrize("mode", ["ngram", "lookahead"])
+def test_plain_rows_beside_device_plans_are_launched_ahead(tiny_reference, mode):
+    """Plain greedy requests (lookahead=PLAIN) and a sampled one beside device-state
+    speculating requests: every output equals plain greedy (the sampled one: the same
+    seeded run twice), and the engine's speculative steps run launched ahead with the
+    plain rows in them, not synchronously (before, any plain row made the step
+    synchronous for the whole batch: every speculative engine step)."""
+    spec = (SpeculativeConfig.from_cli("ngram", None, 6, 2) if mode == "ngram"
+            else SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None))
+    _, out = tiny_reference("llama", max_seq_len=256, max_num_tokens=512, max_batch_size=8,
+                            speculative=spec)
+    prompts = _repetitive_prompts()[:4]
+    plain = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu")).generate(
+        prompts, _greedy(40, window=PLAIN))
+    params = [_greedy(40), _greedy(40, window=PLAIN), _greedy(40),
+              SamplingParams(max_tokens=40, temperature=0.8, ignore_eos=True, lookahead=PLAIN)]
+
+    def run():
+        eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", device_speculation=True, adaptive_speculation=False))
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_all_free()
+        return outs, eng.spec_stats
+
+    outs, stats = run()
+    for i in (0, 1, 2):
+        assert outs[i].token_ids == plain[i].token_ids, i
+    assert len(outs[3].token_ids) == 40
+    assert outs[0].metrics.spec_steps > 10
+    # the first speculative step of the batch runs after a plain one; the rest are
+    # launched ahead of the step in flight
+    assert stats["sync_engine_steps"] <= 2, stats
+    assert stats["engine_steps"] > 10, stats
 
 
 def test_request_window_beyond_engine_is_rejected_naming_both(tiny_reference):
@@ -584,8 +625,9 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, m
     commit is read; its positions and slots moved on by the device) commit what the
     synchronous device path and plain greedy commit: stops inside accepted runs (max_tokens
     and stop tokens), an abort with a step in flight, a request beside them that is not
-    on the device (a smaller lookahead window, or a plain one for prompt lookup: the batch
-    then runs synchronously), and every block and slot freed at the end."""
+    on the device (a smaller lookahead window: the batch then runs synchronously; or a
+    plain one: a plain row in the steps launched ahead, aborted in flight too), and every
+    block and slot freed at the end."""
     spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
             else SpeculativeConfig.from_cli("ngram", None, 5, 2))
     _, out = tiny_reference(
@@ -606,7 +648,7 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, m
     want = list(plain)
     want[2] = plain[2][: plain[2].index(stop_at) + 1]
 
-    def run(async_on, windows=(None,) * 4, abort=False):
+    def run(async_on, windows=(None,) * 4, abort=None):
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
             device="cpu", device_speculation=True, async_scheduling=async_on,
             adaptive_speculation=False))
@@ -627,10 +669,10 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, m
                     done[o.request_id] = o
             steps += 1
             inflight = eng._inflight
-            if (abort and ids[3] not in done and inflight is not None
+            if (abort is not None and ids[abort] not in done and inflight is not None
                     and inflight.spec_entries and steps > 3):  # a spec step is in flight
-                eng.abort(ids[3])
-                abort = False
+                eng.abort(ids[abort])
+                abort = None
         eng.blocks.check_all_free()
         assert sorted(eng.spec_worker._free_slots) == list(range(8))
         stats = (eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"])
@@ -641,11 +683,16 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, m
     got, stats, ahead = run(True)
     assert got == want and stats == sync_stats
     assert ahead > 0 and stats[1] > stats[0]  # launched ahead, drafts accepted
-    aborted, _, _ = run(True, abort=True)
+    aborted, _, _ = run(True, abort=3)
     assert aborted[:3] == want[:3] and aborted[3] is None
-    beside = (2, 2, 1) if mode == "lookahead" else PLAIN
-    mixed, _, _ = run(True, windows=(None, beside, None, None))
+    mixed, _, _ = run(True, windows=(None, (2, 2, 1) if mode == "lookahead" else PLAIN,
+                                     None, None))
     assert mixed == want
+    # a plain request beside the device plans rides in the steps launched ahead
+    mixed, _, ahead = run(True, windows=(None, None, None, PLAIN))
+    assert mixed == want and ahead > 0
+    aborted, _, _ = run(True, windows=(None, None, None, PLAIN), abort=3)
+    assert aborted[:3] == want[:3] and aborted[3] is None
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host-state", "device-state"])

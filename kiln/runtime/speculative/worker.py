@@ -214,15 +214,15 @@ class DraftWorker(SpeculativeWorker):
         """Plan the next step of every request that may speculate now; a proposal that
         raises goes to ``on_error`` (the engine fails that request) and the rest go on.
         Once one request of a device slot speculates, every request of a device slot
-        rides along (``riders``): the step's masked bucket pads each sequence to a full
-        step, so their drafts cost no more forward, and a batch of device plans only is
-        launched ahead instead of running synchronously."""
+        rides along: the step's masked bucket pads each sequence to a full step, so their
+        drafts cost no more forward, and requests of the host state decode plainly beside
+        them (a host plan would make the step synchronous for the whole batch; plain rows
+        the device samples keep it launched ahead)."""
         ready = [r for r in reqs if r.spec_state is not None
                  and r.num_computed_tokens == r.num_tokens - 1]
         chosen = [r for r in ready if r.spec_pace is None or r.spec_pace.active]
         if any(on_device(r) for r in chosen):
-            chosen = [r for r in ready if on_device(r)
-                      or r.spec_pace is None or r.spec_pace.active]
+            chosen = [r for r in ready if on_device(r)]
         self.propose_batch(chosen, on_error)
 
     def after_commit(self, req: Request, num_new: int, verified: bool) -> None:
