@@ -96,7 +96,7 @@ class ModelRunner:
         seqs: list[SeqAttention] = []
         logit_rows: list[int] = []
         spec = ([], [], [])  # device plans: slot, input row and logits row of x
-        sampling = ([], [])  # and how each is verified: 1 / temperature, Philox key
+        sampling = ([], [], [])  # and how each is verified: 1 / temperature, key, warp
         # launched ahead: the step in flight committed last_count[e] tokens, not one
         ahead = self.spec_step.last_count.tolist() if batch.spec_in_flight else None
         out = ForwardOutput(torch.empty(0))
@@ -126,7 +126,7 @@ class ModelRunner:
                 if plan.device_slot is not None:
                     out.spec_entries[req] = len(spec[0])
                     for col, v in zip(spec + sampling, (plan.device_slot, q0, len(logit_rows),
-                                                        plan.inv_temp, plan.key)):
+                                                        plan.inv_temp, plan.key, plan.warp)):
                         col.append(v)
                 logit_rows.extend(range(q0, q0 + n))
         dev = self.device
@@ -137,7 +137,8 @@ class ModelRunner:
             ids[: len(input_patch)].clamp_(min=0)
         entries = (SpecEntries(*(to_device(col, torch.long, dev) for col in spec),
                                inv_temp=to_device(sampling[0], torch.float32, dev),
-                               key=to_device(sampling[1], torch.long, dev))
+                               key=to_device(sampling[1], torch.long, dev),
+                               warp=to_device(sampling[2], torch.float32, dev).view(-1, 3))
                    if out.spec_entries else None)
         proposal = self.spec_step.prologue(entries, ids) if entries is not None else None
         out.logits = self.model.forward(

@@ -24,6 +24,7 @@ from kiln.runtime.kv_cache import slot_of
 from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.device_step import SpecEntries, StagedRows
+from kiln.runtime.speculative.draft import NO_WARP
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class StepStager:
                  # the plan's sequence index
                  "spec_shift": max_seqs, "spec_seq": max_seqs,
                  # how the plan is verified: float32 bits of 1 / temperature (0: greedy),
-                 # its Philox key
-                 "spec_temp": max_seqs, "spec_key": max_seqs}
+                 # its Philox key, float32 bits of its (top_k, top_p, min_p)
+                 "spec_temp": max_seqs, "spec_key": max_seqs, "spec_warp": 3 * max_seqs}
         pin = device.type == "cuda"
         self.host = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin)
         self.dev = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
@@ -72,6 +73,7 @@ class StepStager:
             off += n
         self.h["block_tables"] = self.h["block_tables"].reshape(s1, max_blocks)
         self.spec_temp = self.h["spec_temp"].view(np.float32)
+        self.spec_warp = self.h["spec_warp"].view(np.float32).reshape(max_seqs, 3)
         self.d["block_tables"] = self.d["block_tables"].view(s1, max_blocks)
         self.mask_host = torch.zeros(max(max_mask, 1), dtype=torch.uint8, pin_memory=pin)
         self.mask_dev = torch.zeros(max(max_mask, 1), dtype=torch.uint8, device=device)
@@ -196,6 +198,7 @@ class StepStager:
                     h["spec_q0"][e], h["spec_r0"][e] = q0, nrows
                     h["spec_seq"][e], h["spec_shift"][e] = i, batch.spec_in_flight
                     self.spec_temp[e], h["spec_key"][e] = plan.inv_temp, plan.key
+                    self.spec_warp[e] = plan.warp
                 rows[nrows : nrows + n] = np.arange(q0, q0 + n)
                 nrows += n
             q0 += n
@@ -234,7 +237,8 @@ class StepStager:
         d = self.d
         return SpecEntries(*(d[name][:num].long() for name in (
             "spec_slots", "spec_q0", "spec_r0", "spec_shift", "spec_seq")),
-            inv_temp=d["spec_temp"][:num].view(torch.float32), key=d["spec_key"][:num].long())
+            inv_temp=d["spec_temp"][:num].view(torch.float32), key=d["spec_key"][:num].long(),
+            warp=d["spec_warp"][: 3 * num].view(torch.float32).view(num, 3))
 
     def staged_rows(self) -> StagedRows:
         """The device inputs a plan staged ahead rewrites (``DeviceSpecStep.prologue``)."""
@@ -252,6 +256,7 @@ class StepStager:
         h["mask_offsets"][:] = -1
         h["spec_slots"][:] = -1
         h["spec_temp"][:] = 0
+        self.spec_warp[:] = NO_WARP
         h["query_start_loc"][:] = 0
         h["query_start_loc"][num_seqs + 1] = num_tokens
         h["context_lens"][num_seqs] = num_tokens

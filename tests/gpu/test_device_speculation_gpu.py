@@ -131,13 +131,16 @@ def test_fold_kernel_equals_commit_tokens_on_cuda():
             assert torch.equal(getattr(ref, name), getattr(dut, name)), (step, name)
 
 
+@pytest.mark.parametrize("warp", ["temperature", "top_k", "min_p"])
 @pytest.mark.parametrize("mode", ["lookahead", "ngram"])
 def test_device_sampled_verification_follows_the_target_distribution_on_cuda(
-        bigram_source, tmp_path, mode):
+        bigram_source, tmp_path, mode, warp):
     """Sampled requests verified on CUDA (``row_targets``: the sampling kernels inside the
-    masked buckets' graphs, a Philox key per plan and depth): the joint distribution of 3
-    tokens at temperature 0.5 against the exact one, 1500 seeds, as the CPU test
-    (tests/model/test_speculative.py) does for the torch ops."""
+    masked buckets' graphs, a Philox key per plan and depth, the threshold kernel of warped
+    rows): the joint distribution of 3 tokens against the exact one, 1500 seeds, as the
+    CPU test (tests/model/test_speculative.py) does for the torch ops: temperature 0.5
+    alone, or temperature 3 with top_k 2 / min_p 0.5 (without the warp the other 298
+    tokens would hold 85 %)."""
     from helpers import BIGRAM_PROMPT, build_bigram_engine, exact_three_token_distribution, tv
 
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -148,10 +151,14 @@ def test_device_sampled_verification_follows_the_target_distribution_on_cuda(
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
         device="cuda", device_speculation=True, adaptive_speculation=False))
     prompt = BIGRAM_PROMPT
-    exact = exact_three_token_distribution(11, p_one=0.8)
+    sampling, p_one = {"temperature": ({"temperature": 0.5}, 0.8),
+                       "top_k": ({"temperature": 3.0, "top_k": 2}, 1 / (1 + 2 ** (-1 / 3))),
+                       "min_p": ({"temperature": 3.0, "min_p": 0.5}, 1 / (1 + 2 ** (-1 / 3))),
+                       }[warp]
+    exact = exact_three_token_distribution(11, p_one=p_one)
     counts = collections.Counter()
     for first in range(0, 1500, 8):  # 8 at a time: each fits the graphs' masked buckets
-        ps = [SamplingParams(max_tokens=3, temperature=0.5, seed=s, ignore_eos=True)
+        ps = [SamplingParams(max_tokens=3, **sampling, seed=s, ignore_eos=True)
               for s in range(first, first + 8)]
         counts.update(tuple(o.token_ids) for o in eng.generate([prompt] * 8, ps))
     steps, committed = eng.spec_stats["steps"], eng.spec_stats["accepted_tokens"]

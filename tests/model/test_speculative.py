@@ -145,9 +145,9 @@ def test_ngram_greedy_equals_plain_greedy(tiny_reference, on_device):
 
 def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
     """Device prompt-lookup requests beside plain ones and sampled ones, with a KV cache
-    small enough to preempt: greedy output equals plain greedy; a temperature-only sampled
-    request is verified on the device and a top-k one keeps the host state, decoding
-    plainly while device requests speculate (seeded: two runs agree). The plain greedy
+    small enough to preempt: greedy output equals plain greedy; sampled requests (one at
+    a temperature alone, one with top-k) are verified on the device (seeded: two runs
+    agree). The plain greedy
     requests ride in the device steps as plain rows, launched ahead: most speculative
     engine steps are not synchronous (on the host-state engine every one is)."""
     _, out = tiny_reference(
@@ -283,19 +283,24 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     eng.blocks.check_all_free()
 
 
+@pytest.mark.parametrize("warp", ["temperature", "top_p", "top_k", "min_p"])
 @pytest.mark.parametrize("mode", ["lookahead", "ngram"])
 def test_device_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_path,
-                                                                    mode, monkeypatch):
+                                                                    mode, warp, monkeypatch):
     """Sampled requests verified on the device (``device_step.row_targets``: every
-    verifying row draws, a draft is accepted where it equals its row's draw): the joint
-    distribution of 3 tokens vs the exact one, as the host test above, 1500 seeds.
+    verifying row draws among the tokens its top-k / top-p / min-p keep, a draft is
+    accepted where it equals its row's draw): the joint distribution of 3 tokens vs the
+    exact one, as the host test above, 1500 seeds.
 
-    Temperature 0.5 and no top-k (the device verifies temperature-only sampling; top-k
-    keeps the host path): the bigram's logits 10 and 10 - ln 2 become 20 and 20 - 2 ln 2,
-    so p(t+1) = 4/5, p(t+2) = 1/5 (the other 298 tokens hold under 1e-6). The negative
-    control verifies the sampled requests greedily (their rows' argmax as targets, a wrong
-    rule that accepts the most likely draft every time); it must fail the bound by a wide
-    margin. Seeded requests: keys come from their generators, so the run is deterministic.
+    ``temperature``: 0.5 alone; the bigram's logits 10 and 10 - ln 2 become 20 and
+    20 - 2 ln 2, so p(t+1) = 4/5, p(t+2) = 1/5 (the other 298 tokens hold under 1e-6).
+    ``top_p`` 0.6 at temperature 1: t+1 alone (its 2/3 reaches 0.6). ``top_k`` 2 or
+    ``min_p`` 0.5 at temperature 3: the two tokens alone, p(t+1) = 1 / (1 + 2 ** (-1/3))
+    = 0.557 (without the warp the other 298 tokens would hold 85 %). Two negative
+    controls: the sampled requests verified greedily (their rows' argmax as targets, a
+    wrong rule that accepts the most likely draft every time), and plans that drop their
+    top-k / top-p / min-p; each must fail the bound by a wide margin. Seeded requests:
+    keys come from their generators, so the run is deterministic.
     """
     from kiln.runtime.speculative import device_step
 
@@ -305,14 +310,20 @@ def test_device_sampled_speculation_follows_the_target_distribution(bigram_sourc
         device="cpu", num_kv_blocks=2048, device_speculation=True,
         adaptive_speculation=False))
     prompt = BIGRAM_PROMPT
-    exact = exact_three_token_distribution(11, p_one=0.8)
+    sampling, p_one = {"temperature": ({"temperature": 0.5}, 0.8),
+                       "top_p": ({"temperature": 1.0, "top_p": 0.6}, 1.0),
+                       "top_k": ({"temperature": 3.0, "top_k": 2}, 1 / (1 + 2 ** (-1 / 3))),
+                       "min_p": ({"temperature": 3.0, "min_p": 0.5}, 1 / (1 + 2 ** (-1 / 3))),
+                       }[warp]
+    exact = exact_three_token_distribution(11, p_one=p_one)
     trials, chunk = 1500, 250  # a chunk fits the engine's 256 device slots
 
     def run(window):
         counts, steps, committed = collections.Counter(), 0, 0
         for first in range(0, trials, chunk):
-            ps = [SamplingParams(max_tokens=3, temperature=0.5, seed=s, ignore_eos=True,
-                                 lookahead=window) for s in range(first, first + chunk)]
+            ps = [SamplingParams(max_tokens=3, **sampling, seed=s, ignore_eos=True,
+                                 lookahead=window)
+                  for s in range(first, first + chunk)]
             if window is None:
                 ids = [eng.add_request(prompt, p) for p in ps]
                 assert all(eng._requests[i].spec_state.slot is not None for i in ids)
@@ -336,9 +347,17 @@ def test_device_sampled_speculation_follows_the_target_distribution(bigram_sourc
     def greedy_targets(logits, rows, entries, active, offsets):  # the wrong rule
         return logits.argmax(-1)[rows]
 
-    monkeypatch.setattr(device_step, "row_targets_torch", greedy_targets)
-    wrong, _, _ = run(None)
-    assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
+    if warp != "temperature":
+        from kiln.runtime.speculative import draft, worker
+
+        with monkeypatch.context() as m:  # plans that forget their warp
+            m.setattr(worker, "plan_warp", lambda params: draft.NO_WARP)
+            unwarped, _, _ = run(None)
+        assert tv(unwarped, exact) > 0.2, tv(unwarped, exact)
+    if p_one < 1:  # (top_p's one token is the argmax: greedy is right there)
+        monkeypatch.setattr(device_step, "row_targets_torch", greedy_targets)
+        wrong, _, _ = run(None)
+        assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()
     assert sorted(eng.spec_worker._free_slots) == list(range(256))
 

@@ -1,8 +1,8 @@
 """The targets device speculative steps verify against (``device_step.row_targets``, the
 sampling kernels under TRITON_INTERPRET=1 on the CPU, and its torch form): greedy plans and
 rows that do not verify keep their argmax, a sampled plan's verifying rows draw from the
-row's distribution at the plan's temperature, fresh noise per depth, the same noise for
-the rows of one plan at one depth."""
+row's distribution at the plan's temperature, among the tokens its top-k / top-p / min-p
+keep, fresh noise per depth, the same noise for the rows of one plan at one depth."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def _targets(kind: str, logits: torch.Tensor, entries: SpecEntries) -> torch.Ten
         parts = []
         for i in range(0, b, 10):
             e = SpecEntries(*(x[i : i + 10] for x in (entries.slots, entries.q0, entries.r0)),
-                            inv_temp=entries.inv_temp[i : i + 10], key=entries.key[i : i + 10])
+                            inv_temp=entries.inv_temp[i : i + 10], key=entries.key[i : i + 10],
+                            warp=None if entries.warp is None else entries.warp[i : i + 10])
             e.r0 = e.r0 - i * T
             e.q0 = e.q0 - i * T
             parts.append(device_step.row_targets(logits[i * T : (i + 10) * T], e, OFFSETS))
@@ -91,15 +92,73 @@ def test_the_same_key_draws_the_same_tokens(kind):
     assert not (other == other[0]).all()
 
 
-def test_only_temperature_sampling_is_verified_on_the_device():
+def test_every_sampled_request_is_verified_on_the_device():
     from kiln.runtime.sampling_params import SamplingParams
 
     ok = device_step.device_verifiable
     assert ok(SamplingParams(temperature=0)) and ok(SamplingParams(temperature=0.7))
-    assert ok(SamplingParams(temperature=0.7, top_k=1))  # greedy
-    assert not ok(SamplingParams(temperature=0.7, top_k=5))
-    assert not ok(SamplingParams(temperature=0.7, top_p=0.9))
-    assert not ok(SamplingParams(temperature=0.7, min_p=0.1))
+    assert ok(SamplingParams(temperature=0.7, top_k=5))
+    assert ok(SamplingParams(temperature=0.7, top_p=0.9))
+    assert ok(SamplingParams(temperature=0.7, min_p=0.1))
+    assert device_step.plan_warp(SamplingParams(temperature=0.7, top_k=5, top_p=0.5,
+                                                min_p=0.1)) == (5.0, 0.5, 0.1)
+    assert device_step.plan_warp(SamplingParams(temperature=0.7)) == device_step.NO_WARP
+
+
+def test_plan_thresholds_keep_what_the_host_warp_keeps():
+    """The kernels' threshold of each warped row (from the 64 largest logits, or a search
+    of the whole row) keeps exactly the tokens ``warp_batch`` (the host's sort and
+    cumulative sum) keeps, for top-k, top-p, min-p and their mixes, sharp and flat rows,
+    k below, at and past the candidates; rows of greedy or unwarped plans and rows that do
+    not verify get -inf."""
+    from kiln.runtime.kernels.sampling import plan_thresholds
+    from kiln.runtime.layers.sampler import warp_batch
+    from kiln.runtime.sampling_params import SamplingParams
+
+    t = 3
+    depths = torch.tensor([0, 1, -1])
+    cases = [(0.7, 0, 0.9, 0.0), (1.0, 5, 1.0, 0.0), (0.5, 40, 0.8, 0.0), (1.3, 0, 1.0, 0.05),
+             (0.9, 20, 0.5, 0.1), (1.0, 0, 1.0, 0.0), (0.0, 5, 0.5, 0.0), (1.0, 63, 0.95, 0.0),
+             (1.0, 64, 1.0, 0.0)]
+    b = len(cases)
+    # a few tokens kept (settled by the 64 candidates), hundreds kept (the whole-row
+    # search); 5000 tokens: three parts of the vocabulary, candidates merged across them
+    for scale, vocab in ((3.0, 700), (0.3, 700), (3.0, 5000)):
+        logits = torch.randn(b * t, vocab, generator=torch.Generator().manual_seed(0)) * scale
+        inv = torch.tensor([1 / c[0] if c[0] else 0.0 for c in cases])
+        warp = torch.tensor([c[1:] for c in cases], dtype=torch.float32)
+        thr = plan_thresholds(logits, torch.arange(b), torch.arange(b) * t, inv, warp, depths)
+        for e, (temp, k, p, mp) in enumerate(cases):
+            for j in range(t):
+                r = e * t + j
+                if depths[j] < 0 or temp == 0 or (k, p, mp) == (0, 1.0, 0.0):
+                    assert thr[r] == float("-inf"), (scale, e, j)
+                    continue
+                params = SamplingParams(temperature=temp, top_k=k, top_p=p, min_p=mp)
+                kept = warp_batch(logits[r][None], [params])[0] > 0
+                assert torch.equal(logits[r] * inv[e] >= thr[r], kept), (scale, e, j)
+
+
+@pytest.mark.parametrize("kind", ["kernel", "torch"])
+def test_warped_rows_draw_from_the_warped_distribution(kind):
+    """top_p 0.75 keeps P's first three tokens (0.4 + 0.3 < 0.75 <= 0.9), top_k 2 its
+    first two: draws follow P renormalised over them, never another token. The kernel
+    (interpreted: ~1 s a plan here) draws 30 plans and is checked for the kept set alone;
+    which tokens a threshold keeps is checked exactly above."""
+    b = 30 if kind == "kernel" else 300
+    for warp_row, keep in (((0.0, 0.75, 0.0), 3), ((2.0, 1.0, 0.0), 2)):
+        entries = _entries(b, [1.0] * b, list(range(7, 7 + b)))
+        entries.warp = torch.tensor([warp_row] * b, dtype=torch.float32)
+        targets = _targets(kind, _logits(b), entries)
+        assert (targets[:, 3] == 5).all()  # the window row keeps its argmax
+        want = P[:keep].double() / P[:keep].sum()
+        for depth in (0, 1):
+            freq = torch.bincount(targets[:, depth], minlength=V).double() / b
+            assert freq[keep:].sum() == 0, (warp_row, freq)
+            if kind == "torch":
+                assert 0.5 * (freq[:keep] - want).abs().sum() < 0.08, (warp_row, freq)
+            else:
+                assert (freq[:keep] > 0).sum() >= 2, (warp_row, freq)
 
 
 def test_plan_rows_kernel_equals_per_row_keys():

@@ -14,7 +14,8 @@ accepted rows' KV moved) or prompt lookup (``DeviceNgram``: a chain, nothing mov
 ``entries`` has one row per possible plan: the slot (-1: none), the input row of the plan's
 x (``q0``), the logits row of x (``r0``; a plan's T rows follow in order) and how the plan
 is verified (``inv_temp`` 0: greedy; else sampled at that inverse temperature with the
-plan's Philox ``key``, see ``row_targets``). A CUDA graph
+plan's Philox ``key``, among the tokens its top-k / top-p / min-p keep, ``warp``; see
+``row_targets``). A CUDA graph
 of a masked bucket captures both around its forward with one entry per sequence of the
 bucket (kiln/runtime/cuda_graph.py); the entries then live in the stager's buffers, so the
 same graph serves any mix of device plans, host plans and plain rows.
@@ -48,10 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.layers.sampler import kernel_inv_temps
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
 from kiln.runtime.speculative.device_ngram import DeviceNgram
+from kiln.runtime.speculative.draft import NO_WARP
 
 
 @dataclass
@@ -66,7 +67,9 @@ class SpecEntries:
     flight committed beyond one (``DeviceSpecStep.last_count``, same entry row).
 
     ``inv_temp`` [B] float32 (0: greedy) and ``key`` [B] long (a Philox key below 2**31):
-    how each plan is verified (``row_targets``); None: every plan greedy.
+    how each plan is verified (``row_targets``); None: every plan greedy. ``warp`` [B, 3]
+    float32: each plan's top_k (0: off), top_p, min_p (``NO_WARP`` where it has none);
+    None: no plan warps.
     """
 
     slots: torch.Tensor
@@ -76,6 +79,7 @@ class SpecEntries:
     seq: torch.Tensor | None = None
     inv_temp: torch.Tensor | None = None
     key: torch.Tensor | None = None
+    warp: torch.Tensor | None = None
 
 
 @dataclass
@@ -211,30 +215,37 @@ class DeviceSpecStep:
 
 def device_verifiable(params: SamplingParams) -> bool:
     """Whether a request's speculative steps can be verified on the device: greedy, or
-    sampled at a temperature alone. Top-k, top-p and min-p warp the distribution (a sort
-    per row, which a step's graph does not hold): those requests keep the host path, as
-    the plain sampler's kernels leave them to torch."""
-    return kernel_inv_temps([params], vocab=2**62) is not None
+    sampled (temperature, with or without top-k, top-p and min-p: the sampling kernels
+    find a warped row's threshold, ``plan_thresholds``). Requests that speculate at all
+    (``workers.request_window``) need no other host processing."""
+    return params.greedy or params.temperature > 0
+
+
+def plan_warp(params: SamplingParams) -> tuple[float, float, float]:
+    """A sampled plan's ``SpecEntries.warp`` row: (top_k (0: off), top_p, min_p)."""
+    return (float(max(0, params.top_k)), float(params.top_p),
+            float(params.min_p))
 
 
 def row_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor
                 ) -> torch.Tensor:
     """Every logits row's target token [R] (the sampling kernels): its argmax (the first
     maximum), except the verification rows of sampled plans, which draw by Gumbel-max at
-    the plan's ``inv_temp``. ``offsets`` [T]: each row's depth in its plan (its position
-    offset from x) where the row verifies, -1 where it does not (lookahead's window rows
-    keep their argmax: the Jacobi iteration is greedy). A row draws with Philox key
-    ``key + depth * 2**32``: fresh noise per step and depth, the same for the rows of one
-    plan at one depth. The sampling kernels find each row's plan themselves
-    (``sample_plan_rows``): no launch builds per-row arrays, and a greedy step costs what
-    an argmax does. No host sync (a masked bucket's graph captures it). A row that is not
-    finite gives token 0 (the draw's -1, clamped: a valid id for the state)."""
+    the plan's ``inv_temp`` among the tokens its ``warp`` keeps. ``offsets`` [T]: each
+    row's depth in its plan (its position offset from x) where the row verifies, -1 where
+    it does not (lookahead's window rows keep their argmax: the Jacobi iteration is
+    greedy). A row draws with Philox key ``key + depth * 2**32``: fresh noise per step and
+    depth, the same for the rows of one plan at one depth. The sampling kernels find each
+    row's plan themselves (``sample_plan_rows``): no launch builds per-row arrays, and a
+    greedy step costs what an argmax does. No host sync (a masked bucket's graph captures
+    it). A row that is not finite gives token 0 (the draw's -1, clamped: a valid id for
+    the state)."""
     from kiln.runtime.kernels.sampling import sample_plan_rows
 
     if entries.inv_temp is None:
         return logits.argmax(-1)
     return sample_plan_rows(logits, entries.slots, entries.r0, entries.inv_temp, entries.key,
-                            offsets).clamp_(min=0)
+                            offsets, entries.warp).clamp_(min=0)
 
 
 def gumbel_noise(key: int, depths: int, vocab: int) -> torch.Tensor:
@@ -252,17 +263,26 @@ def row_targets_torch(logits: torch.Tensor, rows: torch.Tensor, entries: SpecEnt
     """``row_targets``' rule as torch ops on the active entries' rows ``rows`` [A, T]:
     [A, T] target tokens, with the noise of ``gumbel_noise`` (per key, a row per depth)."""
     from kiln.runtime.kernels.sampling import sample_tokens_ref
+    from kiln.runtime.layers.sampler import warp_batch
 
     targets = logits.argmax(-1)[rows]
     if entries.inv_temp is None:
         return targets
     inv, keys = entries.inv_temp[active].tolist(), entries.key[active].tolist()
+    warps = (entries.warp[active].tolist() if entries.warp is not None
+             else [NO_WARP] * len(inv))
     verifying = [(j, int(o)) for j, o in enumerate(offsets.tolist()) if o >= 0]
     depths = max(o for _, o in verifying) + 1
     for i in (i for i, v in enumerate(inv) if v > 0):
         noise = gumbel_noise(keys[i], depths, logits.shape[-1]).float()
+        top_k, top_p, min_p = warps[i]
+        params = SamplingParams(temperature=1.0 / inv[i], top_k=int(top_k), top_p=top_p,
+                                min_p=min_p)
         for j, o in verifying:
-            tok = sample_tokens_ref(logits[rows[i, j]][None], inv[i], noise[o : o + 1])
+            row = logits[rows[i, j]][None]
+            if tuple(warps[i]) != NO_WARP:  # the tokens the warp drops never win
+                row = row.masked_fill(warp_batch(row.float(), [params]) == 0, float("-inf"))
+            tok = sample_tokens_ref(row, inv[i], noise[o : o + 1])
             targets[i, j] = tok.clamp(min=0)[0]
     return targets
 

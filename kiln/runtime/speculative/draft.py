@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+NO_WARP = (0.0, 1.0, 0.0)  # a plan's (top_k, top_p, min_p) without any of them
+
 
 @dataclass
 class DraftPlan:
@@ -20,7 +22,8 @@ class DraftPlan:
     ``device_slot``: the plan is proposed and verified on the device, from this slot of
     the engine's ``DeviceLookahead``, around the step's forward (the model runner's
     ``DeviceSpecStep``); ``token_ids`` then holds x and placeholders, and ``inv_temp`` (0:
-    greedy) and ``key`` say how the device verifies it (``SpecEntries``).
+    greedy), ``key`` and ``warp`` (top_k, top_p, min_p) say how the device verifies it
+    (``SpecEntries``).
     """
 
     token_ids: list[int]
@@ -30,6 +33,7 @@ class DraftPlan:
     device_slot: int | None = None
     inv_temp: float = 0.0
     key: int = 0
+    warp: tuple[float, float, float] = NO_WARP
 
     @property
     def num_tokens(self) -> int:

@@ -86,7 +86,7 @@ class LookaheadWorker(DraftWorker):
     """Proposes lookahead steps and verifies them (greedy or sampled).
 
     With a ``DeviceLookahead`` (``device``), requests at its window that the device can
-    verify (``may_take_slot``: greedy or temperature-only sampling, no grammar) keep their
+    verify (``may_take_slot``: greedy or sampled, no grammar) keep their
     window and pool in one of its slots: proposal, verification, the state update and the KV
     move of accepted rows run on the device around the step's forward (the model runner's
     ``DeviceSpecStep``, inside a masked bucket's CUDA graph), one host read per step

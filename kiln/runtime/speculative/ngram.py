@@ -86,7 +86,7 @@ class NgramWorker(DraftWorker):
     """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step.
 
     With a ``DeviceNgram`` (``device``), requests the device can verify (``may_take_slot``:
-    greedy or temperature-only sampling, no grammar) keep their tokens in one of its slots:
+    greedy or sampled, no grammar) keep their tokens in one of its slots:
     drafting, verification and the history update run on the device around the step's
     forward (``DeviceSpecStep``), one host read per step. The rest, and every request once
     the slots are taken, draft on the host (``LookupIndex``, the oracle the device state is

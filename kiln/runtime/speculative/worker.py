@@ -20,7 +20,7 @@ from kiln.runtime.kv_cache import KVCache, slot_of
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
-from kiln.runtime.speculative.device_step import device_verifiable
+from kiln.runtime.speculative.device_step import device_verifiable, plan_warp
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.step import StepResult
 
@@ -72,18 +72,19 @@ class DraftWorker(SpeculativeWorker):
 
     @staticmethod
     def device_sampling(req: Request) -> dict:
-        """How the device verifies ``req``'s next plan (``DraftPlan.inv_temp`` / ``key``):
-        greedy, or sampled at its temperature with a fresh Philox key (from the request's
-        own generator when it is seeded, so its draws do not depend on the batch)."""
+        """How the device verifies ``req``'s next plan (``DraftPlan.inv_temp`` / ``key`` /
+        ``warp``): greedy, or sampled at its temperature, top-k, top-p and min-p with a
+        fresh Philox key (from the request's own generator when it is seeded, so its draws
+        do not depend on the batch)."""
         p = req.params
         if p.greedy:
             return {}
         key = int(torch.randint(0, 2**31 - 1, (), generator=req.generator))
-        return {"inv_temp": 1.0 / p.temperature, "key": key}
+        return {"inv_temp": 1.0 / p.temperature, "key": key, "warp": plan_warp(p)}
 
     def may_take_slot(self, req: Request) -> bool:
         """Whether ``req`` may keep its state in a device slot: the worker has slots, and
-        the device can verify its steps (greedy or temperature-only sampling, no grammar)."""
+        the device can verify its steps (greedy or sampled, no grammar)."""
         return (self.device is not None and req.matcher is None
                 and device_verifiable(req.params))
 
