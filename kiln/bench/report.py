@@ -222,6 +222,14 @@ def render_baseline(b: dict, console: Console) -> None:
         console.print(f"  {note}", style="dim", highlight=False)
 
 
+def _sampling(cfg: dict) -> str:
+    """How both runs of a speculative comparison chose tokens, for its title."""
+    if cfg.get("greedy", True):
+        return "greedy"
+    top_p = cfg.get("top_p", 1.0)
+    return f"temperature {cfg['temperature']:g}" + (f", top_p {top_p:g}" if top_p < 1 else "")
+
+
 def render_speculative(result: dict, console: Console) -> None:
     """Plain vs speculative decoding: one row per prompt set and batch size, then the graph
     replay ratios (GPU time alone) when they were measured."""
@@ -229,7 +237,7 @@ def render_speculative(result: dict, console: Console) -> None:
     window = cfg["request_window"] or cfg["engine_window"]
     title = (f"Plain vs {cfg['mode']}"
              + (f" {tuple(window)}" if window else f" (max draft {cfg['max_draft_len']})")
-             + f", greedy, {cfg['output_len']} tokens")
+             + f", {_sampling(cfg)}, {cfg['output_len']} tokens")
     t = Table(title=title, title_justify="left")
     repeats = cfg.get("repeats", 1)
     if repeats > 1:

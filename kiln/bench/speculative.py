@@ -193,6 +193,7 @@ def run_speculative_latency(
     repeats: int = 1,
     batch_sizes: Sequence[int] = BATCH_SIZES,
     temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     """Per prompt set (grounded, code, chat) and batch size: plain and speculative tokens/s,
     speed-up, tokens/step and the cost of an engine step (see ``_summary``).
@@ -204,6 +205,7 @@ def run_speculative_latency(
     median time, and ``speedups`` lists the ratio per repeat (their spread is the noise).
     ``temperature`` > 0: both runs sample at it (speculative steps verify by the rejection
     rule); their texts differ, so ``same_output`` is None and the rates compare tokens/s.
+    ``top_p`` < 1: both runs sample from the nucleus too (with ``temperature`` > 0).
 
     Result: ``sets[name]["batches"][str(b)]`` holds a set's numbers at batch b;
     ``sets[name]`` itself also carries the batch-1 numbers at its top level (when batch 1
@@ -219,8 +221,12 @@ def run_speculative_latency(
         )
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature!r} must be >= 0 (0: greedy)")
-    plain_p = SamplingParams(max_tokens=output_len, temperature=temperature, lookahead=PLAIN)
-    spec_p = SamplingParams(max_tokens=output_len, temperature=temperature, lookahead=window)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1: the whole distribution)")
+    plain_p = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p,
+                             lookahead=PLAIN)
+    spec_p = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p,
+                            lookahead=window)
     chat = getattr(engine.tokenizer, "chat_template", None)
 
     def encode(text: str) -> list[int]:
@@ -263,6 +269,7 @@ def run_speculative_latency(
             "max_num_seqs": engine.scheduler.max_num_seqs,
             "greedy": plain_p.greedy,
             "temperature": temperature,
+            "top_p": top_p,
         },
         "sets": sets,
         "replay": replay_cost(engine, sizes, window),

@@ -71,6 +71,14 @@ def _check_batch_sizes(text: str) -> str:
     return text
 
 
+def _check_top_p(value: float) -> float:
+    """--spec-top-p: a probability mass in (0, 1]."""
+    if not 0 < value <= 1:
+        raise typer.BadParameter(f"{value!r} is not a top-p: give a value in (0, 1] "
+                                 "(e.g. 0.9; 1 keeps the whole distribution)")
+    return value
+
+
 def _load(source: str, device: str | None, enforce_eager: bool = False,
           no_async: bool = False,
           adaptive_spec: bool | None = None) -> tuple[Any, dict, Path]:
@@ -229,6 +237,11 @@ def latency(
         "the default: greedy, and the outputs must match; above 0 the runs draw different "
         "texts and tokens/s compares).",
     ),
+    spec_top_p: float = typer.Option(
+        1.0, "--spec-top-p", callback=_check_top_p,
+        help="Speculative engines, with --spec-temperature above 0: top-p of both runs of "
+        "the comparison (1, the default: off).",
+    ),
     baseline: str = typer.Option("none", "--baseline", help=_BASELINE_HELP),
     hf_compile: bool | None = typer.Option(
         None, "--hf-compile/--no-hf-compile",
@@ -268,7 +281,8 @@ def latency(
                        num_runs(engine, spec_prompts, sizes)) as advance:
             result["speculative"] = run_speculative_latency(
                 engine, output_len, spec_prompts, window, progress=advance,
-                repeats=spec_repeats, batch_sizes=sizes, temperature=spec_temperature)
+                repeats=spec_repeats, batch_sizes=sizes, temperature=spec_temperature,
+                top_p=spec_top_p)
     result.update(startup)
     env = environment(engine, engine_dir)
     if baseline == "hf":

@@ -177,6 +177,16 @@ def test_spec_batch_sizes_must_be_positive_integers(bad):
     assert "integers >= 1" in out, out
 
 
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.1"])
+def test_spec_top_p_must_be_a_mass_in_zero_one(bad):
+    from kiln.cli.app import app
+
+    proc = CliRunner().invoke(app, ["bench", "latency", "no-such-engine", "--spec-top-p", bad])
+    assert proc.exit_code == 2, proc.output
+    out = " ".join(proc.output.split())
+    assert "--spec-top-p" in out and "(0, 1]" in out, out
+
+
 def test_run_speculative_latency_rejects_bad_batch_sizes(la_engine):
     with pytest.raises(ValueError, match="integers >= 1"):
         run_speculative_latency(la_engine, output_len=2, batch_sizes=(0,))
@@ -190,12 +200,17 @@ def test_a_sampled_comparison_reports_rates_and_no_output_check(la_engine):
     from kiln.bench.report import render_speculative
 
     res = run_speculative_latency(la_engine, output_len=6, prompts_per_set=1, warmup=0,
-                                  batch_sizes=(1,), temperature=0.8)
-    assert res["config"]["temperature"] == 0.8 and res["config"]["greedy"] is False
+                                  batch_sizes=(1,), temperature=0.8, top_p=0.9)
+    cfg = res["config"]
+    assert cfg["temperature"] == 0.8 and cfg["top_p"] == 0.9 and cfg["greedy"] is False
     for s in res["sets"].values():
         assert s["same_output"] is None and s["plain_tokens_per_s"] > 0
     buf = io.StringIO()
     render_speculative(res, Console(file=buf, width=220))
-    assert "n/a (sampled)" in buf.getvalue() and "NO" not in buf.getvalue()
+    out = buf.getvalue()
+    assert "n/a (sampled)" in out and "NO" not in out
+    assert "temperature 0.8, top_p 0.9" in out and "greedy" not in out
     with pytest.raises(ValueError, match="temperature"):
         run_speculative_latency(la_engine, output_len=2, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"top_p=1\.5 must be in \(0, 1\]"):
+        run_speculative_latency(la_engine, output_len=2, temperature=0.8, top_p=1.5)
