@@ -125,13 +125,23 @@ def cases():
         "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32",
             "key_ptr": "*i64"}
-    samp = dict(samp, plan_slot_ptr="*i64", plan_r0_ptr="*i64", depth_ptr="*i64")
-    yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, {
-        "PER_ROW": True, "ROW_KEYS": False, "PLANS": False, "BLOCK": 2048, "PDL": True}, samp, 4
-    yield "sampling partial (per-row Philox keys)", sampling._sample_partial_kernel, {
-        "PER_ROW": False, "ROW_KEYS": True, "PLANS": False, "BLOCK": 2048, "PDL": True}, samp, 4
-    yield "sampling partial (speculative plans)", sampling._sample_partial_kernel, {
-        "PER_ROW": False, "ROW_KEYS": True, "PLANS": True, "BLOCK": 2048, "PDL": True}, samp, 4
+    samp = dict(samp, plan_slot_ptr="*i64", plan_r0_ptr="*i64", depth_ptr="*i64",
+                thr_ptr="*fp32")
+    part = {"BLOCK": 2048, "PDL": True, "WARP": False}
+    yield "sampling partial (per-row temperature)", sampling._sample_partial_kernel, dict(
+        part, PER_ROW=True, ROW_KEYS=False, PLANS=False), samp, 4
+    yield "sampling partial (per-row Philox keys)", sampling._sample_partial_kernel, dict(
+        part, PER_ROW=False, ROW_KEYS=True, PLANS=False), samp, 4
+    yield "sampling partial (speculative plans)", sampling._sample_partial_kernel, dict(
+        part, PER_ROW=False, ROW_KEYS=True, PLANS=True), samp, 4
+    yield "sampling partial (speculative plans, top-k / top-p / min-p)", \
+        sampling._sample_partial_kernel, dict(part, PER_ROW=False, ROW_KEYS=True, PLANS=True,
+                                              WARP=True), samp, 4
+    warp = dict(samp, warp_ptr="*fp32", stats_ptr="*fp32", cand_ptr="*fp32")
+    yield "warped plan rows: per-part max, mass and 64 largest", sampling._warp_parts_kernel, {
+        "BLOCK": 2048, "M": 64, "PDL": True}, warp, 4
+    yield "warped plan rows: thresholds", sampling._warp_threshold_kernel, {
+        "BLOCK_P": 32, "BLOCK_C": 2048, "M": 64, "BLOCK": 256, "WAYS": 16, "PDL": True}, warp, 4
     yield "sampling final", sampling._sample_final_kernel, {"BLOCK_P": 64, "PDL": True}, dict(
         samp, out_ptr="*i64"), 1
     la = {"W": 7, "N": 7, "G": 7, "WL_PAD": 64, "G_PAD": 8, "N1_PAD": 8, "PDL": True}
