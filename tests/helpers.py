@@ -93,12 +93,13 @@ def tv(a: dict, b: dict) -> float:
 CYCLE = 16
 
 
-def write_bigram(src: Path) -> Path:
+def write_bigram(src: Path, swap: bool = False) -> Path:
     """A llama whose next token depends only on the last one: after t (< 16) it puts
     logits 10 on t+1 and 10 - ln 2 on t+2 (mod 16), 0 elsewhere. With top_k=2 and
     temperature 1 that is p(t+1) = 2/3, p(t+2) = 1/3 exactly (temperature 0.5 alone:
     4/5 and 1/5, the other 298 tokens under 1e-6), so sampled sequences have a known
-    distribution and the prompt's n-grams make good, often-accepted drafts."""
+    distribution and the prompt's n-grams make good, often-accepted drafts. ``swap``: the
+    two logits swapped (p(t+1) = 1/3), a draft model that disagrees with the target."""
     import transformers
 
     from kiln.sources import make_byte_tokenizer
@@ -117,9 +118,10 @@ def write_bigram(src: Path) -> Path:
         emb[:CYCLE] = torch.eye(CYCLE, 64)  # rmsnorm turns e_t into 8 e_t
         head = model.lm_head.weight
         head.zero_()
+        one, two = (10 - math.log(2), 10) if swap else (10, 10 - math.log(2))
         for t in range(CYCLE):
-            head[(t + 1) % CYCLE, t] = 10 / 8
-            head[(t + 2) % CYCLE, t] = (10 - math.log(2)) / 8
+            head[(t + 1) % CYCLE, t] = one / 8
+            head[(t + 2) % CYCLE, t] = two / 8
     model.save_pretrained(src, safe_serialization=True)
     make_byte_tokenizer().save_pretrained(src)
     return src

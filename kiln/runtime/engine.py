@@ -47,8 +47,9 @@ class LLMEngine:
     def __init__(
         self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Any,
         limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
-        spec: Any = None,
+        spec: Any = None, draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
     ):
+        """``draft``: a draft-model engine's draft (its model config and weights)."""
         config = config or RuntimeConfig()
         self.config = config
         self.spec = spec
@@ -59,7 +60,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         # Speculative settings come from the engine artifact only (validated at build).
         self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
-        parts = assemble(model_config, weights, limits, dtype, config, self.speculative)
+        parts = assemble(model_config, weights, limits, dtype, config, self.speculative, draft)
         self.device, self.attention_backend = parts.device, parts.attention_backend
         self.model, self.cache, self.blocks = parts.model, parts.cache, parts.blocks
         self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
@@ -70,7 +71,7 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.spec_worker = make_worker(self.speculative, parts.device_state)
+        self.spec_worker = make_worker(self.speculative, parts.device_state, parts.draft)
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed in the running step; reported with its outputs
@@ -94,7 +95,7 @@ class LLMEngine:
         seqs = self.scheduler.max_num_seqs
         self._readback = TokenReadback((seqs + 1) * (self._spec_width + 1) + seqs,
                                        self.device)
-        if self.spec_worker:
+        if self.spec_worker and self.speculative.mode != "draft":  # (no draft pacing yet)
             t_pace = time.perf_counter()
             self.spec_break_even = spec_break_even(self)
             self.startup_times["spec_break_even_s"] = time.perf_counter() - t_pace
@@ -124,8 +125,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         weights = art.load_weights(device, dtype)
         tokenizer = art.load_tokenizer()
+        draft = ((art.draft.spec.model, art.draft.load_weights(device, dtype))
+                 if getattr(art, "draft", None) is not None else None)
         load_s = time.perf_counter() - t0
-        engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec)
+        engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec,
+                     draft=draft)
         engine.startup_times = {"load_weights_s": load_s, **engine.startup_times,
                                 "total_s": load_s + engine.startup_times["total_s"]}
         if kernels:  # the engine shipped compiled kernels for this machine
@@ -161,8 +165,9 @@ class LLMEngine:
         window = request_window(self.speculative, params)
         if window is not None:
             self.spec_worker.init_request(req, window)
-            if self.spec_break_even is not None and params.seed is None:
-                proposer = self.spec_worker.shadow_proposer(req)
+            proposer = (self.spec_worker.shadow_proposer(req)
+                        if self.spec_break_even is not None and params.seed is None else None)
+            if proposer is not None:
                 req.spec_pace = SpecPace(Shadow(proposer, len(ids)), self.spec_break_even,
                                          gain=proposer.prior_gain)
         self.detokenizer.init_request(req)
@@ -259,6 +264,8 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """A step that needs the host between forward and commit (drafts to verify, a
         grammar, penalties, logprobs, seeds): forward, sample, verify, commit."""
+        if self.spec_worker is not None:
+            self.spec_worker.fill(batch, self.fail_request)
         result = self.forward_and_sample(batch)
         if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
             self.spec_stats["sync_engine_steps"] += 1

@@ -22,6 +22,7 @@ from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
+from kiln.runtime.speculative.draft_model import DraftModel
 from kiln.runtime.speculative.workers import make_device_state
 from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_sampler
 
@@ -41,14 +42,18 @@ class EngineParts:
     startup_times: dict[str, float]
     # speculative state on the device (lookahead or prompt lookup), or None
     device_state: DeviceLookahead | DeviceNgram | None = None
+    draft: DraftModel | None = None  # a draft-model engine's draft
 
 
 def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig,
-             speculative: SpeculativeConfig) -> EngineParts:
+             speculative: SpeculativeConfig,
+             draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None) -> EngineParts:
     """Place the weights, build the model and the KV cache (sized from free memory unless
     ``config.num_kv_blocks``), the scheduler and the runner; on the Triton path stage the
-    steps and capture CUDA graphs, then compile what the graphs did not."""
+    steps and capture CUDA graphs, then compile what the graphs did not. ``draft``: the
+    draft model's config and weights (a draft-model engine): its own model, runner and KV
+    cache of as many blocks as the target's (``DraftModel``)."""
     t_start = time.perf_counter()
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     weights = place_weights(weights, device, dtype)  # FP8 + scales keep their dtype
@@ -60,9 +65,14 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                        max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
     t_model = time.perf_counter()
     c, bs = model_config, config.block_size
+    block_bytes = KVCache.bytes_per_block(c.num_layers, bs, c.num_kv_heads, c.head_dim, dtype)
+    if draft is not None:  # a block id holds the request's target and draft KV
+        dc = draft[0]
+        block_bytes += KVCache.bytes_per_block(dc.num_layers, bs, dc.num_kv_heads, dc.head_dim,
+                                               dtype)
     num_blocks = config.num_kv_blocks or auto_num_blocks(
-        KVCache.bytes_per_block(c.num_layers, bs, c.num_kv_heads, c.head_dim, dtype), bs,
-        limits.max_batch_size, limits.max_seq_len, device, config.gpu_memory_utilization)
+        block_bytes, bs, limits.max_batch_size, limits.max_seq_len, device,
+        config.gpu_memory_utilization)
     if num_blocks * bs < limits.max_seq_len:
         raise ValueError(
             f"num_kv_blocks={num_blocks} x block_size={bs} holds fewer tokens than "
@@ -90,6 +100,9 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
         if config.cuda_graphs:
             graphs_s = runner.capture_graphs(max_seqs, max_tokens, tokens_per_step,
                                              config.max_graph_tokens, config.prefill_graphs)
+    draft_model = (_assemble_draft(*draft, num_blocks, limits, dtype, config, device, backend,
+                                   max_seqs, max_tokens, model_config.vocab_size)
+                   if draft is not None else None)
     sampler = Sampler()
     t_warm = time.perf_counter()
     if fused and device.type == "cuda":  # what the graphs did not compile
@@ -101,7 +114,30 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
              "total_s": time.perf_counter() - t_start}
     return EngineParts(device, backend, model, cache, blocks, scheduler, runner, sampler, times,
-                       device_state)
+                       device_state, draft_model)
+
+
+def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
+                    limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig,
+                    device: torch.device, backend: str, max_seqs: int, max_tokens: int,
+                    target_vocab: int) -> DraftModel:
+    """The draft model, its KV cache (``num_blocks``, the target's block ids) and runner
+    (on the Triton path staged, with decode and prefill CUDA graphs)."""
+    weights = place_weights(weights, device, dtype)
+    fused = backend == "triton"
+    model = LlamaModel(cfg, weights, get_backend(backend), device, fused=fused,
+                       max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
+    cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+                    cfg.head_dim, dtype, device)
+    runner = ModelRunner(model, cache, device)
+    if fused:
+        runner.use_staging(max_seqs, max_tokens, limits.max_seq_len, 1)
+        if config.cuda_graphs:
+            runner.capture_graphs(max_seqs, max_tokens, 1, config.max_graph_tokens,
+                                  config.prefill_graphs)
+        if device.type == "cuda":
+            warm_eager_forward(model, cache, runner.stager, 1)
+    return DraftModel(runner, min(cfg.vocab_size, target_vocab), max_tokens)
 
 
 def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,

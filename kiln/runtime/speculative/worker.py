@@ -65,6 +65,10 @@ class DraftWorker(SpeculativeWorker):
         """What the request's shadow (``pace.Shadow``) proposes with: the worker's
         proposal from committed text alone (a ``pace.ShadowProposer``)."""
 
+    def fill(self, batch: ScheduledBatch, on_error: OnError) -> None:
+        """Called once the step is scheduled, before its forward: complete the plans it runs
+        (a draft model draws its drafts here, once the step's KV blocks are allocated)."""
+
     def device_plan(self, req: Request) -> DraftPlan:
         """The plan of a request whose state is in a device slot: x and placeholders (the
         step's tokens are proposed on the device), its slot named."""

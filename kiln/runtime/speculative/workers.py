@@ -8,21 +8,28 @@ from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
+from kiln.runtime.speculative.draft_model import DraftModel, DraftModelWorker
 from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 
 
 def make_worker(spec: SpeculativeConfig, device_state: DeviceLookahead | DeviceNgram | None
-                = None) -> DraftWorker | None:
+                = None, draft: DraftModel | None = None) -> DraftWorker | None:
     """The engine's speculative worker for its recorded mode (None: plain decoding);
-    ``device_state``: the slots that keep greedy requests' state on the device."""
+    ``device_state``: the slots that keep greedy requests' state on the device; ``draft``:
+    the draft model of a draft-model engine."""
     if spec.mode == "lookahead":
         warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
         return LookaheadWorker(device_state)
     if spec.mode == "ngram":
         return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match,
                            device_state)
+    if spec.mode == "draft":
+        if draft is None:
+            raise ValueError("a draft-model engine needs its draft model: load the engine "
+                             "with LLMEngine.from_engine_dir (it reads ENGINE/draft)")
+        return DraftModelWorker(draft, spec.max_draft_len)
     return None
 
 
@@ -47,7 +54,7 @@ def request_window(spec: SpeculativeConfig, params: SamplingParams) -> tuple[int
             return None
     elif spec.mode == "lookahead":
         w, n, g = spec.lookahead
-    elif spec.mode == "ngram":
+    elif spec.mode in ("ngram", "draft"):
         w, n, g = 1, 1, 0
     else:
         return None

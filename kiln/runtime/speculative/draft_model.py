@@ -1,0 +1,278 @@
+"""Draft-model speculative decoding: a small model of the target's tokenizer drafts K tokens
+per step, the target verifies them in one forward.
+
+The draft has its own weights, model runner and KV cache tensors, but no blocks of its own:
+its cache has as many blocks as the target's and a request's draft KV lives in the same
+block ids as its target KV (the request's one block table). So the draft's KV is allocated,
+freed, preempted and prefix-shared with its request by the target's block manager, and a
+request that leaves the engine leaves nothing of the draft behind (vLLM v1 keeps its draft
+layers in the target's KV cache groups the same way).
+
+A step, for the requests whose draft plan was scheduled (``DraftModelWorker.fill``):
+1. catch-up: the draft computes what it has not seen of each request (the prompt the first
+   time, then the tokens the last verification accepted, at least x, the last committed
+   token) and draws d1 from its last row;
+2. K - 1 single-token decode steps, each one's input the previous draws, on the device
+   (``input_patch``: no host sync between them);
+3. one host read of the [B, K] drafts fills the plans; the target's step verifies them
+   (greedy: the longest matching prefix and the target's token after it; sampled: the
+   standard rejection rule, accept d with probability min(1, p(d) / q(d)), else sample
+   norm(max(0, p - q)); the output is distributed as plain sampling from p).
+
+Draft KV written for the accepted drafts is at its final positions (a chain), so after a
+verification that accepted ``a`` of K drafts the draft has KV for ``n + min(a, K - 1)``
+tokens (``n``: the request's tokens when it drafted, x included).
+
+Failure isolation: a draft forward that raises for a batch is retried request by request;
+a request whose own draft forward raises decodes that step with placeholder drafts (the
+target's verification commits its correct token: it recovers), recomputes its draft KV
+from scratch next time, and stops speculating after ``MAX_FAILURES`` such steps. The
+request's blocks are its own either way.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.runtime.layers.sampler import warp_batch
+from kiln.runtime.request import Request
+from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.worker import DraftWorker, OnError
+
+if TYPE_CHECKING:
+    from kiln.runtime.model_runner import ModelRunner
+
+MAX_FAILURES = 3  # draft forwards that may fail for one request before it decodes plainly
+
+
+@dataclass
+class DraftState:
+    """A request's draft-model state (``req.spec_state``)."""
+
+    computed: int = 0  # leading tokens of the request with draft KV in its blocks
+    epoch: int = 0  # the request's preemptions when ``computed`` was counted
+    base: int = 0  # the request's tokens when this step drafted (x included)
+    drafts: list[int] = field(default_factory=list)  # this step's drafts
+    q: torch.Tensor | None = None  # [K, V] the drafts' probabilities (sampled requests)
+    failures: int = 0
+    off: bool = False  # the draft failed MAX_FAILURES times: plain decoding from now on
+
+    def valid(self, req: Request) -> int:
+        """Tokens with draft KV now: none after a preemption (the blocks are new)."""
+        if self.epoch != req.metrics.num_preemptions:
+            self.epoch, self.computed = req.metrics.num_preemptions, 0
+        return self.computed
+
+
+class DraftSeq:
+    """What the draft's model runner reads of a request: its token ids (drafts in flight are
+    0 placeholders, patched on the device), the draft's computed count, and the request's own
+    block table (shared: the draft's KV goes in the same blocks)."""
+
+    __slots__ = ("all_token_ids", "block_table", "draft", "num_computed_tokens", "req")
+
+    def __init__(self, req: Request, computed: int) -> None:
+        self.req = req
+        self.all_token_ids = list(req.all_token_ids)
+        self.num_computed_tokens = computed
+        self.block_table = req.block_table
+        self.draft = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class DraftModel:
+    """The draft model's runner and how it draws drafts.
+
+    ``vocab``: the token ids drafts may take, min(draft, target) embedding rows (padded
+    tables differ in size: Qwen2.5-0.5B has 151,936 rows, 7B 152,064; no token of the
+    shared tokenizer lies past the smaller one). ``max_tokens``: tokens per draft forward
+    (the engine's token budget; longer catch-ups run in chunks).
+    """
+
+    def __init__(self, runner: ModelRunner, vocab: int, max_tokens: int) -> None:
+        self.runner = runner
+        self.vocab = vocab
+        self.max_tokens = max_tokens
+        self.device = runner.device
+
+    def draft(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
+        """K drafts per request -> (drafts [B][K] on the host, per request its K probability
+        rows [V] (sampled requests; empty for greedy ones))."""
+        seqs = [DraftSeq(r, r.spec_state.valid(r)) for r in reqs]
+        logits = self._catch_up(seqs)
+        toks, qs = self._draw(logits, reqs)
+        drawn, probs = [toks], [[q] for q in qs]
+        for _ in range(k - 1):
+            for s in seqs:
+                s.all_token_ids.append(0)  # the draw in flight, patched on the device
+            out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks)
+            for s in seqs:
+                s.num_computed_tokens += 1
+            toks, qs = self._draw(out.logits[[out.sample_rows[s] for s in seqs]], reqs)
+            drawn.append(toks)
+            for p, q in zip(probs, qs):
+                p.append(q)
+        host = torch.stack(drawn, 1).tolist()
+        return host, [p if p[0] is not None else [] for p in probs]
+
+    def _catch_up(self, seqs: list[DraftSeq]) -> torch.Tensor:
+        """Forward what the draft has not computed of each sequence (x at least), in chunks
+        of at most ``max_tokens``; returns each sequence's last row's logits [B, V]."""
+        rows: dict[DraftSeq, torch.Tensor] = {}
+        while True:
+            budget, items = self.max_tokens, []
+            for s in seqs:
+                n = min(s.num_tokens - s.num_computed_tokens, budget)
+                if n > 0:
+                    items.append((s, n))
+                    budget -= n
+                if budget == 0:
+                    break
+            if not items:
+                break
+            out = self.runner.execute(ScheduledBatch(items))
+            for s, row in out.sample_rows.items():
+                rows[s] = out.logits[row]
+            for s, n in items:
+                s.num_computed_tokens += n
+        return torch.stack([rows[s] for s in seqs])
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]
+              ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One draft token per row on the device [B] (greedy: the argmax; sampled: a draw
+        from the request's warped distribution q, whose row is returned too)."""
+        logits = logits[:, : self.vocab]
+        toks = logits.argmax(-1)
+        qs: list[torch.Tensor | None] = [None] * len(reqs)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            q = warp_batch(logits[sampled], [reqs[i].params for i in sampled])
+            for j, i in enumerate(sampled):
+                # an exponential race (Gumbel-max on probabilities), its noise seeded from
+                # the request's generator: a seeded request drafts the same in any batch
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(torch.randint(0, 2**62, (), generator=reqs[i].generator)))
+                noise = torch.empty_like(q[j]).exponential_(generator=gen)
+                toks[i] = (q[j] / noise).argmax()
+                qs[i] = q[j]
+        return toks, qs
+
+
+class DraftModelWorker(DraftWorker):
+    """Draft-target speculative decoding over a ``DraftModel`` (host-verified chains of K)."""
+
+    name = "draft"
+
+    def __init__(self, draft: DraftModel, max_draft_len: int) -> None:
+        super().__init__(None)
+        self.draft_model = draft
+        self.k = max_draft_len
+
+    def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
+        req.spec_state = DraftState(epoch=req.metrics.num_preemptions)
+
+    def shadow_proposer(self, req: Request):
+        return None  # no pacing yet: a shadow would have to run the draft model
+
+    def propose(self, req: Request) -> DraftPlan | None:
+        """x and K placeholders: the drafts are drawn once the step is scheduled (``fill``),
+        when the step's KV blocks (which the draft writes too) are allocated."""
+        if req.spec_state.off:
+            return None
+        x = req.all_token_ids[-1]
+        return DraftPlan([x] * (self.k + 1))
+
+    def fill(self, batch: ScheduledBatch, on_error: OnError) -> None:
+        """Draw the drafts of the plans this step runs, into the plans."""
+        reqs = [r for r, n in batch.items
+                if r.draft is not None and r.draft.num_tokens == n and not r.is_finished]
+        if not reqs:
+            return
+        try:
+            self._fill(reqs)
+        except Exception:
+            for req in reqs:  # which request's draft failed: each alone
+                try:
+                    self._fill([req])
+                except Exception as e:
+                    self._draft_failed(req, e)
+
+    def _fill(self, reqs: list[Request]) -> None:
+        drafts, qs = self.draft_model.draft(reqs, self.k)
+        for req, d, q in zip(reqs, drafts, qs):
+            st = req.spec_state
+            st.base, st.drafts = req.num_tokens, d
+            st.q = torch.stack(q) if q else None
+            req.draft.token_ids[1:] = d
+            req.draft.data = st
+
+    def _draft_failed(self, req: Request, e: BaseException) -> None:
+        """The request's draft forward raised: this step verifies placeholder drafts (the
+        target commits its own token), its draft KV is recomputed next time."""
+        st = req.spec_state
+        st.computed, st.drafts, st.q, st.failures = 0, [], None, st.failures + 1
+        req.draft.data = None
+        st.off = st.failures >= MAX_FAILURES
+        print(f"warning: request {req.request_id}: the draft model's forward failed "
+              f"({type(e).__name__}: {e}); this step decodes without drafts"
+              + ("; it decodes plainly from now on" if st.off else ""),
+              file=sys.stderr, flush=True)
+
+    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        st: DraftState | None = req.draft.data
+        drafts = st.drafts if st is not None else []  # none: the draft failed this step
+        if req.matcher is not None:  # structured output: drafts checked against the grammar
+            accepted = self.guided_chain(req, logits, drafts, list(range(1, len(drafts) + 1)))
+        elif req.params.greedy:
+            accepted = []
+            for i, d in enumerate(drafts):
+                if argmax[i] != d:
+                    break
+                accepted.append(d)
+            accepted.append(argmax[len(accepted)])
+        elif drafts:
+            accepted = self._rejection(req, logits, drafts, st.q)
+        else:
+            p = warp_batch(logits[:1], [req.params])[0]
+            accepted = [int(torch.multinomial(p.double().cpu(), 1, generator=req.generator))]
+        if st is not None:
+            st.computed = st.base + min(len(accepted) - 1, len(drafts) - 1)
+        return accepted, []  # a chain: accepted rows already sit at their final indices
+
+    @staticmethod
+    def _rejection(req: Request, logits: torch.Tensor, drafts: list[int],
+                   q: torch.Tensor) -> list[int]:
+        """The standard rule (Leviathan et al. 2023; Chen et al. 2023): accept draft i with
+        probability min(1, p_i(d) / q_i(d)); at the first rejection sample from
+        norm(max(0, p_i - q_i)) and stop; all accepted: the bonus token from p_K."""
+        k = len(drafts)
+        p = warp_batch(logits[: k + 1], [req.params] * (k + 1))  # [K+1, V_target]
+        v = min(p.shape[-1], q.shape[-1])
+        qf = torch.zeros_like(p[:k])
+        qf[:, :v] = q[:, :v]
+        idx = torch.arange(k, device=p.device)
+        d = torch.tensor(drafts, device=p.device)
+        pd, qd = torch.stack([p[idx, d], qf[idx, d]]).double().cpu().tolist()
+        u = torch.rand(k, generator=req.generator, dtype=torch.float64).tolist()
+        out: list[int] = []
+        for i in range(k):
+            if u[i] * qd[i] < pd[i]:  # u < p/q, i.e. min(1, p/q)
+                out.append(drafts[i])
+                continue
+            residual = (p[i] - qf[i]).clamp_(min=0)
+            if float(residual.sum()) <= 0.0:  # p == q to rounding: p itself
+                residual = p[i]
+            out.append(int(torch.multinomial(residual.double().cpu(), 1,
+                                             generator=req.generator)))
+            return out
+        out.append(int(torch.multinomial(p[k].double().cpu(), 1, generator=req.generator)))
+        return out

@@ -1,0 +1,208 @@
+"""Draft-model speculative decoding in the runtime (float32, CPU, tiny models).
+
+Oracle: plain decoding on the same target. Greedy output with a draft model must equal
+plain greedy output token for token (alone, in batches with plain requests, with chunked
+prefill and preemption); sampled output must follow the plain sampling distribution; a
+draft forward that raises must not cost any request its output or its blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import pytest
+import torch
+from helpers import BIGRAM_PROMPT, exact_three_token_distribution, mixed_prompts, tv
+
+from kiln.artifact.loader import load_engine
+from kiln.runtime.engine import EngineLimits, LLMEngine, RuntimeConfig
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative import draft_model
+from kiln.sources import make_byte_tokenizer
+
+PLAIN = (1, 1, 0)
+
+
+def _greedy(n=24, window=None, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lookahead=window, **kw)
+
+
+def _engine(target: str, draft: str | None, k: int = 4, max_seq_len: int = 128,
+            max_num_tokens: int = 256, max_batch_size: int = 8, **runtime) -> LLMEngine:
+    """An engine of the float32 engine dir ``target`` drafted for by ``draft``'s weights
+    (None: plain), built in-process (the artifact path is tested in test_draft_build)."""
+    t = load_engine(target)
+    spec = types.SimpleNamespace(generation_defaults=types.SimpleNamespace(values={}),
+                                 speculative=_draft_config(k) if draft else t.spec.speculative)
+    d = load_engine(draft) if draft else None
+    return LLMEngine(t.spec.model, t.load_weights("cpu"), make_byte_tokenizer(),
+                     EngineLimits(max_batch_size, max_seq_len, max_seq_len - 1 - k,
+                                  max_num_tokens), torch.float32,
+                     RuntimeConfig(device="cpu", **runtime), spec=spec,
+                     draft=(d.spec.model, d.load_weights("cpu")) if d else None)
+
+
+def _draft_config(k: int):
+    return types.SimpleNamespace(mode="draft", max_draft_len=k, enabled=True,
+                                 tokens_per_step=k + 1, lookahead=None)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_reference):
+    """Engine dirs of two different tiny random models of one tokenizer (plain)."""
+    return {arch: tiny_reference(arch, max_seq_len=256, max_num_tokens=256)[1]
+            for arch in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("draft", ["qwen2", "llama"], ids=["other-model", "same-model"])
+def test_draft_greedy_equals_plain_greedy(engines, draft):
+    """A different draft (drafts mostly rejected) and the target itself as its draft (every
+    draft accepted: K + 1 tokens a step); plain requests ride in the same batches."""
+    prompts = mixed_prompts()
+    plain = _engine(engines["llama"], None, max_seq_len=256)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(40))]
+    eng = _engine(engines["llama"], engines[draft], max_seq_len=256)
+    got = eng.generate(prompts, _greedy(40))
+    assert [o.token_ids for o in got] == want
+    assert all(o.error is None for o in got)
+    steps = sum(o.metrics.spec_steps for o in got)
+    committed = sum(o.metrics.spec_tokens for o in got)
+    assert steps > 0
+    if draft == "llama":  # the target drafting for itself: all 4 drafts + the bonus
+        assert committed > 4.5 * steps, (committed, steps)
+    # mixed: every other request decodes plainly beside the drafting ones
+    params = [_greedy(40, window=PLAIN if i % 2 else None) for i in range(len(prompts))]
+    mixed = eng.generate(prompts, params)
+    assert [o.token_ids for o in mixed] == want
+    assert all(o.metrics.spec_steps == 0 for o in mixed[1::2])
+    assert all(o.metrics.spec_steps > 0 for o in mixed[::2])
+    eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_lengths_and_chunked_prefill(engines, k):
+    """K from 1 up, a token budget of 16 (prompts and the draft's catch-up both chunked)."""
+    prompts = [p * 3 for p in mixed_prompts()[:5]]  # 30-60 tokens: several chunks
+    plain = _engine(engines["llama"], None, max_seq_len=256, max_num_tokens=16)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(30))]
+    eng = _engine(engines["llama"], engines["llama"], k=k, max_seq_len=256, max_num_tokens=16)
+    got = eng.generate(prompts, _greedy(30))
+    assert [o.token_ids for o in got] == want
+    assert sum(o.metrics.spec_tokens for o in got) > sum(o.metrics.spec_steps for o in got)
+
+
+def test_draft_with_preemption_recomputes_the_draft_kv(engines):
+    """KV for 2-3 sequences: requests are preempted (their blocks, target and draft KV
+    alike, freed) and recomputed; output is unchanged."""
+    prompts = mixed_prompts()
+    plain = _engine(engines["llama"], None, max_seq_len=256)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(48))]
+    eng = _engine(engines["llama"], engines["qwen2"], max_seq_len=256, num_kv_blocks=24)
+    got = eng.generate(prompts, _greedy(48))
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert [o.token_ids for o in got] == want
+    eng.blocks.check_all_free()
+
+
+def test_a_failing_draft_forward_costs_no_request_its_output(engines, monkeypatch):
+    """Fault injection: the draft's forward raises whenever request "bad" is in its batch.
+    The batch is retried request by request: the others draft and speculate as before,
+    "bad" decodes its steps without drafts (the target's own token), stops drafting after
+    MAX_FAILURES, and every output equals plain greedy; every block is free at the end."""
+    prompts = mixed_prompts()[:4]
+    plain = _engine(engines["llama"], None, max_seq_len=256)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(32))]
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256)
+    runner = eng.spec_worker.draft_model.runner
+    real = runner.execute
+    calls = collections.Counter()
+
+    def execute(batch, *args):
+        if any(s.req.request_id == "bad" for s, _ in batch.items):
+            calls["bad"] += 1
+            raise torch.OutOfMemoryError("injected: draft forward out of memory")
+        return real(batch, *args)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    ids = [eng.add_request(p, _greedy(32), request_id="bad" if i == 1 else None)
+           for i, p in enumerate(prompts)]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    got = [outs[i] for i in ids]
+    assert [o.token_ids for o in got] == want
+    assert all(o.error is None for o in got)
+    # "bad" tried MAX_FAILURES times (a batch try and its own each time), then no more
+    assert calls["bad"] == 2 * draft_model.MAX_FAILURES
+    others = [o for i, o in zip(ids, got) if i != "bad"]
+    assert all(o.metrics.spec_tokens > 3 * o.metrics.spec_steps for o in others)
+    eng.blocks.check_all_free()
+
+
+@pytest.fixture(scope="module")
+def bigram_pair(bigram_source, tmp_path_factory):
+    """The bigram target (p(t+1) = 2/3 at top_k 2) and a draft with the two swapped
+    (q(t+1) = 1/3): its drafts need the rejection rule's correction."""
+    from helpers import write_bigram
+
+    from kiln.builder import build_engine
+
+    root = tmp_path_factory.mktemp("bigram-pair")
+    swapped = write_bigram(root / "swapped-src", swap=True)
+    out = {}
+    for name, src in (("target", bigram_source), ("draft", swapped)):
+        out[name] = root / name
+        build_engine(str(src), out[name], dtype="float32", max_seq_len=128, progress=False)
+    return out
+
+
+def test_sampled_draft_speculation_follows_the_target_distribution(bigram_pair, monkeypatch):
+    """Joint distribution of 3 sampled tokens vs the exact one, 1500 seeds each way (as
+    test_speculative's: sampling noise alone gives a total variation around 0.02, so 0.06
+    is loose for a correct rule and tight for a wrong one). The draft proposes t+1 with
+    probability 1/3 where the target has 2/3; the negative control accepts every draft
+    (no rejection step) and must land near the draft's distribution instead."""
+    eng = _engine(bigram_pair["target"], bigram_pair["draft"], k=3, max_num_tokens=8192,
+                  max_batch_size=512, num_kv_blocks=4096)
+    exact = exact_three_token_distribution(11)
+    trials = 1500
+
+    def run(window):
+        ps = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=s, ignore_eos=True,
+                             lookahead=window) for s in range(trials)]
+        outs = eng.generate([BIGRAM_PROMPT] * trials, ps)
+        return outs, collections.Counter(tuple(o.token_ids) for o in outs)
+
+    _, plain = run(PLAIN)
+    outs, spec_counts = run(None)
+    steps = sum(o.metrics.spec_steps for o in outs)
+    committed = sum(o.metrics.spec_tokens for o in outs)
+    assert steps > 0 and committed > 1.2 * steps  # drafts were accepted, often
+    assert tv(plain, exact) < 0.06  # the oracle itself
+    assert tv(spec_counts, exact) < 0.06, tv(spec_counts, exact)
+    # the draft alone: 1/3 for +1 (what accepting every draft would give)
+    draft_only = exact_three_token_distribution(11, p_one=1 / 3)
+    assert tv(draft_only, exact) > 0.3
+
+    def accept_all(req, logits, drafts, q):  # the wrong rule
+        return list(drafts) + [drafts[-1]]
+
+    monkeypatch.setattr(draft_model.DraftModelWorker, "_rejection", staticmethod(accept_all))
+    _, wrong = run(None)
+    assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
+    eng.blocks.check_all_free()
+
+
+def test_seeded_sampled_drafts_are_reproducible(engines):
+    """A seeded request's drafts come from its own generator: the same output alone and in
+    a batch."""
+    prompts = mixed_prompts()[:4]
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256)
+    p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    alone = eng.generate([prompts[0]], p)[0]
+    batch = eng.generate(prompts, [p] + [SamplingParams(max_tokens=24, temperature=1.0,
+                                                         ignore_eos=True)] * 3)
+    assert batch[0].token_ids == alone.token_ids
+    assert alone.metrics.spec_tokens > alone.metrics.spec_steps
