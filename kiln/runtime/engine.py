@@ -264,9 +264,9 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """A step that needs the host between forward and commit (drafts to verify, a
         grammar, penalties, logprobs, seeds): forward, sample, verify, commit."""
-        if self.spec_worker is not None:
-            self.spec_worker.fill(batch, self.fail_request)
-        result = self.forward_and_sample(batch)
+        scatter = (self.spec_worker.fill(batch, self.fail_request)
+                   if self.spec_worker is not None else None)
+        result = self.forward_and_sample(batch, scatter)
         if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
             self.spec_stats["sync_engine_steps"] += 1
             self.spec_worker.step(batch, result, self.cache, self.fail_request)
@@ -462,12 +462,15 @@ class LLMEngine:
             outputs.append(request_output(req))
         return outputs
 
-    def forward_and_sample(self, batch: ScheduledBatch) -> StepResult:
+    def forward_and_sample(self, batch: ScheduledBatch,
+                           scatter: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> StepResult:
         """Run the model; sample one token for each request that reached its last token.
 
         Draft plans' logits are returned untouched in ``draft_logits`` for the worker.
+        ``scatter``: token ids on the device for input rows (``ModelRunner.execute``).
         """
-        fwd = self.runner.execute(batch)
+        fwd = self.runner.execute(batch, scatter=scatter)
         result = StepResult()
         reqs, logits = sample_logits(fwd)
         if reqs:

@@ -77,8 +77,8 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
-    def execute(self, batch: ScheduledBatch,
-                input_patch: torch.Tensor | None = None) -> ForwardOutput:
+    def execute(self, batch: ScheduledBatch, input_patch: torch.Tensor | None = None,
+                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOutput:
         """Run one forward over the batch.
 
         A request scheduled with exactly its draft plan's token count runs the plan (tree
@@ -87,9 +87,11 @@ class ModelRunner:
         ``input_patch`` (device token ids [k]) replaces the first k input tokens on the
         device: a step scheduled before the previous step's tokens reached the host
         (``batch.in_flight``: every item then is one decode token, row i = item i).
+        ``scatter`` (input rows [k], token ids [k], on the device) writes token ids drawn on
+        the device into the step's inputs (a draft model's drafts, into its plans' rows).
         """
         if self.stager is not None and self.stager.fits(batch):
-            return self._execute_staged(batch, input_patch)
+            return self._execute_staged(batch, input_patch, scatter)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
@@ -135,6 +137,8 @@ class ModelRunner:
         if input_patch is not None:  # clamped: a failed row's INVALID_TOKEN (-1) stays valid
             ids[: len(input_patch)] = input_patch
             ids[: len(input_patch)].clamp_(min=0)
+        if scatter is not None:
+            ids[scatter[0]] = scatter[1]
         entries = (SpecEntries(*(to_device(col, torch.long, dev) for col in spec),
                                inv_temp=to_device(sampling[0], torch.float32, dev),
                                key=to_device(sampling[1], torch.long, dev),
@@ -152,8 +156,9 @@ class ModelRunner:
                                                meta.slot_mapping, self.cache)
         return out
 
-    def _execute_staged(self, batch: ScheduledBatch,
-                        input_patch: torch.Tensor | None = None) -> ForwardOutput:
+    def _execute_staged(self, batch: ScheduledBatch, input_patch: torch.Tensor | None = None,
+                        scatter: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> ForwardOutput:
         """The Triton path: numpy staging, one upload, then a graph replay or an eager forward."""
         stager = self.stager
         out = ForwardOutput(torch.empty(0))
@@ -173,6 +178,8 @@ class ModelRunner:
             ids = stager.d["input_ids"][: len(input_patch)]
             ids.copy_(input_patch)
             ids.clamp_(min=0)
+        if scatter is not None:
+            stager.d["input_ids"][scatter[0]] = scatter[1]
         if bucket is not None:  # a masked bucket's graph runs the device plans' steps too
             out.logits = self.graphs.replay(bucket, st.num_rows)
             if out.spec_entries:

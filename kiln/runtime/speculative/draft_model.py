@@ -14,10 +14,12 @@ A step, for the requests whose draft plan was scheduled (``DraftModelWorker.fill
    token) and draws d1 from its last row;
 2. K - 1 single-token decode steps, each one's input the previous draws, on the device
    (``input_patch``: no host sync between them);
-3. one host read of the [B, K] drafts fills the plans; the target's step verifies them
-   (greedy: the longest matching prefix and the target's token after it; sampled: the
-   standard rejection rule, accept d with probability min(1, p(d) / q(d)), else sample
-   norm(max(0, p - q)); the output is distributed as plain sampling from p).
+3. the drafts [B, K] are written into the plans' rows of the target's inputs on the
+   device, and the target's step verifies them (greedy: the longest matching prefix and
+   the target's token after it; sampled: the standard rejection rule, accept d with
+   probability min(1, p(d) / q(d)), else sample norm(max(0, p - q)); the output is
+   distributed as plain sampling from p). The host reads the drafts once, with the
+   target's verification rows: one host sync per step, as for prompt lookup.
 
 Draft KV written for the accepted drafts is at its final positions (a chain), so after a
 verification that accepted ``a`` of K drafts the draft has KV for ``n + min(a, K - 1)``
@@ -33,11 +35,12 @@ request's blocks are its own either way.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.runtime.host_copy import to_device
 from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
@@ -57,16 +60,34 @@ class DraftState:
     computed: int = 0  # leading tokens of the request with draft KV in its blocks
     epoch: int = 0  # the request's preemptions when ``computed`` was counted
     base: int = 0  # the request's tokens when this step drafted (x included)
-    drafts: list[int] = field(default_factory=list)  # this step's drafts
+    drafted: tuple[StepDrafts, int] | None = None  # this step's drafts: the batch's, its row
     q: torch.Tensor | None = None  # [K, V] the drafts' probabilities (sampled requests)
     failures: int = 0
     off: bool = False  # the draft failed MAX_FAILURES times: plain decoding from now on
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.drafted[0].row(self.drafted[1]) if self.drafted is not None else []
 
     def valid(self, req: Request) -> int:
         """Tokens with draft KV now: none after a preemption (the blocks are new)."""
         if self.epoch != req.metrics.num_preemptions:
             self.epoch, self.computed = req.metrics.num_preemptions, 0
         return self.computed
+
+
+class StepDrafts:
+    """A step's drafts [B, K] on the device, read to the host once, by the first request
+    verified (the target's forward is queued by then: the read does not stall it)."""
+
+    def __init__(self, drafts: torch.Tensor) -> None:
+        self.device = drafts
+        self._host: list[list[int]] | None = None
+
+    def row(self, i: int) -> list[int]:
+        if self._host is None:
+            self._host = self.device.tolist()
+        return self._host[i]
 
 
 class DraftSeq:
@@ -103,9 +124,10 @@ class DraftModel:
         self.max_tokens = max_tokens
         self.device = runner.device
 
-    def draft(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
-        """K drafts per request -> (drafts [B][K] on the host, per request its K probability
-        rows [V] (sampled requests; empty for greedy ones))."""
+    def draft(self, reqs: list[Request], k: int) -> tuple[torch.Tensor, list[list]]:
+        """K drafts per request -> (drafts [B, K] on the device, per request its K
+        probability rows [V] (sampled requests; empty for greedy ones)). Queued on the
+        device, no host sync."""
         seqs = [DraftSeq(r, r.spec_state.valid(r)) for r in reqs]
         logits = self._catch_up(seqs)
         toks, qs = self._draw(logits, reqs)
@@ -120,8 +142,7 @@ class DraftModel:
             drawn.append(toks)
             for p, q in zip(probs, qs):
                 p.append(q)
-        host = torch.stack(drawn, 1).tolist()
-        return host, [p if p[0] is not None else [] for p in probs]
+        return torch.stack(drawn, 1), [p if p[0] is not None else [] for p in probs]
 
     def _catch_up(self, seqs: list[DraftSeq]) -> torch.Tensor:
         """Forward what the draft has not computed of each sequence (x at least), in chunks
@@ -190,35 +211,48 @@ class DraftModelWorker(DraftWorker):
         x = req.all_token_ids[-1]
         return DraftPlan([x] * (self.k + 1))
 
-    def fill(self, batch: ScheduledBatch, on_error: OnError) -> None:
-        """Draw the drafts of the plans this step runs, into the plans."""
+    def fill(self, batch: ScheduledBatch, on_error: OnError
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Draw the drafts of the plans this step runs, on the device; returns them with
+        their rows of the step's inputs (the plans hold placeholders there)."""
         reqs = [r for r, n in batch.items
                 if r.draft is not None and r.draft.num_tokens == n and not r.is_finished]
         if not reqs:
-            return
+            return None
+        drawn: dict[Request, torch.Tensor] = {}
         try:
-            self._fill(reqs)
+            drawn.update(self._fill(reqs))
         except Exception:
             for req in reqs:  # which request's draft failed: each alone
                 try:
-                    self._fill([req])
+                    drawn.update(self._fill([req]))
                 except Exception as e:
                     self._draft_failed(req, e)
+        if not drawn:
+            return None
+        rows, q0 = [], 0
+        for req, n in batch.items:
+            if req in drawn:
+                rows.extend(range(q0 + 1, q0 + 1 + self.k))
+            q0 += n
+        ids = torch.cat([drawn[r] for r, _ in batch.items if r in drawn])
+        return to_device(rows, torch.long, ids.device), ids
 
-    def _fill(self, reqs: list[Request]) -> None:
+    def _fill(self, reqs: list[Request]) -> dict[Request, torch.Tensor]:
         drafts, qs = self.draft_model.draft(reqs, self.k)
-        for req, d, q in zip(reqs, drafts, qs):
+        step = StepDrafts(drafts)
+        for i, (req, q) in enumerate(zip(reqs, qs)):
             st = req.spec_state
-            st.base, st.drafts = req.num_tokens, d
+            st.base, st.drafted = req.num_tokens, (step, i)
             st.q = torch.stack(q) if q else None
-            req.draft.token_ids[1:] = d
             req.draft.data = st
+        return dict(zip(reqs, drafts))
 
     def _draft_failed(self, req: Request, e: BaseException) -> None:
         """The request's draft forward raised: this step verifies placeholder drafts (the
         target commits its own token), its draft KV is recomputed next time."""
         st = req.spec_state
-        st.computed, st.drafts, st.q, st.failures = 0, [], None, st.failures + 1
+        st.computed, st.drafted, st.q, st.failures = 0, None, None, st.failures + 1
         req.draft.data = None
         st.off = st.failures >= MAX_FAILURES
         print(f"warning: request {req.request_id}: the draft model's forward failed "

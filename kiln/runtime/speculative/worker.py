@@ -65,9 +65,13 @@ class DraftWorker(SpeculativeWorker):
         """What the request's shadow (``pace.Shadow``) proposes with: the worker's
         proposal from committed text alone (a ``pace.ShadowProposer``)."""
 
-    def fill(self, batch: ScheduledBatch, on_error: OnError) -> None:
+    def fill(self, batch: ScheduledBatch, on_error: OnError
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Called once the step is scheduled, before its forward: complete the plans it runs
-        (a draft model draws its drafts here, once the step's KV blocks are allocated)."""
+        (a draft model draws its drafts here, once the step's KV blocks are allocated).
+        Returns token ids drawn on the device for the step's input rows (rows [k], ids
+        [k]; ``ModelRunner.execute``'s ``scatter``), or None."""
+        return None
 
     def device_plan(self, req: Request) -> DraftPlan:
         """The plan of a request whose state is in a device slot: x and placeholders (the
