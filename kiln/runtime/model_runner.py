@@ -179,7 +179,8 @@ class ModelRunner:
             ids.copy_(input_patch)
             ids.clamp_(min=0)
         if scatter is not None:
-            stager.d["input_ids"][scatter[0]] = scatter[1]
+            ids = stager.d["input_ids"]
+            ids[scatter[0]] = scatter[1].to(ids.dtype)
         if bucket is not None:  # a masked bucket's graph runs the device plans' steps too
             out.logits = self.graphs.replay(bucket, st.num_rows)
             if out.spec_entries:

@@ -223,3 +223,46 @@ def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, gr
     assert any(a is not None for a in ahead)
     assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)
     eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_draft_model_on_the_staged_path(tiny_reference, graphs):
+    """Draft-model speculation through the stager (int32 input buffers: the drafts are
+    scattered into the verify step's rows on the device), on both models' staged paths:
+    equals the torch backend's plain greedy tokens."""
+    import types
+
+    import torch
+
+    from kiln.artifact.loader import load_engine
+    from kiln.runtime.engine import EngineLimits
+    from kiln.sources import make_byte_tokenizer
+
+    target = load_engine(tiny_reference("llama", max_seq_len=128, max_num_tokens=256)[1])
+    draft = load_engine(tiny_reference("qwen2", max_seq_len=128, max_num_tokens=256)[1])
+    k = 3
+    spec = types.SimpleNamespace(
+        generation_defaults=types.SimpleNamespace(values={}),
+        speculative=types.SimpleNamespace(mode="draft", max_draft_len=k, enabled=True,
+                                          tokens_per_step=k + 1, lookahead=None))
+    prompts = [p + p[:6] + p for p in mixed_prompts()[1:2]] + [mixed_prompts()[0]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def run(backend, with_draft):
+        eng = LLMEngine(target.spec.model, target.load_weights("cpu"), make_byte_tokenizer(),
+                        EngineLimits(8, 128, 120, 40), torch.float32,
+                        RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=96,
+                                      attention_backend=backend, cuda_graphs=graphs),
+                        spec=spec if with_draft else None,
+                        draft=(draft.spec.model, draft.load_weights("cpu")) if with_draft
+                        else None)
+        outs = eng.generate(prompts, params)
+        eng.blocks.check_all_free()
+        if with_draft and graphs:
+            assert eng.spec_worker.draft_model.runner.graphs.num_replays > 0
+        return [o.token_ids for o in outs], sum(o.metrics.spec_steps for o in outs)
+
+    ref, _ = run("torch", False)
+    got, spec_steps = run("triton", True)
+    assert got == ref
+    assert spec_steps > 0
