@@ -138,7 +138,12 @@ class DraftModel:
             out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks)
             for s in seqs:
                 s.num_computed_tokens += 1
-            toks, qs = self._draw(out.logits[[out.sample_rows[s] for s in seqs]], reqs)
+            rows = [out.sample_rows[s] for s in seqs]
+            # one row per sequence, in order (a list index would copy it to the device
+            # from pageable memory: a host sync per draft step)
+            toks, qs = self._draw(out.logits[: len(seqs)] if rows == list(range(len(seqs)))
+                                  else out.logits[to_device(rows, torch.long, self.device)],
+                                  reqs)
             drawn.append(toks)
             for p, q in zip(probs, qs):
                 p.append(q)
