@@ -51,6 +51,9 @@ class SamplingParams:
     # Per-request lookahead window (w, n, g), bounded by the engine's (W, N, G); None takes
     # the engine's; (1, 1, 0) is plain decoding. In ngram engines, (1, 1, 0) turns drafting off.
     lookahead: tuple[int, int, int] | None = None
+    # Per-request draft length of a draft-model engine: 0 to the engine's max_draft_len (0:
+    # plain decoding); None takes the engine's.
+    max_draft_len: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,10 @@ class SamplingParams:
                 raise RequestError(f"lookahead={self.lookahead!r} must be three integers "
                                    "(w, n, g)", "lookahead")
             object.__setattr__(self, "lookahead", tuple(int(v) for v in self.lookahead))
+        if self.max_draft_len is not None and (isinstance(self.max_draft_len, bool) or int(
+                self.max_draft_len) != self.max_draft_len or self.max_draft_len < 0):
+            raise RequestError(f"max_draft_len={self.max_draft_len!r} must be an integer >= 0 "
+                               "(0: plain decoding)", "max_draft_len")
         for name, value in self._floats().items():
             if not math.isfinite(value):
                 raise RequestError(f"{name}={value!r} must be a finite number", name)

@@ -137,7 +137,7 @@ def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_bloc
                                   config.prefill_graphs)
         if device.type == "cuda":
             warm_eager_forward(model, cache, runner.stager, 1)
-    return DraftModel(runner, min(cfg.vocab_size, target_vocab), max_tokens)
+    return DraftModel(runner, min(cfg.vocab_size, target_vocab), max_tokens, target_vocab)
 
 
 def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,

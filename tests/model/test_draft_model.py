@@ -206,3 +206,74 @@ def test_seeded_sampled_drafts_are_reproducible(engines):
                                                          ignore_eos=True)] * 3)
     assert batch[0].token_ids == alone.token_ids
     assert alone.metrics.spec_tokens > alone.metrics.spec_steps
+
+
+def test_per_request_draft_lengths_in_one_batch(engines):
+    """Requests of one batch draft 0 (plain), 1, 2 and the engine's 4 tokens per step:
+    each equals plain greedy, and commits at most its own length + 1 per step."""
+    prompts = mixed_prompts()[:4]
+    plain = _engine(engines["llama"], None, max_seq_len=256)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(30))]
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256)
+    ks = [0, 1, 2, 4]
+    recorded: list[list[int]] = []
+    real = eng.spec_worker.fill
+
+    def fill(batch, on_error):  # every plan's length
+        recorded.append([r.draft.num_tokens - 1 for r, _ in batch.items if r.draft is not None])
+        return real(batch, on_error)
+
+    eng.spec_worker.fill = fill
+    outs = eng.generate(prompts, [_greedy(30, max_draft_len=k) for k in ks])
+    assert [o.token_ids for o in outs] == want
+    assert outs[0].metrics.spec_steps == 0
+    for o, k in zip(outs[1:], ks[1:]):
+        assert o.metrics.spec_steps > 0
+        assert o.metrics.spec_tokens >= 1.5 * o.metrics.spec_steps  # self-draft: accepted
+    assert max(o.metrics.spec_tokens / o.metrics.spec_steps for o in outs[1:2]) <= 2
+    assert {k for step in recorded for k in step} == {1, 2, 4}
+    eng.blocks.check_all_free()
+
+
+def test_request_draft_length_beyond_the_engine_is_one_clear_error(engines):
+    from kiln.errors import RequestError
+
+    eng = _engine(engines["llama"], engines["qwen2"], k=3)
+    with pytest.raises(RequestError, match=r"max_draft_len 5 exceeds the engine's 3"):
+        eng.add_request([1, 2, 3], _greedy(max_draft_len=5))
+    with pytest.raises(RequestError, match=r"must be an integer >= 0"):
+        _greedy(max_draft_len=-1)
+    plain = _engine(engines["llama"], None)
+    with pytest.raises(RequestError, match=r"applies to draft-model engines"):
+        plain.add_request([1, 2, 3], _greedy(max_draft_len=2))
+    assert not eng.has_unfinished_requests() and not plain.has_unfinished_requests()
+
+
+def test_structured_output_checks_drafts_against_the_grammar(engines):
+    """Greedy json_schema requests with a draft model (the target drafting for itself, so
+    drafts reach the grammar's end): the same tokens as plain guided decoding, valid
+    JSON, drafts accepted."""
+    import json
+
+    from kiln.runtime.guided import GuidedSpec
+
+    schema = {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+        "size": {"enum": ["small", "large"]}},
+        "required": ["color", "ok", "size"], "additionalProperties": False}
+    guided = GuidedSpec("json_schema", json.dumps(schema))
+    example = '{"color":"green","ok":true,"size":"small"} {"color":"red","ok":false,"size":"large"}'
+    prompts = [list(example.encode()) + list(f" item {i}: ".encode()) for i in range(4)]
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256)
+
+    def run(window):
+        return eng.generate(prompts, SamplingParams(max_tokens=60, temperature=0,
+                                                    guided=guided, lookahead=window))
+
+    plain = run(PLAIN)
+    outs = run(None)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for o in outs:
+        assert set(json.loads(o.text)) == {"color", "ok", "size"}
+    assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)
+    eng.blocks.check_all_free()

@@ -57,6 +57,7 @@ MAX_FAILURES = 3  # draft forwards that may fail for one request before it decod
 class DraftState:
     """A request's draft-model state (``req.spec_state``)."""
 
+    k: int = 1  # drafts per step (the request's max_draft_len, else the engine's)
     computed: int = 0  # leading tokens of the request with draft KV in its blocks
     epoch: int = 0  # the request's preemptions when ``computed`` was counted
     base: int = 0  # the request's tokens when this step drafted (x included)
@@ -67,7 +68,7 @@ class DraftState:
 
     @property
     def drafts(self) -> list[int]:
-        return self.drafted[0].row(self.drafted[1]) if self.drafted is not None else []
+        return self.drafted[0].row(self.drafted[1], self.k) if self.drafted is not None else []
 
     def valid(self, req: Request) -> int:
         """Tokens with draft KV now: none after a preemption (the blocks are new)."""
@@ -84,10 +85,59 @@ class StepDrafts:
         self.device = drafts
         self._host: list[list[int]] | None = None
 
-    def row(self, i: int) -> list[int]:
+    def row(self, i: int, k: int) -> list[int]:
         if self._host is None:
             self._host = self.device.tolist()
-        return self._host[i]
+        return self._host[i][:k]
+
+
+class GrammarWalk:
+    """Structured-output requests draft under their grammar: each draw is masked by the
+    request's matcher advanced over the drafts before it (a host read per draft step for
+    those rows), and every matcher is rolled back when the drafting ends. A draft the
+    grammar ends on stops the walk (later drafts are unconstrained; the target's guided
+    verification ends the chain there)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab  # the matchers' (target's) vocabulary
+        self.advanced: dict[Request, int] = {}
+        self.stopped: set[Request] = set()
+
+    def mask(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None
+                and r not in self.stopped]
+        if not rows:
+            return logits
+        mask = torch.zeros(len(rows), self.vocab, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            try:
+                reqs[i].matcher.fill_mask(mask[j])
+            except Exception:  # unconstrained: the target's verification checks it
+                mask[j] = True
+        idx = to_device(rows, torch.long, logits.device)
+        allowed = mask[:, : logits.shape[-1]].to(logits.device, non_blocking=True)
+        logits = logits.clone()
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def advance(self, reqs: list[Request], toks: torch.Tensor) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None
+                and r not in self.stopped]
+        if not rows:
+            return
+        for i, tok in zip(rows, toks[to_device(rows, torch.long, toks.device)].tolist()):
+            req = reqs[i]
+            if not req.matcher.accept(tok):
+                self.stopped.add(req)
+                continue
+            self.advanced[req] = self.advanced.get(req, 0) + 1
+            if req.matcher.is_terminated():
+                self.stopped.add(req)
+
+    def rollback(self) -> None:
+        for req, n in self.advanced.items():
+            req.matcher.rollback(n)
+        self.advanced.clear()
 
 
 class DraftSeq:
@@ -118,36 +168,57 @@ class DraftModel:
     (the engine's token budget; longer catch-ups run in chunks).
     """
 
-    def __init__(self, runner: ModelRunner, vocab: int, max_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, vocab: int, max_tokens: int,
+                 target_vocab: int | None = None) -> None:
         self.runner = runner
         self.vocab = vocab
+        self.target_vocab = target_vocab or vocab
         self.max_tokens = max_tokens
         self.device = runner.device
 
-    def draft(self, reqs: list[Request], k: int) -> tuple[torch.Tensor, list[list]]:
-        """K drafts per request -> (drafts [B, K] on the device, per request its K
-        probability rows [V] (sampled requests; empty for greedy ones)). Queued on the
-        device, no host sync."""
+    def draft(self, reqs: list[Request], ks: list[int]) -> tuple[torch.Tensor, list[list]]:
+        """``ks[i]`` drafts for request i -> (drafts [B, max(ks)] on the device, row i's
+        first ``ks[i]`` valid; per request its probability rows [V] (sampled requests;
+        empty for greedy ones)). Queued on the device, no host sync."""
+        walk = GrammarWalk(self.target_vocab)
+        try:
+            return self._draft(reqs, ks, walk)
+        finally:
+            walk.rollback()
+
+    def _draft(self, reqs: list[Request], ks: list[int], walk: GrammarWalk
+               ) -> tuple[torch.Tensor, list[list]]:
         seqs = [DraftSeq(r, r.spec_state.valid(r)) for r in reqs]
-        logits = self._catch_up(seqs)
-        toks, qs = self._draw(logits, reqs)
-        drawn, probs = [toks], [[q] for q in qs]
-        for _ in range(k - 1):
+        toks, qs = self._draw(self._catch_up(seqs), reqs, walk)
+        b, kmax = len(reqs), max(ks)
+        drafts = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
+        drafts[:, 0] = toks
+        probs = [[q] if q is not None else [] for q in qs]
+        rows = list(range(b))  # each drafting sequence's row of ``drafts``
+        for j in range(1, kmax):
+            live = [n for n, i in enumerate(rows) if ks[i] > j]
+            if len(live) < len(rows):  # the requests of shorter drafts are done
+                toks = toks[to_device(live, torch.long, self.device)]
+                seqs, rows = [seqs[n] for n in live], [rows[n] for n in live]
             for s in seqs:
                 s.all_token_ids.append(0)  # the draw in flight, patched on the device
             out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks)
             for s in seqs:
                 s.num_computed_tokens += 1
-            rows = [out.sample_rows[s] for s in seqs]
+            got = [out.sample_rows[s] for s in seqs]
             # one row per sequence, in order (a list index would copy it to the device
             # from pageable memory: a host sync per draft step)
-            toks, qs = self._draw(out.logits[: len(seqs)] if rows == list(range(len(seqs)))
-                                  else out.logits[to_device(rows, torch.long, self.device)],
-                                  reqs)
-            drawn.append(toks)
-            for p, q in zip(probs, qs):
-                p.append(q)
-        return torch.stack(drawn, 1), [p if p[0] is not None else [] for p in probs]
+            logits = (out.logits[: len(seqs)] if got == list(range(len(seqs)))
+                      else out.logits[to_device(got, torch.long, self.device)])
+            toks, qs = self._draw(logits, [reqs[i] for i in rows], walk)
+            if len(rows) == b:
+                drafts[:, j] = toks
+            else:
+                drafts[to_device(rows, torch.long, self.device), j] = toks
+            for i, q in zip(rows, qs):
+                if q is not None:
+                    probs[i].append(q)
+        return drafts, probs
 
     def _catch_up(self, seqs: list[DraftSeq]) -> torch.Tensor:
         """Forward what the draft has not computed of each sequence (x at least), in chunks
@@ -171,11 +242,12 @@ class DraftModel:
                 s.num_computed_tokens += n
         return torch.stack([rows[s] for s in seqs])
 
-    def _draw(self, logits: torch.Tensor, reqs: list[Request]
+    def _draw(self, logits: torch.Tensor, reqs: list[Request], walk: GrammarWalk
               ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """One draft token per row on the device [B] (greedy: the argmax; sampled: a draw
-        from the request's warped distribution q, whose row is returned too)."""
-        logits = logits[:, : self.vocab]
+        from the request's warped distribution q, whose row is returned too; under its
+        grammar for a structured-output request)."""
+        logits = walk.mask(logits[:, : self.vocab], reqs)
         toks = logits.argmax(-1)
         qs: list[torch.Tensor | None] = [None] * len(reqs)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -189,6 +261,7 @@ class DraftModel:
                 noise = torch.empty_like(q[j]).exponential_(generator=gen)
                 toks[i] = (q[j] / noise).argmax()
                 qs[i] = q[j]
+        walk.advance(reqs, toks)
         return toks, qs
 
 
@@ -203,7 +276,9 @@ class DraftModelWorker(DraftWorker):
         self.k = max_draft_len
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
-        req.spec_state = DraftState(epoch=req.metrics.num_preemptions)
+        k = req.params.max_draft_len
+        req.spec_state = DraftState(k=self.k if k is None else k,
+                                    epoch=req.metrics.num_preemptions)
 
     def shadow_proposer(self, req: Request):
         return None  # no pacing yet: a shadow would have to run the draft model
@@ -214,7 +289,7 @@ class DraftModelWorker(DraftWorker):
         if req.spec_state.off:
             return None
         x = req.all_token_ids[-1]
-        return DraftPlan([x] * (self.k + 1))
+        return DraftPlan([x] * (req.spec_state.k + 1))
 
     def fill(self, batch: ScheduledBatch, on_error: OnError
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -238,20 +313,21 @@ class DraftModelWorker(DraftWorker):
         rows, q0 = [], 0
         for req, n in batch.items:
             if req in drawn:
-                rows.extend(range(q0 + 1, q0 + 1 + self.k))
+                rows.extend(range(q0 + 1, q0 + n))
             q0 += n
         ids = torch.cat([drawn[r] for r, _ in batch.items if r in drawn])
         return to_device(rows, torch.long, ids.device), ids
 
     def _fill(self, reqs: list[Request]) -> dict[Request, torch.Tensor]:
-        drafts, qs = self.draft_model.draft(reqs, self.k)
+        ks = [r.spec_state.k for r in reqs]
+        drafts, qs = self.draft_model.draft(reqs, ks)
         step = StepDrafts(drafts)
         for i, (req, q) in enumerate(zip(reqs, qs)):
             st = req.spec_state
             st.base, st.drafted = req.num_tokens, (step, i)
             st.q = torch.stack(q) if q else None
             req.draft.data = st
-        return dict(zip(reqs, drafts))
+        return {r: d[:k] for r, d, k in zip(reqs, drafts, ks)}
 
     def _draft_failed(self, req: Request, e: BaseException) -> None:
         """The request's draft forward raised: this step verifies placeholder drafts (the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
+from kiln.errors import RequestError
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
@@ -48,6 +49,10 @@ def make_device_state(spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
 def request_window(spec: SpeculativeConfig, params: SamplingParams) -> tuple[int, int, int] | None:
     """The request's (w, n, g) when it speculates, else None (validated against the
     engine's window; a request outside it is rejected with both named)."""
+    if params.max_draft_len is not None:
+        k = validate_request_draft_len(spec, params.max_draft_len)
+        if k == 0:
+            return None
     if params.lookahead is not None:
         w, n, g = validate_request_window(spec, *params.lookahead)
         if (w, n, g) == (1, 1, 0):
@@ -65,3 +70,22 @@ def request_window(spec: SpeculativeConfig, params: SamplingParams) -> tuple[int
             or params.penalized):
         return None
     return (w, n, g)
+
+
+def validate_request_draft_len(spec: SpeculativeConfig, k: int) -> int:
+    """A request's ``max_draft_len`` against a draft-model engine's: 0 (plain decoding) up
+    to the engine's; anything else is a RequestError naming both (the server answers 400)."""
+    if spec.mode != "draft":
+        if k == 0:
+            return 0
+        raise RequestError(
+            f"max_draft_len {k} is not available: this engine was built with speculative "
+            f"decoding mode {spec.mode!r}, and a request's max_draft_len applies to draft-model "
+            f"engines (kiln build --speculative-decoding-mode draft --draft-model SOURCE); "
+            f"drop it or send 0 (plain decoding)", "max_draft_len")
+    if k > spec.max_draft_len:
+        raise RequestError(
+            f"max_draft_len {k} exceeds the engine's {spec.max_draft_len} (its draft model "
+            f"drafts at most that many tokens per step): send 0 to {spec.max_draft_len} "
+            f"(0: plain decoding)", "max_draft_len")
+    return k
