@@ -172,6 +172,9 @@ class SamplingFields(_Body):
     choice: list[Text] | None = Field(None, min_length=1, description="non-empty strings; "
                                       "the output is one of them")
     lookahead: Lookahead | None = None
+    max_draft_len: int | None = Field(None, ge=0, description=(
+        "draft-model engines: draft tokens per step for this request, 0 (plain decoding) to "
+        "the engine's max_draft_len; omitted: the engine's"), json_schema_extra={MAX: "k"})
 
     def guided(self) -> tuple[GuidedSpec | None, str | None]:
         """The structured-output spec and the name of the field that asked for it."""
@@ -377,6 +380,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
                              "lookahead", code="unsupported")
         la = req.lookahead
         kwargs["lookahead"] = (la.w, la.n, la.g)
+    if req.max_draft_len is not None:
+        kwargs["max_draft_len"] = req.max_draft_len
     try:
         return SamplingParams(**kwargs)
     except RequestError as e:
