@@ -32,7 +32,7 @@ from kiln.runtime.request import Request, check_prompt, request_output
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.break_even import spec_break_even
-from kiln.runtime.speculative.pace import Shadow, SpecPace, gate_batch
+from kiln.runtime.speculative.pace import gate_batch
 from kiln.runtime.speculative.worker import on_device
 from kiln.runtime.speculative.workers import make_worker, request_window
 from kiln.runtime.startup import assemble
@@ -95,7 +95,7 @@ class LLMEngine:
         seqs = self.scheduler.max_num_seqs
         self._readback = TokenReadback((seqs + 1) * (self._spec_width + 1) + seqs,
                                        self.device)
-        if self.spec_worker and self.speculative.mode != "draft":  # (no draft pacing yet)
+        if self.spec_worker:
             t_pace = time.perf_counter()
             self.spec_break_even = spec_break_even(self)
             self.startup_times["spec_break_even_s"] = time.perf_counter() - t_pace
@@ -165,11 +165,8 @@ class LLMEngine:
         window = request_window(self.speculative, params)
         if window is not None:
             self.spec_worker.init_request(req, window)
-            proposer = (self.spec_worker.shadow_proposer(req)
-                        if self.spec_break_even is not None and params.seed is None else None)
-            if proposer is not None:
-                req.spec_pace = SpecPace(Shadow(proposer, len(ids)), self.spec_break_even,
-                                         gain=proposer.prior_gain)
+            if self.spec_break_even is not None and params.seed is None:
+                req.spec_pace = self.spec_worker.pace(req, self.spec_break_even)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req

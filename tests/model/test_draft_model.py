@@ -277,3 +277,34 @@ def test_structured_output_checks_drafts_against_the_grammar(engines):
         assert set(json.loads(o.text)) == {"color", "ok", "size"}
     assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)
     eng.blocks.check_all_free()
+
+
+def test_adaptive_pacing_stops_a_losing_draft_and_tries_again(engines):
+    """Break-even 2 tokens per step (RuntimeConfig.spec_break_even; measured on CUDA): a
+    draft that agrees with the target (itself) keeps speculating; one that does not (another
+    model, ~1 token per step) stops after MIN_REAL steps, decodes plainly for FIRST_PAUSE
+    steps, tries again, and pauses twice as long after the next stop. Output is plain
+    greedy's either way."""
+    from kiln.runtime.speculative.pace import MIN_REAL, DraftPace
+
+    prompts = mixed_prompts()[:3]
+    plain = _engine(engines["llama"], None, max_seq_len=256)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(100))]
+    for draft, keeps in (("llama", True), ("qwen2", False)):
+        eng = _engine(engines["llama"], engines[draft], max_seq_len=256, spec_break_even=2.0)
+        ids = [eng.add_request(p, _greedy(100)) for p in prompts]
+        paces = [eng._requests[i].spec_pace for i in ids]
+        assert all(isinstance(p, DraftPace) for p in paces)
+        outs = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id] = o
+        assert [outs[i].token_ids for i in ids] == want
+        for p in paces:
+            if keeps:
+                assert p.starts == 1 and p.plain_steps <= 1, p  # the prefill's token
+            else:
+                assert p.starts >= 2 and p.plain_steps >= DraftPace.FIRST_PAUSE, p
+                assert p.spec_steps <= p.starts * (MIN_REAL + 1), p
+                assert p.next_pause >= 2 * DraftPace.FIRST_PAUSE
+        eng.blocks.check_all_free()

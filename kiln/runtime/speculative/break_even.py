@@ -107,13 +107,14 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
     None for engines that do not speculate, that have requests in flight or that cannot
     hold ``batch`` dummy requests."""
     spec = engine.speculative
-    if (spec.mode not in ("lookahead", "ngram") or engine.has_unfinished_requests()
+    if (spec.mode not in ("lookahead", "ngram", "draft") or engine.has_unfinished_requests()
             or batch > engine.scheduler.max_num_seqs):
         return None
     vocab = engine.model_config.vocab_size
     prompts = [[(7 * i + 11 + 13 * b) % vocab for i in range(DUMMY_PROMPT_LEN)]
                for b in range(batch)]
-    # the most a step commits: N for lookahead, every draft and the bonus for ngram
+    # the most a step commits: N for lookahead, every draft and the bonus for ngram and
+    # draft models
     most = spec.lookahead[1] if spec.mode == "lookahead" else spec.tokens_per_step
     room = min(engine.limits.max_seq_len - DUMMY_PROMPT_LEN, (steps + warmup + 1) * most)
     kv_tokens = engine.blocks.num_blocks * engine.blocks.block_size

@@ -45,6 +45,7 @@ from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.pace import BreakEven, DraftPace
 from kiln.runtime.speculative.worker import DraftWorker, OnError
 
 if TYPE_CHECKING:
@@ -281,7 +282,11 @@ class DraftModelWorker(DraftWorker):
                                     epoch=req.metrics.num_preemptions)
 
     def shadow_proposer(self, req: Request):
-        return None  # no pacing yet: a shadow would have to run the draft model
+        raise NotImplementedError("a draft model has no shadow proposer: what it proposes "
+                                  "is known only by running it (``pace``: DraftPace)")
+
+    def pace(self, req: Request, break_even: BreakEven) -> DraftPace:
+        return DraftPace(break_even)
 
     def propose(self, req: Request) -> DraftPlan | None:
         """x and K placeholders: the drafts are drawn once the step is scheduled (``fill``),

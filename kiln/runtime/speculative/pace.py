@@ -236,3 +236,67 @@ def gate_batch(paces: list[SpecPace | None], batch: int, break_even: BreakEven,
         ok = bool(wanting) and sum(p.estimate() - 1.0 for p in counted) >= need
     for p in live:
         p.batch_ok = ok
+
+
+@dataclass
+class DraftPace:
+    """Pacing of a draft-model request (the same interface as ``SpecPace``). No shadow:
+    what a draft model would propose is known only by running it. So a request speculates
+    from its start, each run expected at the break-even until ``MIN_REAL`` real steps say
+    otherwise; it stops when the mean of its last ``WINDOW`` real steps (at least
+    ``MIN_REAL``) falls below the break-even, or when the batch gate keeps it from
+    speculating (``gate_batch``: its expected gain does not cover the batch's cost), then
+    decodes plainly for ``pause`` plain steps (``FIRST_PAUSE``, doubled at each stop up to
+    ``MAX_PAUSE``; its draft catches up on those tokens in one chunk when it starts again)
+    and tries again."""
+
+    break_even: BreakEven
+    speculating: bool = True
+    real: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    starts: int = 1
+    spec_steps: int = 0
+    plain_steps: int = 0
+    pause: int = 0  # plain steps left before the next start
+    next_pause: int = 0  # the pause after the next stop (0: FIRST_PAUSE)
+    batch_ok: bool = True
+
+    FIRST_PAUSE = 16
+    MAX_PAUSE = 256
+
+    @property
+    def active(self) -> bool:
+        return self.speculating and self.batch_ok
+
+    def estimate(self) -> float:
+        """The run's real mean, with the break-even standing in for each of its first
+        ``MIN_REAL`` steps not taken yet."""
+        k = len(self.real)
+        if k >= MIN_REAL:
+            return sum(self.real) / k
+        return (sum(self.real) + self.break_even.current * (MIN_REAL - k)) / MIN_REAL
+
+    def on_spec_step(self, committed: int, ids: Sequence[int]) -> None:
+        self.spec_steps += 1
+        if not self.speculating:
+            return
+        self.real.append(committed)
+        if len(self.real) >= MIN_REAL and (sum(self.real) / len(self.real)
+                                           < self.break_even.current):
+            self._stop()
+
+    def on_plain_step(self, ids: Sequence[int]) -> None:
+        self.plain_steps += 1
+        if self.speculating:
+            if not self.batch_ok:  # the batch gate judged the run: it does not pay
+                self._stop()
+            return
+        self.pause -= 1
+        if self.pause <= 0:
+            self.speculating = True
+            self.starts += 1
+
+    def _stop(self) -> None:
+        self.speculating = False
+        self.real.clear()
+        self.pause = self.next_pause or self.FIRST_PAUSE
+        self.next_pause = min(2 * self.pause, self.MAX_PAUSE)

@@ -22,6 +22,7 @@ from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
 from kiln.runtime.speculative.device_step import device_verifiable, plan_warp
 from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.pace import BreakEven, DraftPace, Shadow, SpecPace
 from kiln.runtime.step import StepResult
 
 OnError = Callable[[Request, str, BaseException], None]
@@ -72,6 +73,13 @@ class DraftWorker(SpeculativeWorker):
         Returns token ids drawn on the device for the step's input rows (rows [k], ids
         [k]; ``ModelRunner.execute``'s ``scatter``), or None."""
         return None
+
+    def pace(self, req: Request, break_even: BreakEven) -> SpecPace | DraftPace | None:
+        """The request's pacing at ``break_even``: a ``SpecPace`` over the worker's shadow
+        proposer."""
+        proposer = self.shadow_proposer(req)
+        return SpecPace(Shadow(proposer, req.num_prompt_tokens), break_even,
+                        gain=proposer.prior_gain)
 
     def device_plan(self, req: Request) -> DraftPlan:
         """The plan of a request whose state is in a device slot: x and placeholders (the
