@@ -467,7 +467,8 @@ class LLMEngine:
         Draft plans' logits are returned untouched in ``draft_logits`` for the worker.
         ``scatter``: token ids on the device for input rows (``ModelRunner.execute``).
         """
-        fwd = self.runner.execute(batch, scatter=scatter)
+        fwd = self.runner.execute(batch) if scatter is None else self.runner.execute(
+            batch, None, scatter)
         result = StepResult()
         reqs, logits = sample_logits(fwd)
         if reqs:
