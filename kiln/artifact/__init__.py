@@ -11,6 +11,9 @@ directory:
                           random engines have none and make them at load)
     tokenizer/            tokenizer files, chat template, generation_config.json (eos ids)
     kernels/<tag>/        optional compiled Triton kernels (kiln.runtime.kernel_cache)
+    draft/                a draft-model engine's draft (speculative mode "draft"): an
+                          engine directory of its own, its engine.json's sha256 recorded
+                          in the target's (loader.load_engine checks it)
 
 ``loader.load_engine`` opens and checks one. These names are light (no torch): the CLI uses
 them without loading anything.

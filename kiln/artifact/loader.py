@@ -26,10 +26,15 @@ from kiln.sources.base import sha256_file
 
 @dataclass(frozen=True)
 class EngineArtifact:
-    """A checked engine directory. Weights and tokenizer load on demand."""
+    """A checked engine directory. Weights and tokenizer load on demand.
+
+    ``draft``: a draft-model engine's draft (speculative mode "draft"), itself a checked
+    engine directory inside this one (``spec.speculative.draft_engine``); None otherwise.
+    """
 
     spec: EngineSpec
     path: Path
+    draft: EngineArtifact | None = None
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -160,4 +165,50 @@ def load_engine(path: str | Path, *, verify_checksums: bool = True) -> EngineArt
         raise EngineFormatError(
             f"{spec_path} has weights format {fmt!r}; expected 'safetensors' or 'random'"
         )
-    return EngineArtifact(spec=spec, path=path)
+    draft = None
+    if spec.speculative.mode == "draft":
+        draft = _load_draft(path, spec, verify_checksums)
+    return EngineArtifact(spec=spec, path=path, draft=draft)
+
+
+def _load_draft(path: Path, spec: EngineSpec, verify_checksums: bool) -> EngineArtifact:
+    """The draft engine of the draft-model engine at ``path``: the directory engine.json
+    names, whose engine.json has the recorded sha256 (checked always: one small file that
+    lists the draft's weight checksums), of the target's dtype and without speculation."""
+    sp = spec.speculative
+    spec_path = path / ENGINE_JSON
+    if sp.draft_engine is None or sp.draft_sha256 is None:
+        missing = " and ".join(n for n in ("draft_engine", "draft_sha256")
+                               if getattr(sp, n) is None)
+        raise EngineFormatError(
+            f"{spec_path} has speculative decoding mode 'draft' but no {missing}: the engine "
+            f"must name its draft engine directory and that engine.json's sha256; rebuild the "
+            f"engine with `kiln build --speculative-decoding-mode draft --draft-model SOURCE`"
+        )
+    draft_dir = path / sp.draft_engine
+    draft_json = draft_dir / ENGINE_JSON
+    if not draft_json.is_file():
+        raise EngineFormatError(
+            f"engine {path} is a draft-model engine but its draft engine {draft_json} is "
+            f"missing; rebuild the engine"
+        )
+    actual = sha256_file(draft_json)
+    if actual != sp.draft_sha256:
+        raise EngineFormatError(
+            f"checksum mismatch for {draft_json}: {spec_path} records draft_sha256 "
+            f"{sp.draft_sha256}, the file has {actual}; the draft engine was changed or "
+            f"replaced: rebuild the engine"
+        )
+    draft = load_engine(draft_dir, verify_checksums=verify_checksums)
+    if draft.spec.dtype != spec.dtype:
+        raise EngineFormatError(
+            f"draft engine {draft_dir} has dtype {draft.spec.dtype!r} but the engine {path} "
+            f"{spec.dtype!r}: a draft runs in the target's dtype; rebuild the engine"
+        )
+    if draft.spec.speculative.mode != "none":
+        raise EngineFormatError(
+            f"draft engine {draft_dir} has speculative decoding mode "
+            f"{draft.spec.speculative.mode!r}: a draft model decodes plainly (mode 'none'); "
+            f"rebuild the engine"
+        )
+    return draft

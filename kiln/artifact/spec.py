@@ -11,16 +11,23 @@ from kiln.artifact.speculative import SpeculativeConfig, check_limits
 from kiln.config import ModelConfig
 
 # The newest engine format this kiln reads and writes. 2: an FP8 lm_head
-# (quantization.lm_head "fp8", lm_head.weight_scale one per row). An engine is written with
-# the oldest version that describes it (``format_version_for``), so a kiln that reads only 1
-# still opens every engine without the new feature and says "upgrade kiln" for the others.
+# (quantization.lm_head "fp8", lm_head.weight_scale one per row). 3: speculative decoding
+# mode "draft" (a draft engine in ENGINE/draft; speculative.draft_model, draft_engine,
+# draft_sha256). An engine is written with the oldest version that describes it
+# (``format_version_for``), so a kiln that reads only 1 still opens every engine without the
+# new feature and says "upgrade kiln" for the others.
 # An optional section that an older kiln can ignore (EngineSpec.from_dict reads only the keys
 # it knows) needs no new version: ``generation_defaults`` is one.
-ENGINE_FORMAT_VERSION = 2
+ENGINE_FORMAT_VERSION = 3
 
 
-def format_version_for(quantization: QuantConfig) -> int:
-    """The oldest engine format version that holds an engine with this quantization."""
+def format_version_for(
+    quantization: QuantConfig, speculative: SpeculativeConfig | None = None
+) -> int:
+    """The oldest engine format version that holds an engine with this quantization and
+    these speculative settings."""
+    if speculative is not None and speculative.mode == "draft":
+        return 3
     return 2 if quantization.lm_head != "none" else 1
 
 

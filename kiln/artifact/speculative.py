@@ -6,6 +6,11 @@ from it and recorded beside it, so the serving side never asks for the window a 
 
     max_draft_len(W, N, G) = (N-2 if N>1 else 0) + (W-1+G)*(N-1)
     tokens_per_step        = max_draft_len + 1        # = (W+G)(N-1) for N>1
+
+Mode "draft": a small model of the target's tokenizer drafts K = max_draft_len tokens per
+step (1 <= K <= MAX_DRAFT_MODEL_LEN). ``kiln build`` builds it as a complete engine
+directory inside the target's (``draft_engine``, always "draft") and records the sha256 of
+its engine.json (``draft_sha256``), which lists the draft's weight checksums in turn.
 """
 
 from __future__ import annotations
@@ -16,7 +21,19 @@ from typing import Any
 
 from kiln.errors import RequestError
 
-MODES = ("none", "lookahead", "ngram")
+MODES = ("none", "lookahead", "ngram", "draft")
+# Most tokens a draft model proposes per step: each is one sequential forward of the draft,
+# so past a few the acceptance rate (the product of per-token agreement) no longer pays.
+MAX_DRAFT_MODEL_LEN = 16
+# `kiln build --speculative-decoding-mode` spellings of the modes (after lower-casing, "-"
+# to "_").
+MODE_ALIASES = {
+    "lookahead_decoding": "lookahead",
+    "prompt_lookup": "ngram",
+    "draft_target": "draft",
+    "draft_model": "draft",
+}
+DRAFT_EXAMPLE = "e.g. --draft-model qwen2.5-coder-0.5b for qwen2.5-coder-1.5b"
 FORMULA = "max_draft_len = (N-2 if N>1 else 0) + (W-1+G)*(N-1)"
 PLAIN = (1, 1, 0)
 
@@ -114,9 +131,15 @@ def parse_window(text: str, flag: str = "--lookahead-config") -> tuple[int, int,
 class SpeculativeConfig:
     """Speculative decoding as recorded in engine.json.
 
-    mode "none" | "lookahead" | "ngram". Lookahead records its (W, N, G) window and the
-    max_draft_len it implies; ngram (prompt lookup) records max_draft_len and the n-gram
-    match sizes it tries, longest first (ngram_max_match down to ngram_min_match).
+    mode "none" | "lookahead" | "ngram" | "draft". Lookahead records its (W, N, G) window
+    and the max_draft_len it implies; ngram (prompt lookup) records max_draft_len and the
+    n-gram match sizes it tries, longest first (ngram_max_match down to ngram_min_match).
+    Draft records max_draft_len (K, 1..MAX_DRAFT_MODEL_LEN) and its draft model:
+    ``draft_model`` the source as the user gave it (provenance only), ``draft_engine`` the
+    draft engine's directory inside the engine directory ("draft") and ``draft_sha256`` the
+    sha256 of that directory's engine.json. The builder fills the last two (``from_cli``
+    leaves them None); the three are None in the other modes and then left out of
+    engine.json.
     Build it through ``from_cli`` (validates); the constructor only checks consistency.
     """
 
@@ -125,6 +148,9 @@ class SpeculativeConfig:
     lookahead: tuple[int, int, int] | None = None
     ngram_max_match: int = 3
     ngram_min_match: int = 1
+    draft_model: str | None = None
+    draft_engine: str | None = None
+    draft_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if self.lookahead is not None and not isinstance(self.lookahead, tuple):
@@ -163,10 +189,50 @@ class SpeculativeConfig:
                 f"ngram speculative decoding needs max_draft_len >= 1, got "
                 f"{self.max_draft_len}; pass e.g. --max-draft-len 4"
             )
+        if self.mode == "draft":
+            self._check_draft()
+        else:
+            for name in ("draft_model", "draft_engine", "draft_sha256"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} {getattr(self, name)!r} is set but speculative decoding mode "
+                        f"is {self.mode!r}: a draft model applies to mode 'draft'; pass "
+                        f"--speculative-decoding-mode draft or drop --draft-model"
+                    )
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(
                 f"ngram match sizes min {self.ngram_min_match} / max {self.ngram_max_match} "
                 f"are invalid: need 1 <= min <= max; pass e.g. --ngram-match 3"
+            )
+
+    def _check_draft(self) -> None:
+        """Mode "draft": K in range, a draft model named, a plain draft directory name."""
+        k = self.max_draft_len
+        if not 1 <= k <= MAX_DRAFT_MODEL_LEN:
+            raise ValueError(
+                f"max_draft_len {k} is invalid for speculative decoding mode 'draft': the "
+                f"draft model proposes 1 to {MAX_DRAFT_MODEL_LEN} tokens per step; pass e.g. "
+                f"--max-draft-len 4"
+            )
+        if not self.draft_model:
+            raise ValueError(
+                "speculative decoding mode 'draft' records no draft model: the engine must "
+                f"name it; pass --draft-model SOURCE ({DRAFT_EXAMPLE})"
+            )
+        name = self.draft_engine
+        if name is not None and (not name or name in (".", "..") or "/" in name
+                                 or "\\" in name):
+            raise ValueError(
+                f"draft_engine {name!r} is invalid: it is the name of the draft engine's "
+                f"directory inside the engine directory (kiln build writes 'draft'); rebuild "
+                f"the engine"
+            )
+        sha = self.draft_sha256
+        if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef"
+                                                        for c in sha)):
+            raise ValueError(
+                f"draft_sha256 {sha!r} is invalid: it must be the 64 lower-case hex digits "
+                f"of the sha256 of the draft engine's engine.json; rebuild the engine"
             )
 
     @property
@@ -179,9 +245,14 @@ class SpeculativeConfig:
         return self.max_draft_len + 1
 
     def to_dict(self) -> dict[str, Any]:
+        """engine.json's section; the draft fields only when set (mode "draft"), so the
+        other modes' section is what kiln wrote before draft models existed."""
         d = dataclasses.asdict(self)
         if self.lookahead is not None:
             d["lookahead"] = list(self.lookahead)
+        for name in ("draft_model", "draft_engine", "draft_sha256"):
+            if d[name] is None:
+                del d[name]
         return d
 
     @classmethod
@@ -199,31 +270,40 @@ class SpeculativeConfig:
         max_draft_len: int | None = None,
         ngram_match: int | None = None,
         beam_width: int = 1,
+        draft_model: str | None = None,
     ) -> SpeculativeConfig:
         """Validate the build flags and return the config recorded in engine.json.
 
+        Mode "draft" (also "draft_target", "draft_model", "draft-target") needs
+        ``draft_model`` (--draft-model) and ``max_draft_len`` 1..MAX_DRAFT_MODEL_LEN; its
+        ``draft_engine`` and ``draft_sha256`` are left None for the builder to fill.
         Raises ValueError with a message naming the flag, its value, the rule and the fix.
         """
         mode_in = mode
         mode = (mode or "none").strip().lower().replace("-", "_")
-        mode = {"lookahead_decoding": "lookahead", "prompt_lookup": "ngram"}.get(mode, mode)
+        mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise ValueError(
                 f"--speculative-decoding-mode {mode_in!r} is unknown: valid modes are "
                 f"{', '.join(MODES)}"
             )
+        if draft_model is not None:
+            draft_model = str(draft_model)
         if mode == "none":
             given = [
                 f for f, v in (
                     ("--lookahead-config", lookahead_config),
                     ("--max-draft-len", max_draft_len),
                     ("--ngram-match", ngram_match),
+                    (f"--draft-model {draft_model}", draft_model),
                 ) if v is not None
             ]
             if given:
+                modes = ("draft (with --draft-model SOURCE and --max-draft-len K)"
+                         if draft_model is not None else "lookahead (or ngram, or draft)")
                 raise ValueError(
                     f"{' and '.join(given)} given but speculative decoding mode is 'none'; "
-                    f"pass --speculative-decoding-mode lookahead (or ngram) to use them"
+                    f"pass --speculative-decoding-mode {modes} to use them"
                 )
             return cls()
         if beam_width != 1:
@@ -232,6 +312,14 @@ class SpeculativeConfig:
                 f"mode {mode!r}: speculative decoding needs beam width 1; pass "
                 f"--max-beam-width 1 or --speculative-decoding-mode none"
             )
+        if draft_model is not None and mode != "draft":
+            raise ValueError(
+                f"--draft-model {draft_model} applies to mode 'draft', not {mode!r}; pass "
+                f"--speculative-decoding-mode draft to draft with it, or drop --draft-model"
+            )
+        if mode == "draft":
+            return cls._draft_from_cli(lookahead_config, max_draft_len, ngram_match,
+                                       draft_model)
         if mode == "lookahead":
             if ngram_match is not None:
                 raise ValueError(
@@ -284,6 +372,47 @@ class SpeculativeConfig:
             )
         return cls(mode="ngram", max_draft_len=max_draft_len, ngram_max_match=nm,
                    ngram_min_match=1)
+
+    @classmethod
+    def _draft_from_cli(
+        cls,
+        lookahead_config: str | None,
+        max_draft_len: int | None,
+        ngram_match: int | None,
+        draft_model: str | None,
+    ) -> SpeculativeConfig:
+        """``from_cli`` for mode "draft" (the mode and beam width are checked)."""
+        if lookahead_config is not None:
+            raise ValueError(
+                f"--lookahead-config {lookahead_config} applies to mode 'lookahead', not "
+                f"'draft' (a draft model proposes --max-draft-len tokens per step); drop it"
+            )
+        if ngram_match is not None:
+            raise ValueError(
+                f"--ngram-match {ngram_match} applies to mode 'ngram', not 'draft' (a draft "
+                f"model proposes --max-draft-len tokens per step); drop it"
+            )
+        if not draft_model or not draft_model.strip():
+            both = max_draft_len is None
+            raise ValueError(
+                f"speculative decoding mode 'draft' needs --draft-model SOURCE"
+                f"{' and --max-draft-len K' if both else ''}: a smaller model sharing the "
+                f"target's tokenizer that drafts the tokens the target verifies; pass "
+                f"{DRAFT_EXAMPLE}{' --max-draft-len 4' if both else ''}"
+            )
+        if max_draft_len is None:
+            raise ValueError(
+                f"speculative decoding mode 'draft' needs --max-draft-len K: the tokens the "
+                f"draft model {draft_model} proposes per step, 1 to {MAX_DRAFT_MODEL_LEN}; "
+                f"pass e.g. --max-draft-len 4"
+            )
+        if not 1 <= max_draft_len <= MAX_DRAFT_MODEL_LEN:
+            raise ValueError(
+                f"--max-draft-len {max_draft_len} is invalid for mode 'draft': it needs "
+                f"1 <= max_draft_len <= {MAX_DRAFT_MODEL_LEN} (each draft token is one "
+                f"sequential forward of the draft model); pass e.g. --max-draft-len 4"
+            )
+        return cls(mode="draft", max_draft_len=max_draft_len, draft_model=draft_model)
 
 
 def check_limits(

@@ -1,4 +1,8 @@
-"""``build_engine``: validate, prepare weights layer by layer, write the engine atomically."""
+"""``build_engine``: validate, prepare weights layer by layer, write the engine atomically.
+
+A draft-model engine (speculative mode "draft") holds its draft as a second complete engine
+in ENGINE/draft, written by the same ``write_engine`` into the same temp dir.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +25,14 @@ from kiln.artifact.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_v
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.artifact.weights import RANDOM_STD, quantize_lm_head, runtime_shapes
 from kiln.builder import fp8
+from kiln.builder.draft import DRAFT_DIR, check_draft, source_name
 from kiln.builder.generation import GENERATION_CONFIG_MODES, resolve_generation_defaults
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
 from kiln.builder.weights import check_source_tensors, prepare_groups, tensor_plan
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import KilnError
 from kiln.sources import SourceModel, open_source
+from kiln.sources.base import sha256_file
 from kiln.sources.umask import honour_umask
 
 
@@ -71,6 +78,12 @@ def build_engine(
     way: kiln/cli/precompile.py).
     ``generation_config``: "auto" records the source's sampling defaults (generation_config.json,
     a built-in's model card) in engine.json ``generation_defaults``; "none" records none.
+    ``speculative`` mode "draft": ``speculative.draft_model`` (any source form) is opened and
+    checked against the target (kiln.builder.draft) with the rest, then built as a complete
+    engine in ``out_dir/draft`` (the same dtype and limits, no speculation, no quantization,
+    no generation defaults, tuned like the target) inside the same temp dir; the target's
+    engine.json records ``draft_engine`` "draft" and ``draft_sha256``, the sha256 of
+    draft/engine.json.
     """
     out_dir = Path(out_dir).expanduser()
     if dtype not in DTYPES:
@@ -80,10 +93,77 @@ def build_engine(
                          f"one of {list(GENERATION_CONFIG_MODES)}")
     _check_out_dir(out_dir, force)
     speculative = speculative or SpeculativeConfig()
-    requested = quantization or QuantConfig()
     console = Console(stderr=True, quiet=not progress)
 
     model = source if isinstance(source, SourceModel) else open_source(source, progress=progress)
+    plan = _plan_engine(
+        model, dtype=dtype, limits=limits, max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len, max_input_len=max_input_len, max_num_tokens=max_num_tokens,
+        speculative=speculative, requested=quantization or QuantConfig(),
+        generation_config=generation_config,
+    )
+    draft = None
+    if speculative.mode == "draft":
+        draft = _plan_draft(source_name(source, model), plan, speculative, progress)
+    for p in (plan, draft):  # heavy (GGUF dequantization) only after every check above
+        if p is not None and not p.model.is_random:
+            p.model.materialize()
+            check_source_tensors(fp8.without_scales(p.model) if p.fp8_ckpt else p.model)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    try:
+        spec = plan.spec
+        if draft is not None:
+            console.print(f"building the draft model {speculative.draft_model} "
+                          f"({draft.spec.model.architecture}, {dtype}) into {out_dir}/{DRAFT_DIR}")
+            (tmp / DRAFT_DIR).mkdir()
+            write_engine(draft, tmp / DRAFT_DIR, tune, console, label="draft weights")
+            recorded = dataclasses.replace(
+                speculative, draft_engine=DRAFT_DIR,
+                draft_sha256=sha256_file(tmp / DRAFT_DIR / ENGINE_JSON))
+            plan = dataclasses.replace(plan, spec=dataclasses.replace(spec,
+                                                                      speculative=recorded))
+            console.print("building the target model")
+        spec = write_engine(plan, tmp, tune, console)
+        if finish is not None:
+            finish(tmp)
+        honour_umask(tmp)  # mkdtemp made it 0700
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    drafted = (f", draft {draft.spec.model.architecture} K={speculative.max_draft_len}"
+               if draft is not None else "")
+    console.print(f"[green]built[/] {out_dir} ({spec.model.architecture}, {dtype}{drafted})")
+    return spec
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """A checked engine, not written yet: its source, its spec so far (no weight checksums,
+    kernel configs) and the FP8 checkpoint its weights come from, if any."""
+
+    model: SourceModel
+    spec: EngineSpec
+    fp8_ckpt: fp8.Fp8Checkpoint | None = None
+
+
+def _plan_engine(
+    model: SourceModel,
+    *,
+    dtype: str,
+    limits: Limits | None,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+    max_input_len: int | None = None,
+    max_num_tokens: int | None = None,
+    speculative: SpeculativeConfig,
+    requested: QuantConfig,
+    generation_config: str,
+) -> EnginePlan:
+    """Validate what the engine of ``model`` will be (quantization, limits, generation
+    defaults; warnings printed) without reading a weight."""
     cfg = model.config
     quantization, fp8_ckpt = _resolve_quantization(model, requested, dtype)
     if limits is None:
@@ -101,12 +181,8 @@ def build_engine(
         model.generation_defaults, model.generation_source, generation_config, speculative)
     for warning in gen_warnings:
         Console(stderr=True).print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
-    if not model.is_random:
-        model.materialize()  # heavy (GGUF dequantization) only after the checks above
-        check_source_tensors(fp8.without_scales(model) if fp8_ckpt else model)
-
     spec = EngineSpec(
-        format_version=format_version_for(quantization),
+        format_version=format_version_for(quantization, speculative),
         kiln_version=kiln.__version__,
         model=cfg,
         dtype=dtype,
@@ -121,29 +197,56 @@ def build_engine(
         ),
         generation_defaults=generation,
     )
+    return EnginePlan(model, spec, fp8_ckpt)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-    try:
-        if not model.is_random:
-            report: dict[str, Any] = {}
-            files = _write_weights(model, tmp, dtype, console, quantization, report)
-            spec = dataclasses.replace(spec, weights={"format": "safetensors", "files": files})
-            if quantization.kv_cache == "fp8":
-                spec = _record_kv_scales(spec, report)
-        elif quantization.kv_cache == "fp8":
-            spec = _record_kv_scales(spec, {"kv_missing": cfg.num_layers})
-        _write_tokenizer(model, tmp / TOKENIZER_DIR)
-        spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
-        (tmp / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
-        if finish is not None:
-            finish(tmp)
-        honour_umask(tmp)  # mkdtemp made it 0700
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    console.print(f"[green]built[/] {out_dir} ({cfg.architecture}, {dtype})")
+
+def _plan_draft(
+    target_name: str, target: EnginePlan, speculative: SpeculativeConfig, progress: bool
+) -> EnginePlan:
+    """Open ``speculative.draft_model`` and check it against the target (kiln.builder.draft);
+    plan its engine: the target's dtype and limits, no speculation, unquantized, no
+    generation defaults."""
+    name = str(speculative.draft_model)
+    draft = open_source(name, progress=progress)
+    warnings = check_draft(target.model, draft, target.spec.limits, target_name=target_name,
+                           draft_name=name)
+    for warning in warnings:
+        Console(stderr=True).print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    dtype = target.spec.dtype
+    plan = _plan_engine(draft, dtype=dtype, limits=target.spec.limits,
+                        speculative=SpeculativeConfig(), requested=QuantConfig(),
+                        generation_config="none")
+    if plan.fp8_ckpt is not None:
+        raise KilnError(
+            f"draft model {name} is an FP8 checkpoint ({plan.fp8_ckpt.scheme}): a draft "
+            f"engine is built unquantized in the target's dtype {dtype}; pass the unquantized "
+            f"model as --draft-model"
+        )
+    return plan
+
+
+def write_engine(
+    plan: EnginePlan, directory: Path, tune: bool | None, console: Console,
+    label: str = "weights",
+) -> EngineSpec:
+    """Write the engine of ``plan`` (weights, tokenizer/, kernel configs, engine.json last)
+    into the existing empty ``directory``; return the spec written. The source must be
+    materialized. No rename: the caller owns the directory (build_engine's temp dir, or the
+    draft's inside it)."""
+    model, spec = plan.model, plan.spec
+    quantization = spec.quantization
+    if not model.is_random:
+        report: dict[str, Any] = {}
+        files = _write_weights(model, directory, spec.dtype, console, quantization, report,
+                               label=label)
+        spec = dataclasses.replace(spec, weights={"format": "safetensors", "files": files})
+        if quantization.kv_cache == "fp8":
+            spec = _record_kv_scales(spec, report)
+    elif quantization.kv_cache == "fp8":
+        spec = _record_kv_scales(spec, {"kv_missing": spec.model.num_layers})
+    _write_tokenizer(model, directory / TOKENIZER_DIR)
+    spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
+    (directory / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     return spec
 
 
@@ -245,6 +348,7 @@ def _record_kv_scales(spec: EngineSpec, report: dict[str, Any]) -> EngineSpec:
 def _write_weights(
     model: SourceModel, tmp: Path, dtype: str, console: Console,
     quantization: QuantConfig | None = None, report: dict[str, Any] | None = None,
+    label: str = "weights",
 ) -> dict[str, Any]:
     cfg = model.config
     target = TORCH_DTYPES[dtype]
@@ -279,7 +383,7 @@ def _write_weights(
     )
     try:
         with bar:
-            task = bar.add_task("weights", total=cfg.num_layers + 2)
+            task = bar.add_task(label, total=cfg.num_layers + 2)
             for group in groups:
                 for name, tensor in group.items():
                     writer.write(name, tensor)

@@ -50,7 +50,8 @@ def build(
     speculative_decoding_mode: str = typer.Option(
         "none",
         "--speculative-decoding-mode",
-        help="Speculative decoding: none, lookahead or ngram.",
+        help="Speculative decoding: none, lookahead, ngram (prompt lookup) or draft (a draft "
+        "model, --draft-model).",
     ),
     lookahead_config: str | None = typer.Option(
         None,
@@ -58,10 +59,18 @@ def build(
         help="Lookahead window W,N,G (e.g. 5,5,5); max_draft_len is derived from it.",
     ),
     max_draft_len: int | None = typer.Option(
-        None, "--max-draft-len", help="Most draft tokens per step (must match the lookahead)."
+        None, "--max-draft-len",
+        help="Most draft tokens per step: lookahead derives it from --lookahead-config (given "
+        "both, they must match); ngram and draft need it (draft: 1 to 16, e.g. 4).",
     ),
     ngram_match: int | None = typer.Option(
         None, "--ngram-match", help="Longest n-gram matched by ngram (prompt lookup) mode."
+    ),
+    draft_model: str | None = typer.Option(
+        None, "--draft-model", metavar="SOURCE",
+        help="The draft model of --speculative-decoding-mode draft: any SOURCE form, a "
+        "smaller model with the same tokenizer as the target (e.g. qwen2.5-coder-0.5b for "
+        "qwen2.5-coder-1.5b); built in --dtype with the same limits into ENGINE/draft.",
     ),
     kv_cache_dtype: str = typer.Option(
         "auto",
@@ -123,6 +132,7 @@ def build(
         lookahead_config=lookahead_config,
         max_draft_len=max_draft_len,
         ngram_match=ngram_match,
+        draft_model=draft_model,
     )
     finish = None
     if precompile is not False:  # None (the default) and True: it skips itself without CUDA

@@ -30,7 +30,11 @@ def inspect(
     engine: Path = typer.Argument(
         ..., metavar="ENGINE", help="Engine directory from `kiln build`."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print engine.json on stdout."),
+    as_json: bool = typer.Option(
+        False, "--json",
+        help="Print engine.json on stdout (a draft-model engine's with its draft engine's "
+        "engine.json under \"draft\").",
+    ),
     verify: bool = typer.Option(
         False, "--verify", help="Also check the weight files' sha256 checksums."
     ),
@@ -43,7 +47,10 @@ def inspect(
     artifact = load_engine(engine, verify_checksums=verify)
     spec = artifact.spec
     if as_json:
-        typer.echo(json.dumps(spec.to_dict(), indent=2))
+        out = spec.to_dict()
+        if artifact.draft is not None:
+            out["draft"] = artifact.draft.spec.to_dict()
+        typer.echo(json.dumps(out, indent=2))
         return
     console = Console()
     model = spec.model.to_dict()
@@ -58,6 +65,8 @@ def inspect(
     console.print(_table("Quantization", spec.quantization.to_dict()))
     console.print(_table("Speculative decoding", {
         **spec.speculative.to_dict(), "tokens_per_step": spec.speculative.tokens_per_step}))
+    if artifact.draft is not None:
+        console.print(_table("Draft engine", _draft_rows(artifact)))
     console.print(_table("Generation defaults", _generation_rows(spec.generation_defaults)))
     console.print(_table("Provenance", spec.provenance))
     weights: dict[str, Any] = {"format": spec.weights.get("format")}
@@ -68,6 +77,32 @@ def inspect(
     console.print(_table("Weights", weights))
     console.print(_table("Kernel configs", _kernel_rows(spec.kernel_configs)))
     console.print(_table("Compiled kernels", _compiled_rows(artifact.path)))
+
+
+def _draft_rows(artifact: Any) -> dict[str, Any]:
+    """A draft-model engine's draft: where, which checksum, what model."""
+    draft, sp = artifact.draft, artifact.spec.speculative
+    m = draft.spec.model
+    weights = draft.spec.weights
+    fmt = weights.get("format")
+    if fmt == "safetensors":
+        size = sum(info.get("size", 0) for info in weights.get("files", {}).values())
+        fmt = f"safetensors ({size:,} bytes)"
+    elif fmt == "random":
+        fmt = f"random (seed {weights.get('seed')})"
+    return {
+        "directory": draft.path,
+        "engine.json sha256": sp.draft_sha256,
+        "source": sp.draft_model,
+        "k (max_draft_len)": sp.max_draft_len,
+        "architecture": m.architecture,
+        "layers": m.num_layers,
+        "hidden size": m.hidden_size,
+        "vocab size": m.vocab_size,
+        "parameters": f"{m.num_params:,}",
+        "dtype": draft.spec.dtype,
+        "weights": fmt,
+    }
 
 
 def _generation_rows(defaults: Any) -> dict[str, Any]:

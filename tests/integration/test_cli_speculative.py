@@ -127,3 +127,103 @@ def test_the_lookahead_engine_serves_with_per_request_windows(la_engine):
         assert err["param"] == "lookahead" and "(6,5,5)" in err["message"]
         assert "(5,5,5)" in err["message"]
         assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---- draft-model engines (build side; serving them is the runtime's tests) ---------------
+
+DRAFT_BUILD = ("--dtype", "float32", "--speculative-decoding-mode", "draft", "--max-seq-len",
+               "128", "--no-tune", "--no-precompile-kernels")
+
+
+@pytest.fixture(scope="module")
+def draft_engine(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("draft") / "engine"
+    proc = kiln("build", "random:tiny-llama", "-o", str(out), *DRAFT_BUILD,
+                "--draft-model", "random:tiny-qwen2", "--max-draft-len", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "building the draft model random:tiny-qwen2" in " ".join(proc.stderr.split())
+    return out
+
+
+def test_draft_build_records_the_draft_engine(draft_engine):
+    assert (draft_engine / "draft" / "engine.json").is_file()
+    assert (draft_engine / "draft" / "tokenizer").is_dir()
+    spec = json.loads((draft_engine / "engine.json").read_text())["speculative"]
+    assert spec["mode"] == "draft" and spec["max_draft_len"] == 4
+    assert spec["draft_model"] == "random:tiny-qwen2" and spec["draft_engine"] == "draft"
+    assert len(spec["draft_sha256"]) == 64
+
+
+def test_inspect_shows_the_draft_engine(draft_engine):
+    proc = kiln("inspect", str(draft_engine))
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout
+    assert "Draft engine" in table
+    for needle in ("qwen2", "k (max_draft_len)", "vocab size", "107,072", "random (seed 0)",
+                   "engine.json sha256"):
+        assert needle in table, needle
+    out = json.loads(kiln("inspect", str(draft_engine), "--json").stdout)
+    assert out["speculative"]["mode"] == "draft"
+    assert out["draft"]["model"]["architecture"] == "qwen2"
+    assert out["draft"]["speculative"]["mode"] == "none"
+    assert out["draft"]["limits"] == out["limits"] and out["draft"]["dtype"] == "float32"
+
+
+def test_inspect_json_of_other_engines_has_no_draft(la_engine):
+    out = json.loads(kiln("inspect", str(la_engine), "--json").stdout)
+    assert "draft" not in out and "draft_model" not in out["speculative"]
+
+
+def test_draft_of_another_tokenizer_is_one_clear_error_writing_nothing(tmp_path):
+    import transformers
+
+    from kiln.sources import make_byte_tokenizer
+
+    src = tmp_path / "other-tok"
+    cfg = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    tok = make_byte_tokenizer()
+    tok.add_tokens(["<|fim_middle|>"])
+    tok.save_pretrained(src)
+    parent = tmp_path / "out"
+    parent.mkdir()
+    line = one_line_error(kiln("build", "random:tiny-llama", "-o", str(parent / "e"),
+                               *DRAFT_BUILD, "--draft-model", str(src),
+                               "--max-draft-len", "4"))
+    assert "does not share the tokenizer of target random:tiny-llama" in line
+    assert "260 tokens vs draft 261" in line and "qwen2.5-coder-0.5b" in line
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("--draft-model", "random:tiny-qwen2", "--max-draft-len", "17"),
+     ["--max-draft-len 17", "1 <= max_draft_len <= 16", "--max-draft-len 4"]),
+    (("--max-draft-len", "4"), ["needs --draft-model SOURCE"]),
+    (("--draft-model", "random:tiny-qwen2"), ["needs --max-draft-len K"]),
+])
+def test_draft_flag_errors_are_one_line(tmp_path, args, needles):
+    line = one_line_error(kiln("build", "random:tiny-llama", "-o", str(tmp_path / "e"),
+                               *DRAFT_BUILD, *args))
+    for needle in needles:
+        assert needle in line, (needle, line)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_draft_model_without_mode_draft_is_one_line(tmp_path):
+    line = one_line_error(kiln("build", "random:tiny-llama", "-o", str(tmp_path / "e"),
+                               "--draft-model", "random:tiny-qwen2"))
+    assert "--draft-model random:tiny-qwen2 given" in line and "mode is 'none'" in line
+    line = one_line_error(kiln("build", "random:tiny-llama", "-o", str(tmp_path / "e"),
+                               "--speculative-decoding-mode", "ngram", "--max-draft-len", "4",
+                               "--draft-model", "random:tiny-qwen2"))
+    assert "applies to mode 'draft', not 'ngram'" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_help_documents_the_draft_model():
+    out = " ".join(kiln("build", "--help").stdout.split())
+    assert "--draft-model SOURCE" in out and "ENGINE/draft" in out
+    assert "draft (a draft model, --draft-model)" in out

@@ -229,7 +229,9 @@ def test_newer_format_version_rejected(built, tmp_path):
     spec["format_version"] = ENGINE_FORMAT_VERSION + 1
     spec["kiln_version"] = "9.0.0"
     (d / "engine.json").write_text(json.dumps(spec))
-    with pytest.raises(EngineFormatError, match=r"kiln 9.0.0 with format 3.*reads up to format 2"):
+    newer, newest = ENGINE_FORMAT_VERSION + 1, ENGINE_FORMAT_VERSION
+    with pytest.raises(EngineFormatError,
+                       match=rf"kiln 9.0.0 with format {newer}.*reads up to format {newest}"):
         load_engine(d)
 
 
