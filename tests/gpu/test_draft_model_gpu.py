@@ -22,6 +22,7 @@ PROMPTS = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] * 2 for j in rang
 
 
 def _engine(draft_seed: int | None, graphs: bool, k: int = 4):
+    from kiln.artifact.speculative import SpeculativeConfig
     from kiln.artifact.weights import random_weights
     from kiln.runtime.engine import EngineLimits, LLMEngine, RuntimeConfig
     from kiln.sources import make_byte_tokenizer
@@ -30,8 +31,7 @@ def _engine(draft_seed: int | None, graphs: bool, k: int = 4):
     cfg = PRESETS["smollm2-135m"]
     spec = types.SimpleNamespace(
         generation_defaults=types.SimpleNamespace(values={}),
-        speculative=types.SimpleNamespace(mode="draft", max_draft_len=k, enabled=True,
-                                          tokens_per_step=k + 1, lookahead=None))
+        speculative=SpeculativeConfig(mode="draft", max_draft_len=k, draft_model="in-process"))
     w = random_weights(cfg, 0, device="cuda", dtype=torch.float32)
     dw = w if draft_seed is None else random_weights(cfg, draft_seed, device="cuda",
                                                      dtype=torch.float32)

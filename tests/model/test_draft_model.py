@@ -16,6 +16,7 @@ import torch
 from helpers import BIGRAM_PROMPT, exact_three_token_distribution, mixed_prompts, tv
 
 from kiln.artifact.loader import load_engine
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import EngineLimits, LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import draft_model
@@ -43,9 +44,8 @@ def _engine(target: str, draft: str | None, k: int = 4, max_seq_len: int = 128,
                      draft=(d.spec.model, d.load_weights("cpu")) if d else None)
 
 
-def _draft_config(k: int):
-    return types.SimpleNamespace(mode="draft", max_draft_len=k, enabled=True,
-                                 tokens_per_step=k + 1, lookahead=None)
+def _draft_config(k: int) -> SpeculativeConfig:
+    return SpeculativeConfig(mode="draft", max_draft_len=k, draft_model="in-process")
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +308,29 @@ def test_adaptive_pacing_stops_a_losing_draft_and_tries_again(engines):
                 assert p.spec_steps <= p.starts * (MIN_REAL + 1), p
                 assert p.next_pause >= 2 * DraftPace.FIRST_PAUSE
         eng.blocks.check_all_free()
+
+
+def test_built_draft_engine_serves_from_its_directory(tiny_reference_source, tmp_path):
+    """`kiln build --speculative-decoding-mode draft`'s artifact: the engine directory
+    holds the draft (ENGINE/draft), ``from_engine_dir`` reads everything from it, and its
+    greedy output equals the plain engine's."""
+    from kiln.builder import build_engine
+
+    _, target = tiny_reference_source("llama")
+    draft = "random:tiny-qwen2:5"  # the byte tokenizer too; a larger embedding table
+    out = tmp_path / "engine"
+    build_engine(str(target), out, dtype="float32", max_seq_len=256, max_num_tokens=256,
+                 max_batch_size=8, progress=False,
+                 speculative=SpeculativeConfig.from_cli("draft", max_draft_len=3,
+                                                        draft_model=str(draft)))
+    assert (out / "draft" / "engine.json").is_file()
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    assert eng.spec_worker.k == 3
+    assert eng.spec_worker.draft_model.runner.model.cfg.architecture == "qwen2"
+    assert eng.spec_worker.draft_model.vocab == eng.model_config.vocab_size  # 300 of 512
+    prompts = mixed_prompts()
+    plain = eng.generate(prompts, _greedy(32, window=PLAIN))
+    outs = eng.generate(prompts, _greedy(32))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.metrics.spec_steps for o in outs) > 0
+    eng.blocks.check_all_free()

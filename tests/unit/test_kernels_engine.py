@@ -243,8 +243,7 @@ def test_draft_model_on_the_staged_path(tiny_reference, graphs):
     k = 3
     spec = types.SimpleNamespace(
         generation_defaults=types.SimpleNamespace(values={}),
-        speculative=types.SimpleNamespace(mode="draft", max_draft_len=k, enabled=True,
-                                          tokens_per_step=k + 1, lookahead=None))
+        speculative=SpeculativeConfig(mode="draft", max_draft_len=k, draft_model="in-process"))
     prompts = [p + p[:6] + p for p in mixed_prompts()[1:2]] + [mixed_prompts()[0]]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
