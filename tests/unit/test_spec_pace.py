@@ -266,3 +266,42 @@ def test_requests_on_the_device_ride_along_in_the_gate():
     rider = paces[2]
     rider.on_spec_step(4, [1])
     assert rider.spec_steps == 1 and not rider.real and rider.shadow.updates == 1
+
+
+def test_draft_pace_stops_pauses_doubling_and_restarts_open_to_the_gate():
+    """DraftPace (draft models: no shadow): speculating from the start, a run whose
+    MIN_REAL real steps average below the break-even stops for FIRST_PAUSE plain steps,
+    the next stop pauses twice as long; a request the batch gate holds back stops too;
+    a restart is open to the next gate (a stale closed gate from the pause would stop it
+    again at once: on the GPU, random-weight draft requests took 1 speculative step in
+    128)."""
+    from kiln.runtime.speculative.pace import DraftPace, gate_batch
+
+    be = BreakEven(((1, 2.0),))
+    p = DraftPace(be)
+    assert p.active and p.estimate() == 2.0  # a first run is given its chance
+    for _ in range(MIN_REAL):
+        p.on_spec_step(1, [])
+    assert not p.speculating and p.pause == DraftPace.FIRST_PAUSE
+    gate_batch([p], 1, be)
+    assert not p.batch_ok  # nobody wants to speculate: the gate is closed
+    for _ in range(DraftPace.FIRST_PAUSE):
+        p.on_plain_step([])
+    assert p.speculating and p.starts == 2 and p.active  # open to the next gate
+    p.on_plain_step([])  # a plain step before the gate ran again: still speculating
+    assert p.speculating
+    gate_batch([p], 1, be)
+    assert p.batch_ok
+    for _ in range(MIN_REAL):
+        p.on_spec_step(1, [])
+    assert p.pause == 2 * DraftPace.FIRST_PAUSE
+    good = DraftPace(be)
+    for _ in range(3 * MIN_REAL):
+        good.on_spec_step(4, [])
+    assert good.speculating and good.estimate() == 4.0
+    held = DraftPace(be)
+    held.on_spec_step(1, [])  # estimate (1 + 3 * 2) / 4 = 1.75 < 2: the gate closes
+    gate_batch([held], 1, be)
+    assert not held.batch_ok
+    held.on_plain_step([])
+    assert not held.speculating and held.pause == DraftPace.FIRST_PAUSE

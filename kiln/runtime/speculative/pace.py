@@ -294,6 +294,9 @@ class DraftPace:
         if self.pause <= 0:
             self.speculating = True
             self.starts += 1
+            # the gate's verdict was on the paused request: the next schedule gates it
+            # again (a stale False would keep it out of the step and stop it at once)
+            self.batch_ok = True
 
     def _stop(self) -> None:
         self.speculating = False
