@@ -263,8 +263,9 @@ def render_speculative(result: dict, console: Console) -> None:
                       f"--max-batch-size {max(skipped)})", style="dim", highlight=False)
     replay = result.get("replay")
     if replay:
-        parts = [f"batch {b} {r['ratio']:.2f}x ({r['decode_ms']:.3f} -> {r['spec_ms']:.3f} ms)"
-                 for b, r in replay.items()]
+        parts = [f"batch {b} {r['ratio']:.2f}x ({r['decode_ms']:.3f} -> {r['spec_ms']:.3f} ms"
+                 + (f", the draft's {r['draft_ms']:.3f} ms a token" if "draft_ms" in r else "")
+                 + ")" for b, r in replay.items()]
         console.print(f"graph replay, speculative over decode step: {'; '.join(parts)}",
                       highlight=False)
 

@@ -158,10 +158,13 @@ def replay_cost(engine: Any, batch_sizes: Sequence[int] = BATCH_SIZES,
     replays on all-padding inputs), with the buckets the engine's runner would pick.
 
     A speculative step feeds ``tokens_per_step`` tokens per sequence (the engine's, or the
-    request ``window``'s); lookahead steps run masked (tree) buckets. Returns
-    ``{"b": {"decode_ms", "spec_ms", "ratio", "decode_bucket", "spec_bucket"}}`` (buckets as
-    [num_seqs, num_tokens]) for the sizes with both buckets captured; None off CUDA or
-    without CUDA graphs. Run it with no requests in flight (it restages the inputs).
+    request ``window``'s); lookahead steps run masked (tree) buckets. A draft-model step
+    also runs its draft: ``spec_ms`` adds max_draft_len of the draft's decode replays at b
+    sequences (``draft_ms``, each; the catch-up step, 1-2 tokens a sequence, counted as
+    one of them: a lower bound). Returns ``{"b": {"decode_ms", "spec_ms", "ratio",
+    "decode_bucket", "spec_bucket"}}`` (buckets as [num_seqs, num_tokens]; draft engines:
+    and "draft_ms") for the sizes with every bucket captured; None off CUDA or without
+    CUDA graphs. Run it with no requests in flight (it restages the inputs).
     """
     graphs = engine.runner.graphs
     if graphs is None or engine.device.type != "cuda":
@@ -169,15 +172,22 @@ def replay_cost(engine: Any, batch_sizes: Sequence[int] = BATCH_SIZES,
     spec = engine.speculative
     lookahead = spec.mode == "lookahead"
     per_seq = tokens_per_step(*window) if window and lookahead else spec.tokens_per_step
+    draft = (engine.spec_worker.draft_model.runner.graphs if spec.mode == "draft" else None)
+    if spec.mode == "draft" and draft is None:
+        return None
     out = {}
     for b in batch_sizes:
         decode = graphs.find_bucket(b, b, False)
         masked = graphs.find_bucket(b, b * per_seq, lookahead)
-        if decode is None or masked is None:
+        draft_decode = draft.find_bucket(b, b, False) if draft is not None else None
+        if decode is None or masked is None or (draft is not None and draft_decode is None):
             continue
         decode_ms, spec_ms = graphs.replay_ms(decode), graphs.replay_ms(masked)
-        out[str(b)] = {"decode_ms": decode_ms, "spec_ms": spec_ms,
-                       "ratio": spec_ms / decode_ms,
+        row = {"decode_ms": decode_ms, "spec_ms": spec_ms}
+        if draft_decode is not None:
+            row["draft_ms"] = draft.replay_ms(draft_decode)
+            row["spec_ms"] = spec_ms = spec_ms + spec.max_draft_len * row["draft_ms"]
+        out[str(b)] = {**row, "ratio": spec_ms / decode_ms,
                        "decode_bucket": [decode.num_seqs, decode.num_tokens],
                        "spec_bucket": [masked.num_seqs, masked.num_tokens]}
     return out

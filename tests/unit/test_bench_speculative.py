@@ -114,6 +114,11 @@ def test_the_report_has_a_row_per_set_and_batch(result):
     render_speculative({**result, "replay": replay}, Console(file=buf, width=220))
     assert "graph replay, speculative over decode step: batch 1 1.90x (0.500 -> 0.950 ms)" \
         in buf.getvalue(), buf.getvalue()
+    replay["1"]["draft_ms"] = 0.1  # a draft-model engine's: its draft's decode step
+    buf = io.StringIO()
+    render_speculative({**result, "replay": replay}, Console(file=buf, width=220))
+    assert "batch 1 1.90x (0.500 -> 0.950 ms, the draft's 0.100 ms a token)" \
+        in buf.getvalue(), buf.getvalue()
 
 
 def test_replay_cost_is_none_off_cuda(la_engine, result):
@@ -158,6 +163,23 @@ def test_replay_cost_times_decode_and_masked_buckets_per_batch_size():
     # a smaller request window fits the same masked buckets (they hold 10 tokens a sequence)
     small = replay_cost(_fake_engine(graphs), (1,), window=(2, 2, 1))
     assert small["1"]["spec_bucket"] == [1, 10]
+
+
+def test_replay_cost_of_a_draft_model_step_counts_its_draft_decodes():
+    """A draft-model step's replay is its verify step plus K of the draft's decode steps
+    (the target's replay alone made a 7B/0.5B K=4 step look 1.06x a decode, not ~1.8x)."""
+    target, draft = FakeGraphs(per_seq=5), FakeGraphs(per_seq=1)
+    spec = SpeculativeConfig.from_cli("draft", max_draft_len=4, draft_model="small")
+    eng = SimpleNamespace(
+        runner=SimpleNamespace(graphs=target), device=torch.device("cuda"), speculative=spec,
+        spec_worker=SimpleNamespace(draft_model=SimpleNamespace(
+            runner=SimpleNamespace(graphs=draft))))
+    one = replay_cost(eng, batch_sizes=(1,))["1"]
+    assert one["draft_ms"] == pytest.approx(0.51)  # the draft's 1-sequence decode bucket
+    assert one["spec_ms"] == pytest.approx(0.55 + 4 * 0.51)
+    assert one["ratio"] == pytest.approx((0.55 + 4 * 0.51) / 0.51)
+    eng.spec_worker.draft_model.runner.graphs = None
+    assert replay_cost(eng) is None
 
 
 def test_replay_cost_is_none_without_graphs_or_off_cuda():
