@@ -47,6 +47,7 @@ from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.pace import BreakEven, DraftPace
 from kiln.runtime.speculative.worker import DraftWorker, OnError
+from kiln.runtime.step import sample_logits
 
 if TYPE_CHECKING:
     from kiln.runtime.model_runner import ModelRunner
@@ -206,12 +207,8 @@ class DraftModel:
             out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks)
             for s in seqs:
                 s.num_computed_tokens += 1
-            got = [out.sample_rows[s] for s in seqs]
-            # one row per sequence, in order (a list index would copy it to the device
-            # from pageable memory: a host sync per draft step)
-            logits = (out.logits[: len(seqs)] if got == list(range(len(seqs)))
-                      else out.logits[to_device(got, torch.long, self.device)])
-            toks, qs = self._draw(logits, [reqs[i] for i in rows], walk)
+            # one row per sequence, in batch order: a view (sample_logits)
+            toks, qs = self._draw(sample_logits(out)[1], [reqs[i] for i in rows], walk)
             if len(rows) == b:
                 drafts[:, j] = toks
             else:
@@ -353,12 +350,7 @@ class DraftModelWorker(DraftWorker):
         if req.matcher is not None:  # structured output: drafts checked against the grammar
             accepted = self.guided_chain(req, logits, drafts, list(range(1, len(drafts) + 1)))
         elif req.params.greedy:
-            accepted = []
-            for i, d in enumerate(drafts):
-                if argmax[i] != d:
-                    break
-                accepted.append(d)
-            accepted.append(argmax[len(accepted)])
+            accepted = self.greedy_chain(drafts, argmax)
         elif drafts:
             accepted = self._rejection(req, logits, drafts, st.q)
         else:

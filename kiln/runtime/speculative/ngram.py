@@ -133,11 +133,7 @@ class NgramWorker(DraftWorker):
         if req.matcher is not None:  # structured output: drafts checked against the grammar
             accepted = self.guided_chain(req, logits, draft, list(range(1, len(draft) + 1)))
         elif req.params.greedy:
-            for i, d in enumerate(draft):
-                if argmax[i] != d:
-                    break
-                accepted.append(d)
-            accepted.append(argmax[len(accepted)])
+            accepted = self.greedy_chain(draft, argmax)
         else:  # every row warped at once; then the rejection rule position by position
             probs = warp_batch(logits[: len(draft) + 1], [req.params] * (len(draft) + 1))
             for i, d in enumerate(draft):

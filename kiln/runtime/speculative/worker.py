@@ -186,6 +186,18 @@ class DraftWorker(SpeculativeWorker):
             result.add_verified(req, row[: row[-1]])
 
     @staticmethod
+    def greedy_chain(chain: list[int], argmax: list[int]) -> list[int]:
+        """Greedy verification of one draft chain: the drafts ``argmax`` (the target's
+        token at x and after each draft) agrees with, then the target's token after them."""
+        accepted: list[int] = []
+        for i, d in enumerate(chain):
+            if argmax[i] != d:
+                break
+            accepted.append(d)
+        accepted.append(argmax[len(accepted)])
+        return accepted
+
+    @staticmethod
     def guided_chain(req: Request, logits: torch.Tensor, chain: list[int],
                      rows: list[int]) -> list[int]:
         """Greedy verification of one draft chain under the request's grammar.
