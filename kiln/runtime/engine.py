@@ -221,7 +221,7 @@ class LLMEngine:
                 return []
             if not self._can_launch(batch):
                 return self._run(batch)
-            cur = self._launch(batch)
+            cur = self._launch(batch, scatter=self._fill(batch))
         self._step_reqs = list(cur.reqs)
         # Its KV is queued on the device and every input id of it is on the host now (a
         # speculative step counts one token each here; its commit brings the rest).
@@ -258,12 +258,16 @@ class LLMEngine:
         gate_batch([r.spec_pace for r in paced], len(running), self.spec_break_even,
                    [on_device(r) for r in paced])
 
+    def _fill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The worker completes the step's plans (a draft model draws its drafts):
+        token ids for the step's input rows, or None."""
+        return (self.spec_worker.fill(batch, self.fail_request)
+                if self.spec_worker is not None else None)
+
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """A step that needs the host between forward and commit (drafts to verify, a
         grammar, penalties, logprobs, seeds): forward, sample, verify, commit."""
-        scatter = (self.spec_worker.fill(batch, self.fail_request)
-                   if self.spec_worker is not None else None)
-        result = self.forward_and_sample(batch, scatter)
+        result = self.forward_and_sample(batch, self._fill(batch))
         if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
             self.spec_stats["sync_engine_steps"] += 1
             self.spec_worker.step(batch, result, self.cache, self.fail_request)
@@ -311,11 +315,14 @@ class LLMEngine:
                 return False
         return len(plain) < len(batch.items) and (not plain or self._device_samples(plain))
 
-    def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None) -> LaunchedStep:
+    def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None,
+                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> LaunchedStep:
         """Queue the forward and the sampling of ``batch`` on the device (``inputs``: the
-        device token ids of a batch scheduled ahead). A batch of device speculative plans
-        is verified and committed on the device; its commits are copied back instead."""
-        fwd = self.runner.execute(batch, inputs)
+        device token ids of a batch scheduled ahead; ``scatter``: ``_fill``'s). A batch of
+        device speculative plans is verified and committed on the device; its commits are
+        copied back instead."""
+        fwd = (self.runner.execute(batch, inputs) if scatter is None
+               else self.runner.execute(batch, inputs, scatter))
         if fwd.spec_entries:
             reqs = [r for r, _ in batch.items]
             for r in reqs:
@@ -362,15 +369,27 @@ class LLMEngine:
         dev = [r for r in reqs if r not in cur.plain]
         if not any(r.spec_pace is None or r.spec_pace.active for r in dev):
             return None
+        if not all(self.spec_worker.chainable(r) for r in dev):
+            return None
         self.spec_worker.propose_batch(dev, self.fail_request)
         batch = self.scheduler.schedule_spec_ahead(cur.batch, self._spec_width,
                                                    self.limits.max_seq_len, cur.plain)
+        scatter = None
+        if batch is not None and self._device_spec_step(batch):
+            try:
+                scatter = self._fill(batch)
+            except Exception as e:  # the plain scheduler's step retries request by request
+                print(f"warning: a speculative step launched ahead could not draft "
+                      f"({type(e).__name__}: {e}); the next step runs after this one",
+                      file=sys.stderr, flush=True)
+                batch = None
         if batch is None or not self._device_spec_step(batch):
             for r in dev:
                 r.draft = None
             return None
         # the plain rows come first: their inputs are their samples in flight
-        return self._launch(batch, cur.inputs_for_plain(batch) if cur.plain else None)
+        return self._launch(batch, cur.inputs_for_plain(batch) if cur.plain else None,
+                            scatter)
 
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the step's one host sync) and commit them."""

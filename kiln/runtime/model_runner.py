@@ -13,7 +13,8 @@ from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries, SpecOutput
+from kiln.runtime.speculative.device_step import (DeviceSpecStep, SpecEntries, SpecOutput,
+                                                  shift_rows)
 from kiln.runtime.staging import StepStager
 
 
@@ -50,6 +51,7 @@ class ModelRunner:
         # lookup): plans of its slots are proposed and verified around the forward (in
         # masked buckets' graphs, captured).
         self.spec_step: DeviceSpecStep | None = None
+        self._moved: dict[tuple[int, int], SpecEntries] = {}  # execute(counts=)'s entries
 
     def use_staging(self, max_seqs: int, max_num_tokens: int, max_seq_len: int,
                     tokens_per_step: int) -> None:
@@ -78,7 +80,8 @@ class ModelRunner:
         return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
     def execute(self, batch: ScheduledBatch, input_patch: torch.Tensor | None = None,
-                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOutput:
+                scatter: tuple[torch.Tensor, torch.Tensor] | None = None,
+                counts: torch.Tensor | None = None) -> ForwardOutput:
         """Run one forward over the batch.
 
         A request scheduled with exactly its draft plan's token count runs the plan (tree
@@ -89,9 +92,13 @@ class ModelRunner:
         (``batch.in_flight``: every item then is one decode token, row i = item i).
         ``scatter`` (input rows [k], token ids [k], on the device) writes token ids drawn on
         the device into the step's inputs (a draft model's drafts, into its plans' rows).
+        ``counts`` (device [num_seqs], every item the same number of tokens): a step laid
+        out before the step in flight committed, as if that step committed one token; item
+        i's positions, cache slots and context move on by ``counts[i] - 1`` on the device
+        (a draft model's forwards launched ahead, ``DraftModel.draft_ahead``).
         """
         if self.stager is not None and self.stager.fits(batch):
-            return self._execute_staged(batch, input_patch, scatter)
+            return self._execute_staged(batch, input_patch, scatter, counts)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
@@ -101,23 +108,25 @@ class ModelRunner:
         sampling = ([], [], [])  # and how each is verified: 1 / temperature, key, warp
         # launched ahead: the step in flight committed last_count[e] tokens, not one
         ahead = self.spec_step.last_count.tolist() if batch.spec_in_flight else None
+        moved = (counts - 1).tolist() if counts is not None else None
         out = ForwardOutput(torch.empty(0))
-        for req, n in batch.items:
+        for i, (req, n) in enumerate(batch.items):
             start = req.num_computed_tokens
             q0 = len(input_ids)
             plan = req.draft if req.draft is not None and req.draft.num_tokens == n else None
             if ahead is not None and plan is not None and plan.device_slot is not None:
                 start += ahead[len(spec[0])] - 1
+            shift = moved[i] if moved is not None else 0  # its ids are patched (scatter)
             end = start + n
-            key_slots = self.slots_of(req.block_table, torch.arange(end))
-            slot_chunks.append(key_slots[start:end])
+            key_slots = self.slots_of(req.block_table, torch.arange(end + shift))
+            slot_chunks.append(key_slots[start + shift : end + shift])
             if plan is None:
                 input_ids.extend(batch.input_ids(req, start, end))
-                positions.append(torch.arange(start, end))
-                seqs.append(SeqAttention(q0, n, end, key_slots.to(self.device)))
                 if batch.samples(req, end):
                     out.sample_rows[req] = len(logit_rows)
                     logit_rows.append(q0 + n - 1)
+                positions.append(torch.arange(start + shift, end + shift))
+                seqs.append(SeqAttention(q0, n, end + shift, key_slots.to(self.device)))
             else:
                 input_ids.extend(plan.token_ids)
                 offs = plan.position_offsets
@@ -157,8 +166,8 @@ class ModelRunner:
         return out
 
     def _execute_staged(self, batch: ScheduledBatch, input_patch: torch.Tensor | None = None,
-                        scatter: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> ForwardOutput:
+                        scatter: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        counts: torch.Tensor | None = None) -> ForwardOutput:
         """The Triton path: numpy staging, one upload, then a graph replay or an eager forward."""
         stager = self.stager
         out = ForwardOutput(torch.empty(0))
@@ -181,6 +190,10 @@ class ModelRunner:
         if scatter is not None:
             ids = stager.d["input_ids"]
             ids[scatter[0]] = scatter[1].to(ids.dtype)
+        if counts is not None:
+            n = batch.items[0][1]
+            shift_rows(self._moved_entries(len(batch.items), n), stager.staged_rows(), counts,
+                       n, self.device.type == "cuda")
         if bucket is not None:  # a masked bucket's graph runs the device plans' steps too
             out.logits = self.graphs.replay(bucket, st.num_rows)
             if out.spec_entries:

@@ -147,7 +147,7 @@ def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
     lookup on CUDA (RuntimeConfig's comment has the numbers)."""
     if config.device_speculation is not None:
         return config.device_speculation
-    return speculative.mode == "ngram" and device.type == "cuda"
+    return speculative.mode in ("ngram", "draft") and device.type == "cuda"
 
 
 def _resolve_backend(name: str, device: torch.device) -> str:

@@ -55,17 +55,42 @@ def engines(tiny_reference):
             for arch in ("llama", "qwen2")}
 
 
+def _count_ahead(eng: LLMEngine) -> collections.Counter:
+    """Counts the draft model's steps launched ahead of the step in flight."""
+    calls = collections.Counter()
+    draft = eng.spec_worker.draft_model
+    real = draft.draft_ahead
+
+    def ahead(reqs, state):
+        calls["steps"] += 1
+        return real(reqs, state)
+
+    draft.draft_ahead = ahead
+    return calls
+
+
+DEVICE = pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+
+
+@DEVICE
 @pytest.mark.parametrize("draft", ["qwen2", "llama"], ids=["other-model", "same-model"])
-def test_draft_greedy_equals_plain_greedy(engines, draft):
+def test_draft_greedy_equals_plain_greedy(engines, draft, device):
     """A different draft (drafts mostly rejected) and the target itself as its draft (every
-    draft accepted: K + 1 tokens a step); plain requests ride in the same batches."""
+    draft accepted: K + 1 tokens a step); plain requests ride in the same batches. Verified
+    on the host, and on the device (``DeviceDraft``: the steps after the first launched
+    ahead of the step in flight, their drafts' positions moved on by the device)."""
     prompts = mixed_prompts()
     plain = _engine(engines["llama"], None, max_seq_len=256)
     want = [o.token_ids for o in plain.generate(prompts, _greedy(40))]
-    eng = _engine(engines["llama"], engines[draft], max_seq_len=256)
+    eng = _engine(engines["llama"], engines[draft], max_seq_len=256,
+                  device_speculation=device)
+    ahead = _count_ahead(eng)
     got = eng.generate(prompts, _greedy(40))
     assert [o.token_ids for o in got] == want
     assert all(o.error is None for o in got)
+    if device:  # every step launched, most of them ahead; none verified on the host
+        assert eng.spec_stats["sync_engine_steps"] == 0
+        assert ahead["steps"] > eng.spec_stats["engine_steps"] / 2, (ahead, eng.spec_stats)
     steps = sum(o.metrics.spec_steps for o in got)
     committed = sum(o.metrics.spec_tokens for o in got)
     assert steps > 0

@@ -226,7 +226,8 @@ def test_plans_staged_ahead_shift_to_the_slots_of_their_rows_indices(window, ker
     lookahead step wrote its KV over other rows': greedy output differed from plain)."""
     from kiln.runtime.kernels.lookahead import shift_staged_rows
     from kiln.runtime.speculative.device_ngram import DeviceNgram
-    from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries, StagedRows
+    from kiln.runtime.speculative.device_step import (DeviceSpecStep, SpecEntries, StagedRows,
+                                                      shift_rows)
     from kiln.runtime.speculative.lookahead_math import step_layout
 
     if window is None:
@@ -256,7 +257,7 @@ def test_plans_staged_ahead_shift_to_the_slots_of_their_rows_indices(window, ker
     if kernel:
         shift_staged_rows(entries, staged, step.last_count, t)
     else:
-        step._shift(entries, staged)
+        shift_rows(entries, staged, step.last_count, t, kernels=False)
     moved = torch.tensor([deltas[0], 0, deltas[2]]).repeat_interleave(t)
     want_idx = idx + moved
     assert staged.positions.tolist() == (positions + moved).tolist()

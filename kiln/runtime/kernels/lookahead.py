@@ -496,7 +496,7 @@ def _shift_rows_kernel(
 
 
 def shift_staged_rows(entries, staged, last_count: torch.Tensor, num_tokens: int) -> None:
-    """``DeviceSpecStep._shift`` in one launch (kiln/runtime/speculative/device_step.py):
+    """``device_step.shift_rows`` in one launch (kiln/runtime/speculative/device_step.py):
     each entry staged ahead (``entries.shift``, a slot) moves its ``num_tokens`` positions,
     cache slots (those of token indices x + t, t the row) and context length on by
     ``last_count[e] - 1``."""

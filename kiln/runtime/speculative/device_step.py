@@ -50,8 +50,9 @@ import torch
 
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative.device_draft import DeviceDraft
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
-from kiln.runtime.speculative.device_ngram import DeviceNgram
+from kiln.runtime.speculative.device_ngram import DeviceNgram, verify_chains
 from kiln.runtime.speculative.draft import NO_WARP
 
 
@@ -115,14 +116,19 @@ class _Proposal:
 
 
 class DeviceSpecStep:
-    """Proposal before and verification after one forward, for the slots of ``state``."""
+    """Proposal before and verification after one forward, for the slots of ``state``.
 
-    def __init__(self, state: DeviceLookahead | DeviceNgram):
+    A draft model's plans (``DeviceDraft``) are not proposed here: their drafts are in the
+    step's input rows already (``DraftModelWorker.fill``); the prologue reads them back."""
+
+    def __init__(self, state: DeviceLookahead | DeviceNgram | DeviceDraft):
         self.state = state
+        self.drafted = isinstance(state, DeviceDraft)  # a draft model's chains
         self.chain = isinstance(state, DeviceNgram)  # prompt lookup: one causal chain
         self.kernels = state.device.type == "cuda"
         # what the last step committed per entry row (its count), for a step launched ahead
-        self.last_count = torch.ones(state.num_slots, dtype=torch.long, device=state.device)
+        self.last_count = (state.last_count if self.drafted else
+                           torch.ones(state.num_slots, dtype=torch.long, device=state.device))
 
     def prologue(self, entries: SpecEntries, input_ids: torch.Tensor,
                  staged: StagedRows | None = None) -> _Proposal:
@@ -131,7 +137,10 @@ class DeviceSpecStep:
         first move on by the last step's extra committed tokens."""
         st = self.state
         if staged is not None and entries.shift is not None:
-            self._shift(entries, staged)
+            shift_rows(entries, staged, self.last_count, st.num_tokens, self.kernels)
+        if self.drafted:  # x and the drafts are in the plans' rows: read them back
+            rows = entries.q0[:, None] + torch.arange(st.num_tokens, device=st.device)
+            return _Proposal(input_ids[rows.clamp(max=input_ids.shape[0] - 1)].long(), None)
         if self.kernels and self.chain:
             from kiln.runtime.kernels.ngram import ngram_propose
 
@@ -154,6 +163,8 @@ class DeviceSpecStep:
         st = self.state
         t = st.num_tokens
         rows = entries.r0[:, None] + torch.arange(t, device=st.device)
+        if self.drafted:
+            return self._verify_drafts(entries, proposal, logits, rows)
         if self.kernels:
             targets = row_targets(logits, entries, st.verify_offsets)
             argmax = targets[rows.clamp(max=targets.shape[0] - 1)]  # no-plan rows: any row
@@ -183,34 +194,57 @@ class DeviceSpecStep:
         self.last_count[:b].copy_(count)
         return SpecOutput(committed, count)
 
-    def _shift(self, entries: SpecEntries, staged: StagedRows) -> None:
-        """Plans staged as if the step before committed one token: their positions, cache
-        slots and context length move on by what it committed beyond one. Row t of a plan
-        writes its KV at token index x + t (x: its row 0's position), whatever its position
-        (a tree's rows share positions), so its new slot is that index's, moved on, in the
-        staged block table."""
-        t = self.state.num_tokens
+    def _verify_drafts(self, entries: SpecEntries, proposal: _Proposal,
+                       logits: torch.Tensor, rows: torch.Tensor) -> SpecOutput:
+        """A draft model's chains: each draft accepted while it equals the row's target
+        (``row_targets``), then the target after them; recorded for the next step
+        (``DeviceDraft.record``). Fixed shapes, no host sync (captured in masked buckets'
+        graphs)."""
+        st = self.state
+        has = entries.slots >= 0
         if self.kernels:
-            from kiln.runtime.kernels.lookahead import shift_staged_rows
+            targets = row_targets(logits, entries, st.verify_offsets)
+            argmax = targets[rows.clamp(max=targets.shape[0] - 1)]
+        else:
+            a = torch.nonzero(has)[:, 0]
+            argmax = torch.zeros_like(rows)
+            argmax[a] = row_targets_torch(logits, rows[a], entries, a, st.verify_offsets)
+        k = st.max_draft_len
+        lens = torch.full_like(entries.slots, k)
+        committed, count = verify_chains(proposal.tokens[:, 1:], lens, argmax)
+        count = torch.where(has, count, 0)
+        st.record(proposal.tokens, committed, count)
+        return SpecOutput(committed, count)
 
-            shift_staged_rows(entries, staged, self.last_count, t)
-            return
-        delta = torch.where((entries.shift > 0) & (entries.slots >= 0),
-                            self.last_count[: entries.shift.shape[0]] - 1, 0)
-        live = torch.nonzero(delta)[:, 0]
-        if not live.numel():
-            return
-        k = torch.arange(t, device=delta.device)
-        rows = (entries.q0[live, None] + k).reshape(-1)
-        d = delta[live].repeat_interleave(t)
-        seq = entries.seq[live]
-        idx = (staged.positions[entries.q0[live]].long()[:, None] + k).reshape(-1) + d
-        pos = staged.positions[rows].long() + d
-        bs = staged.block_size
-        blocks = staged.block_tables[seq.repeat_interleave(t), idx // bs].long()
-        staged.positions[rows] = pos.to(staged.positions.dtype)
-        staged.slots[rows] = (blocks * bs + idx % bs).to(staged.slots.dtype)
-        staged.context_lens[seq] += delta[live].to(staged.context_lens.dtype)
+
+def shift_rows(entries: SpecEntries, staged: StagedRows, last_count: torch.Tensor, t: int,
+               kernels: bool) -> None:
+    """Plans staged as if the step before committed one token: their positions, cache
+    slots and context length move on by what it committed beyond one (``last_count[e] -
+    1`` for entry row e). Row r of a plan (``t`` rows from ``q0``) writes its KV at token
+    index x + r (x: its row 0's position), whatever its position (a tree's rows share
+    positions), so its new slot is that index's, moved on, in the staged block table."""
+    if kernels:
+        from kiln.runtime.kernels.lookahead import shift_staged_rows
+
+        shift_staged_rows(entries, staged, last_count, t)
+        return
+    delta = torch.where((entries.shift > 0) & (entries.slots >= 0),
+                        last_count[: entries.shift.shape[0]] - 1, 0)
+    live = torch.nonzero(delta)[:, 0]
+    if not live.numel():
+        return
+    k = torch.arange(t, device=delta.device)
+    rows = (entries.q0[live, None] + k).reshape(-1)
+    d = delta[live].repeat_interleave(t)
+    seq = entries.seq[live]
+    idx = (staged.positions[entries.q0[live]].long()[:, None] + k).reshape(-1) + d
+    pos = staged.positions[rows].long() + d
+    bs = staged.block_size
+    blocks = staged.block_tables[seq.repeat_interleave(t), idx // bs].long()
+    staged.positions[rows] = pos.to(staged.positions.dtype)
+    staged.slots[rows] = (blocks * bs + idx % bs).to(staged.slots.dtype)
+    staged.context_lens[seq] += delta[live].to(staged.context_lens.dtype)
 
 
 def device_verifiable(params: SamplingParams) -> bool:

@@ -44,6 +44,7 @@ from kiln.runtime.host_copy import to_device
 from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
+from kiln.runtime.speculative.device_draft import DeviceDraft
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.pace import BreakEven, DraftPace
 from kiln.runtime.speculative.worker import DraftWorker, OnError
@@ -67,6 +68,12 @@ class DraftState:
     q: torch.Tensor | None = None  # [K, V] the drafts' probabilities (sampled requests)
     failures: int = 0
     off: bool = False  # the draft failed MAX_FAILURES times: plain decoding from now on
+    # verified on the device (DeviceDraft; any value: the engine's one state), or None
+    slot: int | None = None
+    # the draft ran for the request's last step: its KV covers every token but the last
+    # committed step's, so the next step may launch ahead (``DraftModel.draft_ahead``)
+    synced: bool = False
+    pending: tuple = ()  # (a device slot's plain-step tokens: the draft reads the request's)
 
     @property
     def drafts(self) -> list[int]:
@@ -188,6 +195,43 @@ class DraftModel:
         finally:
             walk.rollback()
 
+    def draft_ahead(self, reqs: list[Request], state: DeviceDraft) -> torch.Tensor:
+        """x and K drafts [B, K + 1] for device-verified requests whose last step (their
+        entry rows 0..B-1 of ``state``, in order) is still in flight: the host knows each
+        request's tokens up to that step's x, n of them. The draft runs the token before
+        the new x and the new x (``DeviceDraft.next_inputs``), laid out at n - 1 and n as
+        if the step committed one token and moved on by what it committed beyond one on the
+        device, then K - 1 decode steps. Queued on the device, no host sync."""
+        b, k = len(reqs), state.max_draft_len
+        pair, counts = state.next_inputs(b)
+        seqs = []
+        for r in reqs:
+            s = DraftSeq(r, r.num_tokens - 1)
+            s.all_token_ids.append(0)  # the new x, in flight
+            seqs.append(s)
+        rows = torch.arange(2 * b, device=self.device)
+        out = self.runner.execute(ScheduledBatch([(s, 2) for s in seqs]),
+                                  scatter=(rows, pair.reshape(-1)), counts=counts)
+        drafts = torch.empty(b, k + 1, dtype=torch.long, device=self.device)
+        drafts[:, 0] = pair[:, 1]
+        toks = self._argmax(sample_logits(out)[1])
+        drafts[:, 1] = toks
+        for s in seqs:
+            s.num_computed_tokens += 2
+        for j in range(2, k + 1):
+            for s in seqs:
+                s.all_token_ids.append(0)  # the draw in flight, patched on the device
+            out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks,
+                                      counts=counts)
+            for s in seqs:
+                s.num_computed_tokens += 1
+            toks = self._argmax(sample_logits(out)[1])
+            drafts[:, j] = toks
+        return drafts
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, : self.vocab].argmax(-1)
+
     def _draft(self, reqs: list[Request], ks: list[int], walk: GrammarWalk
                ) -> tuple[torch.Tensor, list[list]]:
         seqs = [DraftSeq(r, r.spec_state.valid(r)) for r in reqs]
@@ -268,15 +312,45 @@ class DraftModelWorker(DraftWorker):
 
     name = "draft"
 
-    def __init__(self, draft: DraftModel, max_draft_len: int) -> None:
-        super().__init__(None)
+    def __init__(self, draft: DraftModel, max_draft_len: int,
+                 device: DeviceDraft | None = None) -> None:
+        """``device``: the engine's ``DeviceDraft`` (verification on the device, steps
+        launched ahead), or None (every request verified on the host)."""
+        super().__init__(device)
         self.draft_model = draft
         self.k = max_draft_len
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         k = req.params.max_draft_len
-        req.spec_state = DraftState(k=self.k if k is None else k,
-                                    epoch=req.metrics.num_preemptions)
+        st = DraftState(k=self.k if k is None else k, epoch=req.metrics.num_preemptions)
+        req.spec_state = st
+        if st.k == self.k and self.may_take_slot(req):
+            st.slot = 0
+
+    def may_take_slot(self, req: Request) -> bool:
+        """Greedy requests without a grammar are verified on the device (sampled ones keep
+        the host's rejection rule against their sampled drafts, guided ones the grammar)."""
+        return super().may_take_slot(req) and req.params.greedy
+
+    def release(self, req: Request) -> None:
+        req.spec_state.slot = None  # nothing held: every request may use the entry rows
+
+    def device_plan(self, req: Request) -> DraftPlan:
+        """x and K placeholders, verified on the device (the drafts are drawn by ``fill``;
+        a step launched ahead writes x too)."""
+        return DraftPlan([req.all_token_ids[-1]] * (self.k + 1), device_slot=0)
+
+    def chainable(self, req: Request) -> bool:
+        """Whether the step after the one in flight may launch ahead for ``req``: the draft
+        ran for that step (else its KV has a gap the two-token catch-up does not fill)."""
+        return req.spec_state.synced
+
+    def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
+        """After a device-verified step: the draft has KV for x and the accepted drafts
+        but the K-th (the host worker's ``verify`` counts the same for its steps)."""
+        st = req.spec_state
+        if verified and st.slot is not None and st.synced:
+            st.computed = req.num_tokens - num_new + min(num_new - 1, st.k - 1)
 
     def shadow_proposer(self, req: Request):
         raise NotImplementedError("a draft model has no shadow proposer: what it proposes "
@@ -296,7 +370,12 @@ class DraftModelWorker(DraftWorker):
     def fill(self, batch: ScheduledBatch, on_error: OnError
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Draw the drafts of the plans this step runs, on the device; returns them with
-        their rows of the step's inputs (the plans hold placeholders there)."""
+        their rows of the step's inputs (the plans hold placeholders there). A step launched
+        ahead (``batch.spec_in_flight``: device plans only) writes each plan's x too, and
+        an error there goes to the caller (the engine then runs the step after the one in
+        flight through the plain scheduler, which retries request by request)."""
+        if batch.spec_in_flight:
+            return self._fill_ahead(batch)
         reqs = [r for r, n in batch.items
                 if r.draft is not None and r.draft.num_tokens == n and not r.is_finished]
         if not reqs:
@@ -320,13 +399,23 @@ class DraftModelWorker(DraftWorker):
         ids = torch.cat([drawn[r] for r, _ in batch.items if r in drawn])
         return to_device(rows, torch.long, ids.device), ids
 
+    def _fill_ahead(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        plans, rows, q0 = [], [], 0
+        for req, n in batch.items:
+            if req.draft is not None and req.draft.num_tokens == n:
+                plans.append(req)
+                rows.extend(range(q0, q0 + n))
+            q0 += n
+        drafts = self.draft_model.draft_ahead(plans, self.device)
+        return to_device(rows, torch.long, drafts.device), drafts.reshape(-1)
+
     def _fill(self, reqs: list[Request]) -> dict[Request, torch.Tensor]:
         ks = [r.spec_state.k for r in reqs]
         drafts, qs = self.draft_model.draft(reqs, ks)
         step = StepDrafts(drafts)
         for i, (req, q) in enumerate(zip(reqs, qs)):
             st = req.spec_state
-            st.base, st.drafted = req.num_tokens, (step, i)
+            st.base, st.drafted, st.synced = req.num_tokens, (step, i), True
             st.q = torch.stack(q) if q else None
             req.draft.data = st
         return {r: d[:k] for r, d, k in zip(reqs, drafts, ks)}
@@ -336,8 +425,11 @@ class DraftModelWorker(DraftWorker):
         target commits its own token), its draft KV is recomputed next time."""
         st = req.spec_state
         st.computed, st.drafted, st.q, st.failures = 0, None, None, st.failures + 1
+        st.synced = False
         req.draft.data = None
         st.off = st.failures >= MAX_FAILURES
+        if st.off:
+            st.slot = None  # plain decoding: no device plans either
         print(f"warning: request {req.request_id}: the draft model's forward failed "
               f"({type(e).__name__}: {e}); this step decodes without drafts"
               + ("; it decodes plainly from now on" if st.off else ""),

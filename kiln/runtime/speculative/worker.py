@@ -98,6 +98,11 @@ class DraftWorker(SpeculativeWorker):
         key = int(torch.randint(0, 2**31 - 1, (), generator=req.generator))
         return {"inv_temp": 1.0 / p.temperature, "key": key, "warp": plan_warp(p)}
 
+    def chainable(self, req: Request) -> bool:
+        """Whether the device step after the one in flight may launch ahead for ``req``
+        (its device state holds what that needs)."""
+        return True
+
     def may_take_slot(self, req: Request) -> bool:
         """Whether ``req`` may keep its state in a device slot: the worker has slots, and
         the device can verify its steps (greedy or sampled, no grammar)."""

@@ -7,6 +7,7 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig, validate_request_window
 from kiln.errors import RequestError
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative.device_draft import DeviceDraft
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.draft_model import DraftModel, DraftModelWorker
@@ -15,8 +16,9 @@ from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 
 
-def make_worker(spec: SpeculativeConfig, device_state: DeviceLookahead | DeviceNgram | None
-                = None, draft: DraftModel | None = None) -> DraftWorker | None:
+def make_worker(spec: SpeculativeConfig,
+                device_state: DeviceLookahead | DeviceNgram | DeviceDraft | None = None,
+                draft: DraftModel | None = None) -> DraftWorker | None:
     """The engine's speculative worker for its recorded mode (None: plain decoding);
     ``device_state``: the slots that keep greedy requests' state on the device; ``draft``:
     the draft model of a draft-model engine."""
@@ -30,14 +32,16 @@ def make_worker(spec: SpeculativeConfig, device_state: DeviceLookahead | DeviceN
         if draft is None:
             raise ValueError("a draft-model engine needs its draft model: load the engine "
                              "with LLMEngine.from_engine_dir (it reads ENGINE/draft)")
-        return DraftModelWorker(draft, spec.max_draft_len)
+        return DraftModelWorker(draft, spec.max_draft_len, device_state)
     return None
 
 
 def make_device_state(spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
-                      device: torch.device) -> DeviceLookahead | DeviceNgram | None:
+                      device: torch.device) -> DeviceLookahead | DeviceNgram | DeviceDraft | None:
     """The device slots of an engine whose speculation runs on the device (lookahead with
-    N >= 2, or prompt lookup), or None."""
+    N >= 2, prompt lookup, or a draft model's verification), or None."""
+    if spec.mode == "draft":
+        return DeviceDraft(num_slots, spec.max_draft_len, device)
     if spec.mode == "lookahead" and spec.lookahead[1] >= 2:
         return DeviceLookahead(num_slots, spec.lookahead, device)
     if spec.mode == "ngram":
