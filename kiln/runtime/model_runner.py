@@ -192,7 +192,7 @@ class ModelRunner:
             ids[scatter[0]] = scatter[1].to(ids.dtype)
         if counts is not None:
             n = batch.items[0][1]
-            shift_rows(self._moved_entries(len(batch.items), n), stager.staged_rows(), counts,
+            shift_rows(self.moved_entries(len(batch.items), n), stager.staged_rows(), counts,
                        n, self.device.type == "cuda")
         if bucket is not None:  # a masked bucket's graph runs the device plans' steps too
             out.logits = self.graphs.replay(bucket, st.num_rows)
@@ -214,3 +214,13 @@ class ModelRunner:
         stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out
 
+
+    def moved_entries(self, num_seqs: int, n: int) -> SpecEntries:
+        """``shift_rows``' entries for ``execute(counts=)``: sequence i's ``n`` rows from
+        row i * n, all moved (cached per shape: no allocation per step)."""
+        if (num_seqs, n) not in self._moved:
+            seq = torch.arange(num_seqs, device=self.device)
+            zero = torch.zeros_like(seq)
+            self._moved[num_seqs, n] = SpecEntries(zero, seq * n, zero,
+                                                   shift=torch.ones_like(seq), seq=seq)
+        return self._moved[num_seqs, n]

@@ -24,7 +24,8 @@ from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
 from kiln.runtime.speculative.draft_model import DraftModel
 from kiln.runtime.speculative.workers import make_device_state
-from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_sampler
+from kiln.runtime.warmup import (warm_device_state, warm_eager_forward, warm_moved_rows,
+                                 warm_sampler)
 
 
 @dataclass
@@ -137,6 +138,7 @@ def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_bloc
                                   config.prefill_graphs)
         if device.type == "cuda":
             warm_eager_forward(model, cache, runner.stager, 1)
+            warm_moved_rows(runner)
     return DraftModel(runner, min(cfg.vocab_size, target_vocab), max_tokens, target_vocab)
 
 

@@ -92,3 +92,15 @@ def warm_device_state(state) -> None:
     state.fold(torch.full((1,), -1, dtype=torch.long, device=dev),
                torch.zeros(1, 3, dtype=torch.long, device=dev), zero)
     torch.cuda.synchronize(dev)
+
+
+def warm_moved_rows(runner) -> None:
+    """The kernel that moves a draft model's steps launched ahead on by what the step in
+    flight committed (``ModelRunner.execute(counts=)``: its catch-up of two tokens a
+    sequence and its decode steps), compiled once with nothing to move (counts 1)."""
+    from kiln.runtime.speculative.device_step import shift_rows
+
+    one = torch.ones(1, dtype=torch.long, device=runner.device)
+    for t in (1, 2):
+        shift_rows(runner.moved_entries(1, t), runner.stager.staged_rows(), one, t, True)
+    torch.cuda.synchronize(runner.device)

@@ -21,7 +21,7 @@ pytestmark = [
 PROMPTS = [[100 + (7 * i + j) % 50 for i in range(12 + 3 * j)] * 2 for j in range(4)]
 
 
-def _engine(draft_seed: int | None, graphs: bool, k: int = 4):
+def _engine(draft_seed: int | None, graphs: bool, k: int = 4, device: bool | None = None):
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.artifact.weights import random_weights
     from kiln.runtime.engine import EngineLimits, LLMEngine, RuntimeConfig
@@ -37,7 +37,8 @@ def _engine(draft_seed: int | None, graphs: bool, k: int = 4):
                                                      dtype=torch.float32)
     return LLMEngine(cfg, w, make_byte_tokenizer(), EngineLimits(8, 512, 500, 1024),
                      torch.float32, RuntimeConfig(device="cuda", cuda_graphs=graphs,
-                                                  gpu_memory_utilization=0.3),
+                                                  gpu_memory_utilization=0.3,
+                                                  device_speculation=device),
                      spec=spec, draft=(cfg, dw))
 
 
@@ -47,14 +48,26 @@ def _greedy(window=None):
     return SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, lookahead=window)
 
 
+@pytest.mark.parametrize("device", [True, False], ids=["device", "host"])
 @pytest.mark.parametrize("draft_seed", [None, 1], ids=["self-draft", "other-draft"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_draft_model_greedy_equals_plain_on_cuda(draft_seed, graphs):
-    eng = _engine(draft_seed, graphs)
+def test_draft_model_greedy_equals_plain_on_cuda(draft_seed, graphs, device):
+    """Verified on the device (the default on CUDA: steps launched ahead, the draft's
+    positions moved on by the device) and on the host."""
+    eng = _engine(draft_seed, graphs, device=device)
     plain = [o.token_ids for o in eng.generate(PROMPTS, _greedy((1, 1, 0)))]
+    ahead = []
+    draft = eng.spec_worker.draft_model
+    real = draft.draft_ahead
+    draft.draft_ahead = lambda reqs, state: ahead.append(len(reqs)) or real(reqs, state)
     outs = eng.generate(PROMPTS, _greedy())
     assert [o.token_ids for o in outs] == plain
     assert all(o.error is None for o in outs)
+    if device:
+        assert eng.spec_stats["sync_engine_steps"] == 0
+        assert len(ahead) > eng.spec_stats["engine_steps"] / 2, (ahead, eng.spec_stats)
+    else:
+        assert not ahead
     steps = sum(o.metrics.spec_steps for o in outs)
     tokens = sum(o.metrics.spec_tokens for o in outs)
     assert steps > 0

@@ -225,11 +225,13 @@ def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, gr
     eng.blocks.check_all_free()
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
-def test_draft_model_on_the_staged_path(tiny_reference, graphs):
+@pytest.mark.parametrize(("graphs", "device"), [(False, False), (True, False), (True, True)],
+                         ids=["eager", "graph-buffers", "device-verified"])
+def test_draft_model_on_the_staged_path(tiny_reference, graphs, device):
     """Draft-model speculation through the stager (int32 input buffers: the drafts are
     scattered into the verify step's rows on the device), on both models' staged paths:
-    equals the torch backend's plain greedy tokens."""
+    equals the torch backend's plain greedy tokens. Verified on the host, and on the device
+    (steps launched ahead: the draft's staged rows moved on, ``execute(counts=)``)."""
     import types
 
     import torch
@@ -251,14 +253,22 @@ def test_draft_model_on_the_staged_path(tiny_reference, graphs):
         eng = LLMEngine(target.spec.model, target.load_weights("cpu"), make_byte_tokenizer(),
                         EngineLimits(8, 128, 120, 40), torch.float32,
                         RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=96,
-                                      attention_backend=backend, cuda_graphs=graphs),
+                                      attention_backend=backend, cuda_graphs=graphs,
+                                      device_speculation=device),
                         spec=spec if with_draft else None,
                         draft=(draft.spec.model, draft.load_weights("cpu")) if with_draft
                         else None)
+        moved = []
+        if with_draft:
+            runner = eng.spec_worker.draft_model.runner
+            real = runner.moved_entries
+            runner.moved_entries = lambda b, n: moved.append(n) or real(b, n)
         outs = eng.generate(prompts, params)
         eng.blocks.check_all_free()
         if with_draft and graphs:
             assert eng.spec_worker.draft_model.runner.graphs.num_replays > 0
+        if with_draft:
+            assert bool(moved) == device and (not device or set(moved) == {1, 2})
         return [o.token_ids for o in outs], sum(o.metrics.spec_steps for o in outs)
 
     ref, _ = run("torch", False)
