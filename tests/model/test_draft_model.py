@@ -105,32 +105,37 @@ def test_draft_greedy_equals_plain_greedy(engines, draft, device):
     eng.blocks.check_all_free()
 
 
+@DEVICE
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_draft_lengths_and_chunked_prefill(engines, k):
+def test_draft_lengths_and_chunked_prefill(engines, k, device):
     """K from 1 up, a token budget of 16 (prompts and the draft's catch-up both chunked)."""
     prompts = [p * 3 for p in mixed_prompts()[:5]]  # 30-60 tokens: several chunks
     plain = _engine(engines["llama"], None, max_seq_len=256, max_num_tokens=16)
     want = [o.token_ids for o in plain.generate(prompts, _greedy(30))]
-    eng = _engine(engines["llama"], engines["llama"], k=k, max_seq_len=256, max_num_tokens=16)
+    eng = _engine(engines["llama"], engines["llama"], k=k, max_seq_len=256, max_num_tokens=16,
+                  device_speculation=device)
     got = eng.generate(prompts, _greedy(30))
     assert [o.token_ids for o in got] == want
     assert sum(o.metrics.spec_tokens for o in got) > sum(o.metrics.spec_steps for o in got)
 
 
-def test_draft_with_preemption_recomputes_the_draft_kv(engines):
+@DEVICE
+def test_draft_with_preemption_recomputes_the_draft_kv(engines, device):
     """KV for 2-3 sequences: requests are preempted (their blocks, target and draft KV
     alike, freed) and recomputed; output is unchanged."""
     prompts = mixed_prompts()
     plain = _engine(engines["llama"], None, max_seq_len=256)
     want = [o.token_ids for o in plain.generate(prompts, _greedy(48))]
-    eng = _engine(engines["llama"], engines["qwen2"], max_seq_len=256, num_kv_blocks=24)
+    eng = _engine(engines["llama"], engines["qwen2"], max_seq_len=256, num_kv_blocks=24,
+                  device_speculation=device)
     got = eng.generate(prompts, _greedy(48))
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert [o.token_ids for o in got] == want
     eng.blocks.check_all_free()
 
 
-def test_a_failing_draft_forward_costs_no_request_its_output(engines, monkeypatch):
+@DEVICE
+def test_a_failing_draft_forward_costs_no_request_its_output(engines, monkeypatch, device):
     """Fault injection: the draft's forward raises whenever request "bad" is in its batch.
     The batch is retried request by request: the others draft and speculate as before,
     "bad" decodes its steps without drafts (the target's own token), stops drafting after
@@ -138,7 +143,8 @@ def test_a_failing_draft_forward_costs_no_request_its_output(engines, monkeypatc
     prompts = mixed_prompts()[:4]
     plain = _engine(engines["llama"], None, max_seq_len=256)
     want = [o.token_ids for o in plain.generate(prompts, _greedy(32))]
-    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256)
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256,
+                  device_speculation=device)
     runner = eng.spec_worker.draft_model.runner
     real = runner.execute
     calls = collections.Counter()
@@ -163,6 +169,36 @@ def test_a_failing_draft_forward_costs_no_request_its_output(engines, monkeypatc
     assert calls["bad"] == 2 * draft_model.MAX_FAILURES
     others = [o for i, o in zip(ids, got) if i != "bad"]
     assert all(o.metrics.spec_tokens > 3 * o.metrics.spec_steps for o in others)
+    eng.blocks.check_all_free()
+
+
+def test_a_failing_draft_launched_ahead_loses_nothing(engines, capsys):
+    """Fault injection in a draft step launched ahead of the step in flight (device
+    verification): every third one raises. That step is not launched; the plain scheduler
+    runs the next one (drafting request by request), and every output equals plain greedy
+    with no request failed and every block free."""
+    prompts = mixed_prompts()[:4]
+    plain = _engine(engines["llama"], None, max_seq_len=256)
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(40))]
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256, device_speculation=True)
+    draft = eng.spec_worker.draft_model
+    real = draft.draft_ahead
+    calls = collections.Counter()
+
+    def ahead(reqs, state):
+        calls["all"] += 1
+        if calls["all"] % 3 == 0:
+            calls["raised"] += 1
+            raise RuntimeError("injected: draft forward launched ahead")
+        return real(reqs, state)
+
+    draft.draft_ahead = ahead
+    got = eng.generate(prompts, _greedy(40))
+    assert [o.token_ids for o in got] == want
+    assert all(o.error is None for o in got)
+    assert calls["raised"] >= 2 and calls["all"] > calls["raised"]
+    assert "could not draft" in capsys.readouterr().err
+    assert sum(o.metrics.spec_tokens for o in got) > 3 * sum(o.metrics.spec_steps for o in got)
     eng.blocks.check_all_free()
 
 
@@ -304,7 +340,8 @@ def test_structured_output_checks_drafts_against_the_grammar(engines):
     eng.blocks.check_all_free()
 
 
-def test_adaptive_pacing_stops_a_losing_draft_and_tries_again(engines):
+@DEVICE
+def test_adaptive_pacing_stops_a_losing_draft_and_tries_again(engines, device):
     """Break-even 2 tokens per step (RuntimeConfig.spec_break_even; measured on CUDA): a
     draft that agrees with the target (itself) keeps speculating; one that does not (another
     model, ~1 token per step) stops after MIN_REAL steps, decodes plainly for FIRST_PAUSE
@@ -316,7 +353,8 @@ def test_adaptive_pacing_stops_a_losing_draft_and_tries_again(engines):
     plain = _engine(engines["llama"], None, max_seq_len=256)
     want = [o.token_ids for o in plain.generate(prompts, _greedy(100))]
     for draft, keeps in (("llama", True), ("qwen2", False)):
-        eng = _engine(engines["llama"], engines[draft], max_seq_len=256, spec_break_even=2.0)
+        eng = _engine(engines["llama"], engines[draft], max_seq_len=256, spec_break_even=2.0,
+                      device_speculation=device)
         ids = [eng.add_request(p, _greedy(100)) for p in prompts]
         paces = [eng._requests[i].spec_pace for i in ids]
         assert all(isinstance(p, DraftPace) for p in paces)
