@@ -51,11 +51,13 @@ class RuntimeConfig:
     spec_break_even: float | None = None
     # Speculative state, proposal, greedy verification and the KV move of accepted rows on
     # the device for greedy requests (lookahead at the engine's window:
-    # kiln/runtime/speculative/device_lookahead.py; prompt lookup: device_ngram.py), inside
-    # the masked buckets' CUDA graphs and the async pipeline; the host worker stays for the
-    # rest. None (the default): on for prompt-lookup engines on CUDA, where it beat the host
-    # worker (smollm2 grounded prompts 1.80x vs 1.16x plain at batch 1, 1.22x vs 0.76x at
-    # batch 8), off for lookahead: equal to plain greedy on the H200 (real smollm2, float32)
+    # kiln/runtime/speculative/device_lookahead.py; prompt lookup: device_ngram.py; a draft
+    # model's verification: device_draft.py), inside the masked buckets' CUDA graphs and the
+    # async pipeline; the host worker stays for the rest. None (the default): on for
+    # prompt-lookup engines on CUDA, where it beat the host worker (smollm2 grounded prompts
+    # 1.80x vs 1.16x plain at batch 1, 1.22x vs 0.76x at batch 8), on for draft-model
+    # engines on CUDA (7B / 0.5B shapes, K=4: a step 1.789x a plain one vs 1.910x, batch 1;
+    # docs/decisions.md), off for lookahead: equal to plain greedy on the H200 (real smollm2, float32)
     # but no faster than the host worker there (bf16 (7,7,7), 2026-12-04: grounded 1.15x vs
     # 1.22x at batch 1, 0.87x vs 0.77x at batch 8; chat 0.89x vs 0.95x; docs/decisions.md).
     device_speculation: bool | None = field(
