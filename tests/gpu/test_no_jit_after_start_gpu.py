@@ -21,7 +21,7 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + 11 + salt) % 5000 + 100 for i in range(n)]
 
 
-@pytest.mark.parametrize("spec", [None, "lookahead", "lookahead-device", "ngram"])
+@pytest.mark.parametrize("spec", [None, "lookahead", "lookahead-device", "ngram", "draft"])
 def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
     from triton import knobs
 
@@ -34,6 +34,9 @@ def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
     build_engine("random:smollm2-135m", out, dtype="bfloat16", max_seq_len=2048,
                  max_num_tokens=2048, max_batch_size=16, progress=False,
                  speculative=(SpeculativeConfig.from_cli("ngram", None, 6, 2) if spec == "ngram"
+                              else SpeculativeConfig.from_cli(
+                                  "draft", max_draft_len=4, draft_model="random:smollm2-135m")
+                              if spec == "draft"
                               else SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
                               if spec else None))
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
@@ -62,7 +65,7 @@ def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
         if spec:  # speculative steps at several batch sizes (masked graphs and eager),
             # greedy and sampled (verified on the device where the state is there)
             code = _prompt(12) * 6
-            window = None if spec == "ngram" else (4, 3, 4)
+            window = None if spec in ("ngram", "draft") else (4, 3, 4)
             for t in (0.0, 0.8):
                 for n in (1, 3, 12):
                     eng.generate([code] * n, SamplingParams(
