@@ -324,6 +324,7 @@ class LLMEngine:
         fwd = (self.runner.execute(batch, inputs) if scatter is None
                else self.runner.execute(batch, inputs, scatter))
         if fwd.spec_entries:
+            self.spec_worker.after_forward(fwd)
             reqs = [r for r, _ in batch.items]
             for r in reqs:
                 r.draft = None  # a plan is one step's
@@ -488,6 +489,8 @@ class LLMEngine:
         """
         fwd = self.runner.execute(batch) if scatter is None else self.runner.execute(
             batch, None, scatter)
+        if fwd.spec_entries:
+            self.spec_worker.after_forward(fwd)
         result = StepResult()
         reqs, logits = sample_logits(fwd)
         if reqs:

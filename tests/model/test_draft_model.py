@@ -219,14 +219,17 @@ def bigram_pair(bigram_source, tmp_path_factory):
     return out
 
 
-def test_sampled_draft_speculation_follows_the_target_distribution(bigram_pair, monkeypatch):
+@DEVICE
+def test_sampled_draft_speculation_follows_the_target_distribution(bigram_pair, monkeypatch,
+                                                                   device):
     """Joint distribution of 3 sampled tokens vs the exact one, 1500 seeds each way (as
     test_speculative's: sampling noise alone gives a total variation around 0.02, so 0.06
     is loose for a correct rule and tight for a wrong one). The draft proposes t+1 with
     probability 1/3 where the target has 2/3; the negative control accepts every draft
-    (no rejection step) and must land near the draft's distribution instead."""
+    (no rejection step) and must land near the draft's distribution instead. Verified on
+    the host (``_rejection``) and on the device (``verify_sampled``)."""
     eng = _engine(bigram_pair["target"], bigram_pair["draft"], k=3, max_num_tokens=8192,
-                  max_batch_size=512, num_kv_blocks=4096)
+                  max_batch_size=512, num_kv_blocks=4096, device_speculation=device)
     exact = exact_three_token_distribution(11)
     trials = 1500
 
@@ -247,20 +250,27 @@ def test_sampled_draft_speculation_follows_the_target_distribution(bigram_pair, 
     draft_only = exact_three_token_distribution(11, p_one=1 / 3)
     assert tv(draft_only, exact) > 0.3
 
-    def accept_all(req, logits, drafts, q):  # the wrong rule
-        return list(drafts) + [drafts[-1]]
+    if device:  # the control breaks verify_sampled's rule: the device verified these
+        monkeypatch.setattr(draft_model, "accept_drafts",  # the wrong rule
+                            lambda u, p_d, q_d: torch.ones_like(u, dtype=torch.bool))
+    else:
+        def accept_all(req, logits, drafts, q):  # the wrong rule
+            return list(drafts) + [drafts[-1]]
 
-    monkeypatch.setattr(draft_model.DraftModelWorker, "_rejection", staticmethod(accept_all))
+        monkeypatch.setattr(draft_model.DraftModelWorker, "_rejection",
+                            staticmethod(accept_all))
     _, wrong = run(None)
     assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()
 
 
-def test_seeded_sampled_drafts_are_reproducible(engines):
+@DEVICE
+def test_seeded_sampled_drafts_are_reproducible(engines, device):
     """A seeded request's drafts come from its own generator: the same output alone and in
     a batch."""
     prompts = mixed_prompts()[:4]
-    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256)
+    eng = _engine(engines["llama"], engines["llama"], max_seq_len=256,
+                  device_speculation=device)
     p = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     alone = eng.generate([prompts[0]], p)[0]
     batch = eng.generate(prompts, [p] + [SamplingParams(max_tokens=24, temperature=1.0,

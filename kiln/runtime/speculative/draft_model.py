@@ -74,6 +74,7 @@ class DraftState:
     # committed step's, so the next step may launch ahead (``DraftModel.draft_ahead``)
     synced: bool = False
     pending: tuple = ()  # (a device slot's plain-step tokens: the draft reads the request's)
+    device_drafts: torch.Tensor | None = None  # this step's drafts [K] on the device
 
     @property
     def drafts(self) -> list[int]:
@@ -195,14 +196,17 @@ class DraftModel:
         finally:
             walk.rollback()
 
-    def draft_ahead(self, reqs: list[Request], state: DeviceDraft) -> torch.Tensor:
+    def draft_ahead(self, reqs: list[Request], state: DeviceDraft
+                    ) -> tuple[torch.Tensor, list[list]]:
         """x and K drafts [B, K + 1] for device-verified requests whose last step (their
-        entry rows 0..B-1 of ``state``, in order) is still in flight: the host knows each
+        entry rows 0..B-1 of ``state``, in order) is still in flight, and per request its
+        drafts' probability rows (sampled requests; ``draft``'s). The host knows each
         request's tokens up to that step's x, n of them. The draft runs the token before
         the new x and the new x (``DeviceDraft.next_inputs``), laid out at n - 1 and n as
         if the step committed one token and moved on by what it committed beyond one on the
         device, then K - 1 decode steps. Queued on the device, no host sync."""
         b, k = len(reqs), state.max_draft_len
+        walk = GrammarWalk(self.target_vocab)  # device requests have no grammar: a no-op
         pair, counts = state.next_inputs(b)
         seqs = []
         for r in reqs:
@@ -214,7 +218,8 @@ class DraftModel:
                                   scatter=(rows, pair.reshape(-1)), counts=counts)
         drafts = torch.empty(b, k + 1, dtype=torch.long, device=self.device)
         drafts[:, 0] = pair[:, 1]
-        toks = self._argmax(sample_logits(out)[1])
+        toks, qs = self._draw(sample_logits(out)[1], reqs, walk)
+        probs = [[q] if q is not None else [] for q in qs]
         drafts[:, 1] = toks
         for s in seqs:
             s.num_computed_tokens += 2
@@ -225,12 +230,12 @@ class DraftModel:
                                       counts=counts)
             for s in seqs:
                 s.num_computed_tokens += 1
-            toks = self._argmax(sample_logits(out)[1])
+            toks, qs = self._draw(sample_logits(out)[1], reqs, walk)
             drafts[:, j] = toks
-        return drafts
-
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, : self.vocab].argmax(-1)
+            for q, acc in zip(qs, probs):
+                if q is not None:
+                    acc.append(q)
+        return drafts, probs
 
     def _draft(self, reqs: list[Request], ks: list[int], walk: GrammarWalk
                ) -> tuple[torch.Tensor, list[list]]:
@@ -327,10 +332,14 @@ class DraftModelWorker(DraftWorker):
         if st.k == self.k and self.may_take_slot(req):
             st.slot = 0
 
-    def may_take_slot(self, req: Request) -> bool:
-        """Greedy requests without a grammar are verified on the device (sampled ones keep
-        the host's rejection rule against their sampled drafts, guided ones the grammar)."""
-        return super().may_take_slot(req) and req.params.greedy
+    def after_forward(self, fwd) -> None:
+        """A step's device plans of sampled requests: the step's epilogue verified them
+        greedily; the standard rule replaces that (``verify_sampled``)."""
+        sampled = [r for r in fwd.spec_entries if not r.params.greedy]
+        if sampled:
+            verify_sampled(sampled, fwd, self.device)
+        for r in fwd.spec_entries:
+            r.spec_state.device_drafts = None
 
     def release(self, req: Request) -> None:
         req.spec_state.slot = None  # nothing held: every request may use the entry rows
@@ -406,7 +415,10 @@ class DraftModelWorker(DraftWorker):
                 plans.append(req)
                 rows.extend(range(q0, q0 + n))
             q0 += n
-        drafts = self.draft_model.draft_ahead(plans, self.device)
+        drafts, qs = self.draft_model.draft_ahead(plans, self.device)
+        for i, (req, q) in enumerate(zip(plans, qs)):
+            req.spec_state.q = torch.stack(q) if q else None
+            req.spec_state.device_drafts = drafts[i, 1:]
         return to_device(rows, torch.long, drafts.device), drafts.reshape(-1)
 
     def _fill(self, reqs: list[Request]) -> dict[Request, torch.Tensor]:
@@ -417,6 +429,7 @@ class DraftModelWorker(DraftWorker):
             st = req.spec_state
             st.base, st.drafted, st.synced = req.num_tokens, (step, i), True
             st.q = torch.stack(q) if q else None
+            st.device_drafts = drafts[i, : st.k]
             req.draft.data = st
         return {r: d[:k] for r, d, k in zip(reqs, drafts, ks)}
 
@@ -480,3 +493,65 @@ class DraftModelWorker(DraftWorker):
             return out
         out.append(int(torch.multinomial(p[k].double().cpu(), 1, generator=req.generator)))
         return out
+
+
+def accept_drafts(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """The standard rule's acceptances [m, K] (bool): draft i is accepted with probability
+    min(1, p_i(d) / q_i(d)), i.e. when u * q < p for u ~ U(0, 1)."""
+    return u * q_d < p_d
+
+
+def verify_sampled(reqs: list[Request], fwd, state: DeviceDraft) -> None:
+    """The standard rule (``DraftModelWorker._rejection``'s) on the device for sampled
+    requests' device plans of a step, in place of the epilogue's greedy verdict: accept
+    draft i with probability min(1, p_i(d) / q_i(d)); at the first rejection draw from
+    norm(max(0, p_i - q_i)), after K acceptances from p_K (an exponential race). Writes
+    each request's committed tokens and count into the step's ``fwd.spec`` rows and
+    ``state`` (what the step launched ahead reads). Uniforms come from the request's
+    generator, the races' noise from a device generator seeded by it: a seeded request
+    verifies the same in any batch. No host sync."""
+    dev = fwd.logits.device
+    m, k = len(reqs), state.max_draft_len
+    rows = [fwd.draft_rows[r][0] + j for r in reqs for j in range(k + 1)]
+    logits = fwd.logits[to_device(rows, torch.long, dev)]
+    p = warp_batch(logits, [r.params for r in reqs for _ in range(k + 1)])
+    v = p.shape[-1]
+    p = p.view(m, k + 1, v)
+    qf = torch.zeros(m, k, v, dtype=p.dtype, device=dev)
+    drew = [r.spec_state.q is not None and r.spec_state.device_drafts is not None
+            for r in reqs]  # else its draft failed: the step samples its token from p
+    for i, r in enumerate(reqs):
+        if drew[i]:
+            q = r.spec_state.q
+            w = min(v, q.shape[-1])
+            qf[i, : q.shape[0], :w] = q[:, :w]
+    d = torch.stack([r.spec_state.device_drafts if ok else
+                     torch.zeros(k, dtype=torch.long, device=dev) for r, ok in zip(reqs, drew)])
+    p_d = p[:, :k].gather(2, d[..., None])[..., 0]
+    if not all(drew):  # no draft is accepted (u * 0 < 0 never holds)
+        p_d = p_d * to_device(drew, torch.float32, dev)[:, None]
+    q_d = qf.gather(2, d[..., None])[..., 0]
+    u = to_device([x for r in reqs for x in torch.rand(k, generator=r.generator,
+                                                         dtype=torch.float64).tolist()],
+                  torch.float32, dev).view(m, k)
+    a = accept_drafts(u, p_d, q_d).long().cumprod(1).sum(1)  # accepted, 0..K
+    idx = torch.arange(m, device=dev)
+    p_a = p[idx, a]
+    resid = (p_a - qf[idx, a.clamp(max=k - 1)]).clamp_(min=0)
+    resid = torch.where((a < k)[:, None], resid, p_a)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)  # p == q to rounding
+    noise = torch.empty(m, v, device=dev)
+    for i, r in enumerate(reqs):
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(int(torch.randint(0, 2**62, (), generator=r.generator)))
+        noise[i].exponential_(generator=gen)
+    t = (resid / noise.clamp_min_(1e-20)).argmax(-1)
+    col = torch.arange(k + 1, device=dev)[None, :]
+    d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], 1)
+    committed = torch.where(col < a[:, None], d_pad,
+                            torch.where(col == a[:, None], t[:, None], 0))
+    e = to_device([fwd.spec_entries[r] for r in reqs], torch.long, dev)
+    fwd.spec.committed[e] = committed.to(fwd.spec.committed.dtype)
+    fwd.spec.count[e] = (a + 1).to(fwd.spec.count.dtype)
+    state.last_tokens[e, 1:] = committed
+    state.last_count[e] = a + 1

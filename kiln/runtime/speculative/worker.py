@@ -98,6 +98,10 @@ class DraftWorker(SpeculativeWorker):
         key = int(torch.randint(0, 2**31 - 1, (), generator=req.generator))
         return {"inv_temp": 1.0 / p.temperature, "key": key, "warp": plan_warp(p)}
 
+    def after_forward(self, fwd) -> None:
+        """Called after a step's forward whose plans ran on the device (``fwd.spec``), before
+        what they committed is read: the worker may replace a plan's verdict."""
+
     def chainable(self, req: Request) -> bool:
         """Whether the device step after the one in flight may launch ahead for ``req``
         (its device state holds what that needs)."""
