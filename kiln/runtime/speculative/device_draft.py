@@ -1,10 +1,12 @@
 """What a draft-model engine keeps on the device so its steps run in the async pipeline.
 
-A draft-model step whose plans the device verifies (``DraftPlan.device_slot``; greedy
-requests without a grammar, at the engine's K) is one chain per request: x, then the K
-drafts the draft model drew on the device (written into the plan's rows before the
-forward). ``DeviceSpecStep`` verifies it after the forward (``verify_chains``: the longest
-prefix of drafts equal to the target's tokens, then the target's token after it) and keeps,
+A draft-model step whose plans the device verifies (``DraftPlan.device_slot``; requests
+without a grammar, at the engine's K) is one chain per request: x, then the K drafts the
+draft model drew on the device (written into the plan's rows before the forward).
+``DeviceSpecStep`` verifies it after the forward (``verify_chains``: the longest prefix of
+drafts equal to the target's argmax, then the target's token after it; a sampled
+request's verdict is then replaced by the standard rule's, ``draft_model.verify_sampled``)
+and keeps,
 per entry row of the step, what the next step launched ahead needs before the host has
 read this one:
 

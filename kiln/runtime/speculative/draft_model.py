@@ -18,8 +18,15 @@ A step, for the requests whose draft plan was scheduled (``DraftModelWorker.fill
    device, and the target's step verifies them (greedy: the longest matching prefix and
    the target's token after it; sampled: the standard rejection rule, accept d with
    probability min(1, p(d) / q(d)), else sample norm(max(0, p - q)); the output is
-   distributed as plain sampling from p). The host reads the drafts once, with the
-   target's verification rows: one host sync per step, as for prompt lookup.
+   distributed as plain sampling from p).
+
+Where it is verified: requests without a grammar at the engine's K are verified on the
+device (``DeviceDraft``, on by default on CUDA): greedy in the step's epilogue, sampled by
+``verify_sampled`` right after the forward; the host reads what each committed, and the
+step after it is launched before that read (``DraftModel.draft_ahead``: the async
+pipeline). The rest (grammars, shorter K, device verification off) are verified on the
+host (``DraftModelWorker.verify``), which reads the drafts with the target's rows: one
+host sync per step.
 
 Draft KV written for the accepted drafts is at its final positions (a chain), so after a
 verification that accepted ``a`` of K drafts the draft has KV for ``n + min(a, K - 1)``
