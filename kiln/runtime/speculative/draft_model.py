@@ -307,13 +307,11 @@ class DraftModel:
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
             q = warp_batch(logits[sampled], [reqs[i].params for i in sampled])
+            # an exponential race (Gumbel-max on probabilities)
+            drawn = (q / race_noise([reqs[i] for i in sampled], q.shape[-1], q.device)
+                     ).argmax(-1)
+            toks[to_device(sampled, torch.long, toks.device)] = drawn
             for j, i in enumerate(sampled):
-                # an exponential race (Gumbel-max on probabilities), its noise seeded from
-                # the request's generator: a seeded request drafts the same in any batch
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(torch.randint(0, 2**62, (), generator=reqs[i].generator)))
-                noise = torch.empty_like(q[j]).exponential_(generator=gen)
-                toks[i] = (q[j] / noise).argmax()
                 qs[i] = q[j]
         walk.advance(reqs, toks)
         return toks, qs
@@ -502,6 +500,21 @@ class DraftModelWorker(DraftWorker):
         return out
 
 
+def race_noise(reqs: list[Request], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [len(reqs), vocab] for exponential races (argmax of p / E draws from
+    p): a seeded request's row from a device generator seeded by its own generator (the
+    same draws in any batch), the others' from the default generator in one launch."""
+    noise = torch.empty(len(reqs), vocab, device=device)
+    seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+    if len(seeded) < len(reqs):
+        noise.exponential_()
+    for i in seeded:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(torch.randint(0, 2**62, (), generator=reqs[i].generator)))
+        noise[i].exponential_(generator=gen)
+    return noise.clamp_min_(1e-20)  # E = 0 would make 0 / 0
+
+
 def accept_drafts(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
     """The standard rule's acceptances [m, K] (bool): draft i is accepted with probability
     min(1, p_i(d) / q_i(d)), i.e. when u * q < p for u ~ U(0, 1)."""
@@ -547,12 +560,7 @@ def verify_sampled(reqs: list[Request], fwd, state: DeviceDraft) -> None:
     resid = (p_a - qf[idx, a.clamp(max=k - 1)]).clamp_(min=0)
     resid = torch.where((a < k)[:, None], resid, p_a)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)  # p == q to rounding
-    noise = torch.empty(m, v, device=dev)
-    for i, r in enumerate(reqs):
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(int(torch.randint(0, 2**62, (), generator=r.generator)))
-        noise[i].exponential_(generator=gen)
-    t = (resid / noise.clamp_min_(1e-20)).argmax(-1)
+    t = (resid / race_noise(reqs, v, dev)).argmax(-1)
     col = torch.arange(k + 1, device=dev)[None, :]
     d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], 1)
     committed = torch.where(col < a[:, None], d_pad,
