@@ -13,8 +13,7 @@ from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.device_step import (DeviceSpecStep, SpecEntries, SpecOutput,
-                                                  shift_rows)
+from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries, SpecOutput, shift_rows
 from kiln.runtime.staging import StepStager
 
 
