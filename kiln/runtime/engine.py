@@ -376,15 +376,17 @@ class LLMEngine:
         batch = self.scheduler.schedule_spec_ahead(cur.batch, self._spec_width,
                                                    self.limits.max_seq_len, cur.plain)
         scatter = None
-        if batch is not None and self._device_spec_step(batch):
-            try:
+        try:
+            if batch is not None and self._device_spec_step(batch):
                 scatter = self._fill(batch)
-            except Exception as e:  # the plain scheduler's step retries request by request
-                print(f"warning: a speculative step launched ahead could not draft "
-                      f"({type(e).__name__}: {e}); the next step runs after this one",
-                      file=sys.stderr, flush=True)
+            else:
                 batch = None
-        if batch is None or not self._device_spec_step(batch):
+        except Exception as e:  # the plain scheduler's step retries request by request
+            print(f"warning: a speculative step launched ahead could not draft "
+                  f"({type(e).__name__}: {e}); the next step runs after this one",
+                  file=sys.stderr, flush=True)
+            batch = None
+        if batch is None:
             for r in dev:
                 r.draft = None
             return None

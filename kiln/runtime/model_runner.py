@@ -13,7 +13,12 @@ from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries, SpecOutput, shift_rows
+from kiln.runtime.speculative.device_step import (
+    DeviceSpecStep,
+    SpecEntries,
+    SpecOutput,
+    shift_rows,
+)
 from kiln.runtime.staging import StepStager
 
 
@@ -212,7 +217,6 @@ class ModelRunner:
                                                    meta.slot_mapping, self.cache)
         stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out
-
 
     def moved_entries(self, num_seqs: int, n: int) -> SpecEntries:
         """``shift_rows``' entries for ``execute(counts=)``: sequence i's ``n`` rows from

@@ -149,11 +149,11 @@ def test_a_failing_draft_forward_costs_no_request_its_output(engines, monkeypatc
     real = runner.execute
     calls = collections.Counter()
 
-    def execute(batch, *args):
+    def execute(batch, *args, **kwargs):
         if any(s.req.request_id == "bad" for s, _ in batch.items):
             calls["bad"] += 1
             raise torch.OutOfMemoryError("injected: draft forward out of memory")
-        return real(batch, *args)
+        return real(batch, *args, **kwargs)
 
     monkeypatch.setattr(runner, "execute", execute)
     ids = [eng.add_request(p, _greedy(32), request_id="bad" if i == 1 else None)

@@ -9,17 +9,9 @@ import torch
 
 from kiln.runtime.speculative.device_ngram import find_drafts, verify_chains
 from kiln.runtime.speculative.ngram import find_draft
+from kiln.runtime.speculative.worker import DraftWorker
 
-
-def host_greedy(draft: list[int], argmax: list[int]) -> list[int]:
-    """NgramWorker.verify's greedy branch."""
-    accepted: list[int] = []
-    for i, d in enumerate(draft):
-        if argmax[i] != d:
-            break
-        accepted.append(d)
-    accepted.append(argmax[len(accepted)])
-    return accepted
+host_greedy = DraftWorker.greedy_chain  # NgramWorker.verify's greedy branch
 
 
 def random_row(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -231,13 +231,7 @@ class DraftModel:
         for s in seqs:
             s.num_computed_tokens += 2
         for j in range(2, k + 1):
-            for s in seqs:
-                s.all_token_ids.append(0)  # the draw in flight, patched on the device
-            out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks,
-                                      counts=counts)
-            for s in seqs:
-                s.num_computed_tokens += 1
-            toks, qs = self._draw(sample_logits(out)[1], reqs, walk)
+            toks, qs = self._decode_step(seqs, reqs, toks, walk, counts)
             drafts[:, j] = toks
             for q, acc in zip(qs, probs):
                 if q is not None:
@@ -258,13 +252,7 @@ class DraftModel:
             if len(live) < len(rows):  # the requests of shorter drafts are done
                 toks = toks[to_device(live, torch.long, self.device)]
                 seqs, rows = [seqs[n] for n in live], [rows[n] for n in live]
-            for s in seqs:
-                s.all_token_ids.append(0)  # the draw in flight, patched on the device
-            out = self.runner.execute(ScheduledBatch([(s, 1) for s in seqs]), toks)
-            for s in seqs:
-                s.num_computed_tokens += 1
-            # one row per sequence, in batch order: a view (sample_logits)
-            toks, qs = self._draw(sample_logits(out)[1], [reqs[i] for i in rows], walk)
+            toks, qs = self._decode_step(seqs, [reqs[i] for i in rows], toks, walk)
             if len(rows) == b:
                 drafts[:, j] = toks
             else:
@@ -273,6 +261,21 @@ class DraftModel:
                 if q is not None:
                     probs[i].append(q)
         return drafts, probs
+
+    def _decode_step(self, seqs: list[DraftSeq], reqs: list[Request], toks: torch.Tensor,
+                     walk: GrammarWalk, counts: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One draft decode step of ``seqs``, its inputs the last draws ``toks`` on the
+        device (``counts``: moved on as ``ModelRunner.execute`` says); the next draws."""
+        for s in seqs:
+            s.all_token_ids.append(0)  # the draw in flight, patched on the device
+        batch = ScheduledBatch([(s, 1) for s in seqs])
+        out = (self.runner.execute(batch, toks) if counts is None
+               else self.runner.execute(batch, toks, counts=counts))
+        for s in seqs:
+            s.num_computed_tokens += 1
+        # one row per sequence, in batch order: a view (sample_logits)
+        return self._draw(sample_logits(out)[1], reqs, walk)
 
     def _catch_up(self, seqs: list[DraftSeq]) -> torch.Tensor:
         """Forward what the draft has not computed of each sequence (x at least), in chunks
