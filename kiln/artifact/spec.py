@@ -180,6 +180,33 @@ class QuantConfig:
         return cls(**d)
 
 
+TOOL_PARSER_SOURCES = ("chat template", "--tool-parser", "none")
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    """engine.json ``tools``: the tool-call ``parser`` family the engine's chat template
+    speaks (kiln.tools.PARSERS; None: the template has no tool calling) and where that
+    choice came from (``source``: detected from the "chat template", or "--tool-parser" at
+    build). Engines built before the section have none; the runtime then detects it from
+    the tokenizer's template at load."""
+
+    parser: str | None = None
+    source: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.source not in TOOL_PARSER_SOURCES:
+            raise ValueError(f"tools.source {self.source!r} is not one of "
+                             f"{list(TOOL_PARSER_SOURCES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"parser": self.parser, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ToolsConfig:
+        return cls(parser=d.get("parser"), source=str(d.get("source", "none")))
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything in engine.json. ``weights`` is {"format": "safetensors", "files": {name:
@@ -188,7 +215,8 @@ class EngineSpec:
     {"tuned": true, "gpu", "triton", ..., "configs": {kernel: {key: config}}} or
     {"tuned": false, "reason"}; empty in engines built before tuning existed).
     ``generation_defaults``: sampling values for the fields a request omits (see
-    kiln.artifact.generation).
+    kiln.artifact.generation). ``tools``: the tool-call parser (an optional section: None in
+    engines built before it, which read it from the chat template at load).
     """
 
     format_version: int
@@ -202,6 +230,7 @@ class EngineSpec:
     weights: dict[str, Any] = field(default_factory=dict)
     kernel_configs: dict[str, Any] = field(default_factory=dict)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    tools: ToolsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -224,6 +253,7 @@ class EngineSpec:
             "weights": self.weights,
             "kernel_configs": self.kernel_configs,
             "generation_defaults": self.generation_defaults.to_dict(),
+            **({"tools": self.tools.to_dict()} if self.tools is not None else {}),
         }
 
     @classmethod
@@ -240,4 +270,5 @@ class EngineSpec:
             weights=dict(d.get("weights") or {}),
             kernel_configs=dict(d.get("kernel_configs") or {}),
             generation_defaults=GenerationDefaults.from_dict(d.get("generation_defaults") or {}),
+            tools=ToolsConfig.from_dict(d["tools"]) if d.get("tools") is not None else None,
         )

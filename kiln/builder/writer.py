@@ -21,7 +21,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import kiln
 from kiln.artifact import ENGINE_JSON, TOKENIZER_DIR, WEIGHTS_FILE
-from kiln.artifact.spec import DTYPES, EngineSpec, Limits, QuantConfig, format_version_for
+from kiln.artifact.spec import (
+    DTYPES,
+    EngineSpec,
+    Limits,
+    QuantConfig,
+    ToolsConfig,
+    format_version_for,
+)
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.artifact.weights import RANDOM_STD, quantize_lm_head, runtime_shapes
 from kiln.builder import fp8
@@ -63,6 +70,7 @@ def build_engine(
     tune: bool | None = False,
     finish: Callable[[Path], None] | None = None,
     generation_config: str = "auto",
+    tool_parser: str = "auto",
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -78,6 +86,9 @@ def build_engine(
     way: kiln/cli/precompile.py).
     ``generation_config``: "auto" records the source's sampling defaults (generation_config.json,
     a built-in's model card) in engine.json ``generation_defaults``; "none" records none.
+    ``tool_parser``: "auto" records the tool-call family the chat template speaks
+    (kiln.tools.detect_parser) in engine.json ``tools``; a family name (kiln.tools.PARSERS)
+    records that one; "none" records that the engine parses no tool calls.
     ``speculative`` mode "draft": ``speculative.draft_model`` (any source form) is opened and
     checked against the target (kiln.builder.draft) with the rest, then built as a complete
     engine in ``out_dir/draft`` (the same dtype and limits, no speculation, no quantization,
@@ -91,6 +102,7 @@ def build_engine(
     if generation_config not in GENERATION_CONFIG_MODES:
         raise ValueError(f"--generation-config {generation_config!r} is not supported; use "
                          f"one of {list(GENERATION_CONFIG_MODES)}")
+    tools = _requested_tools(tool_parser)
     _check_out_dir(out_dir, force)
     speculative = speculative or SpeculativeConfig()
     console = Console(stderr=True, quiet=not progress)
@@ -102,6 +114,7 @@ def build_engine(
         speculative=speculative, requested=quantization or QuantConfig(),
         generation_config=generation_config,
     )
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, tools=tools))
     draft = None
     if speculative.mode == "draft":
         draft = _plan_draft(source_name(source, model), plan, speculative, progress)
@@ -137,6 +150,34 @@ def build_engine(
                if draft is not None else "")
     console.print(f"[green]built[/] {out_dir} ({spec.model.architecture}, {dtype}{drafted})")
     return spec
+
+
+def _requested_tools(tool_parser: str) -> ToolsConfig | None:
+    """engine.json ``tools`` as asked at build: None for "auto" (``write_engine`` detects it
+    from the chat template once the tokenizer is loaded)."""
+    from kiln.tools import get_parser
+
+    if tool_parser == "auto":
+        return None
+    if tool_parser == "none":
+        return ToolsConfig(None, "--tool-parser")
+    try:
+        get_parser(tool_parser)
+    except ValueError as e:
+        raise ValueError(f"--tool-parser: {e}, auto or none") from None
+    return ToolsConfig(tool_parser, "--tool-parser")
+
+
+def _detected_tools(tokenizer: Any) -> ToolsConfig:
+    """The tool-call family of ``tokenizer``'s chat template (several named templates: the
+    one for tool use, else any)."""
+    from kiln.tools import detect_parser
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or "\n".join(map(str, template.values()))
+    parser = detect_parser(template)
+    return ToolsConfig(parser, "chat template" if parser is not None else "none")
 
 
 @dataclass(frozen=True)
@@ -216,6 +257,8 @@ def _plan_draft(
     plan = _plan_engine(draft, dtype=dtype, limits=target.spec.limits,
                         speculative=SpeculativeConfig(), requested=QuantConfig(),
                         generation_config="none")
+    # a draft engine is never served: it parses no tool calls
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, tools=ToolsConfig()))
     if plan.fp8_ckpt is not None:
         raise KilnError(
             f"draft model {name} is an FP8 checkpoint ({plan.fp8_ckpt.scheme}): a draft "
@@ -245,6 +288,8 @@ def write_engine(
     elif quantization.kv_cache == "fp8":
         spec = _record_kv_scales(spec, {"kv_missing": spec.model.num_layers})
     _write_tokenizer(model, directory / TOKENIZER_DIR)
+    if spec.tools is None:  # "auto"
+        spec = dataclasses.replace(spec, tools=_detected_tools(model.tokenizer))
     spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
     (directory / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     return spec

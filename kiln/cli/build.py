@@ -118,6 +118,14 @@ def build(
         "record nothing (kiln's own defaults apply). Speculative engines never record a "
         "repetition penalty (it would turn speculation off).",
     ),
+    tool_parser: str = typer.Option(
+        "auto", "--tool-parser",
+        help="How serve reads tool calls from the model's output: auto (the family the chat "
+        "template speaks: hermes for Qwen2.5 / Qwen3 <tool_call> blocks, llama3_json for Llama "
+        "3.1+ JSON calls, mistral for [TOOL_CALLS]; none when the template has no tools), one "
+        "of those names, or none. Recorded in engine.json; `kiln serve --tool-parser` "
+        "overrides it.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
     ),
@@ -154,6 +162,7 @@ def build(
         tune=tune,
         finish=finish,
         generation_config=generation_config.value,
+        tool_parser=tool_parser,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))

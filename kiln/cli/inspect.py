@@ -39,7 +39,8 @@ def inspect(
         False, "--verify", help="Also check the weight files' sha256 checksums."
     ),
 ) -> None:
-    """Show an engine's model, dtype, limits, quantization, speculative settings and source."""
+    """Show an engine's model, dtype, limits, quantization, speculative settings, tool-call
+    parser and source."""
     from rich.console import Console
 
     from kiln.artifact.loader import load_engine
@@ -68,6 +69,7 @@ def inspect(
     if artifact.draft is not None:
         console.print(_table("Draft engine", _draft_rows(artifact)))
     console.print(_table("Generation defaults", _generation_rows(spec.generation_defaults)))
+    console.print(_table("Tool calling", _tools_rows(spec.tools)))
     console.print(_table("Provenance", spec.provenance))
     weights: dict[str, Any] = {"format": spec.weights.get("format")}
     if spec.is_random:
@@ -112,6 +114,13 @@ def _generation_rows(defaults: Any) -> dict[str, Any]:
     for name, info in defaults.dropped.items():
         rows[f"dropped {name}"] = f"{info.get('value')}: {info.get('reason')}"
     return rows
+
+
+def _tools_rows(tools: Any) -> dict[str, Any]:
+    if tools is None:
+        return {"parser": "not recorded (built before kiln recorded it): serve detects it "
+                          "from the chat template"}
+    return {"parser": tools.parser or "none (no tool calling)", "source": tools.source}
 
 
 def _compiled_rows(path: Path) -> dict[str, Any]:

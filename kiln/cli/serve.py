@@ -108,6 +108,13 @@ def serve(
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
     adaptive_spec: bool | None = typer.Option(
         None, "--adaptive-speculation/--always-speculate", help=ADAPTIVE_SPEC_HELP),
+    tool_parser: str | None = typer.Option(
+        None, "--tool-parser",
+        help="How tool calls are read from the model's output: hermes (Qwen2.5 / Qwen3 "
+        "<tool_call> blocks), llama3_json (Llama 3.1+), mistral ([TOOL_CALLS]) or none (tools "
+        "answered with a 400). Default: the one the engine recorded at build (`kiln inspect` "
+        "shows it).",
+    ),
 ) -> None:
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
     import uvicorn
@@ -119,6 +126,10 @@ def serve(
 
     if max_queue < 1:
         raise KilnError(f"--max-queue {max_queue} must be >= 1")
+    try:  # before loading: a bad value fails now
+        ServerConfig("check", tool_parser=tool_parser)
+    except ValueError as e:
+        raise KilnError(str(e)) from None
     timeouts = Timeouts(header_timeout, body_timeout, shutdown_timeout)
     sock = bind(host, port)  # before loading: a busy port fails now, not after the load
     engine_dir, _ = engine_dir_for(engine_or_source, device)
@@ -130,7 +141,8 @@ def serve(
     from_source = engine_dir != Path(engine_or_source).expanduser()
     name = served_model_name or (Path(engine_or_source).name if from_source else engine_dir.name)
     aliases = tuple({engine_or_source, str(engine_dir), str(engine_dir.resolve())} - {name})
-    config = ServerConfig(name, aliases, api_key or None, max_queue, max_body_bytes)
+    config = ServerConfig(name, aliases, api_key or None, max_queue, max_body_bytes,
+                          tool_parser)
     holder: dict[str, uvicorn.Server] = {}
 
     def on_dead(exc: BaseException) -> None:

@@ -28,6 +28,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.guided import mask_logits
 from kiln.runtime.layers.sampler import INVALID_TOKEN, describe_bad_row, kernels_enabled
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.prompt_logprobs import score_prompt_rows
 from kiln.runtime.request import Request, check_prompt, request_output
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch
@@ -139,14 +140,29 @@ class LLMEngine:
         return engine
 
     # -- requests ------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of the engine's chat template over ``messages`` with a generation prompt."""
+    def apply_chat_template(self, messages: list[dict],
+                            tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the engine's chat template over ``messages`` with a generation prompt;
+        ``tools`` (OpenAI tool objects) go to the template's own tools branch."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this engine's tokenizer has no chat template; send raw text")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The tool-call family of this engine's chat template (kiln.tools.PARSERS): the one
+        engine.json records, else (engines built before it was recorded, engines made in
+        memory) the one its template speaks; None: no tool calling."""
+        tools = getattr(getattr(self, "spec", None), "tools", None)
+        if tools is not None:
+            return tools.parser
+        from kiln.tools import detect_parser
+
+        template = getattr(self.tokenizer, "chat_template", None)
+        return detect_parser(template if isinstance(template, str) else None)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -281,8 +297,9 @@ class LLMEngine:
     def _can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether the step's tokens can be chosen on the device alone (plain decode rows,
         no grammar, no penalties / logprobs / seeds; or device speculative plans, with
-        such plain rows beside them)."""
-        if not self.async_scheduling:
+        such plain rows beside them). A step scoring prompt tokens runs synchronously
+        (``_run``: the scores are read with its tokens)."""
+        if not self.async_scheduling or batch.num_prompt_rows():
             return False
         if self._device_spec_step(batch):
             return True
@@ -493,6 +510,8 @@ class LLMEngine:
             batch, None, scatter)
         if fwd.spec_entries:
             self.spec_worker.after_forward(fwd)
+        if fwd.prompt_rows:
+            self._score_prompts(fwd.logits, fwd.prompt_rows)
         result = StepResult()
         reqs, logits = sample_logits(fwd)
         if reqs:
@@ -513,6 +532,23 @@ class LLMEngine:
                 result.draft_logits[req] = fwd.logits[first : first + count]
         result.spec_entries, result.spec = fwd.spec_entries, fwd.spec
         return result
+
+    def _score_prompts(self, logits: torch.Tensor,
+                       prompt_rows: dict[Request, tuple[int, int, int]]) -> None:
+        """Append the prompt logprobs this step scored to their requests (a request whose
+        scores fail or are not finite fails alone)."""
+        try:
+            scored = score_prompt_rows(logits, prompt_rows)
+        except Exception as e:
+            for req in prompt_rows:
+                self.fail_request(req, "scoring its prompt (prompt_logprobs)", e)
+            return
+        for req, lps in scored.items():
+            if lps is None:
+                self.fail_request(req, "scoring its prompt (prompt_logprobs)", "its logits "
+                                  "are not finite (NaN or inf in the model's output)")
+            elif not req.is_finished:
+                req.prompt_logprobs.extend(lps)
 
     def fail_request(self, req: Request, stage: str, cause: BaseException | str) -> None:
         """Fail one request: it finishes with reason "error" and a message naming ``stage``

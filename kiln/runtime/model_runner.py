@@ -30,6 +30,10 @@ class ForwardOutput:
     ``draft_rows``: requests that ran a draft plan -> (first row, count) of the plan's rows.
     ``spec_entries``: requests whose plan ran on the device (``DraftPlan.device_slot``) ->
     their row of ``spec``, what the step verified and committed for them on the device.
+    ``prompt_rows``: requests scoring their prompt (``SamplingParams.prompt_logprobs``) ->
+    (first row, count, first position p): rows first .. first+count-1 are the logits of
+    positions p .. p+count-1, which score prompt tokens p+1 .. p+count. They come after every
+    other row of the step (sample and draft rows keep their places).
     """
 
     logits: torch.Tensor
@@ -37,6 +41,7 @@ class ForwardOutput:
     draft_rows: dict[Request, tuple[int, int]] = field(default_factory=dict)
     spec_entries: dict[Request, int] = field(default_factory=dict)
     spec: SpecOutput | None = None
+    prompt_rows: dict[Request, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -90,7 +95,8 @@ class ModelRunner:
 
         A request scheduled with exactly its draft plan's token count runs the plan (tree
         mask, positions from the plan, logits for every row); others run their next
-        ``n`` tokens causally and get logits only when they reach their last token.
+        ``n`` tokens causally and get logits only when they reach their last token, and at
+        the prompt positions whose logprobs they still lack (``ForwardOutput.prompt_rows``).
         ``input_patch`` (device token ids [k]) replaces the first k input tokens on the
         device: a step scheduled before the previous step's tokens reached the host
         (``batch.in_flight``: every item then is one decode token, row i = item i).
@@ -114,6 +120,7 @@ class ModelRunner:
         ahead = self.spec_step.last_count.tolist() if batch.spec_in_flight else None
         moved = (counts - 1).tolist() if counts is not None else None
         out = ForwardOutput(torch.empty(0))
+        scored = []  # (request, first input row, count, first position) of prompt rows
         for i, (req, n) in enumerate(batch.items):
             start = req.num_computed_tokens
             q0 = len(input_ids)
@@ -129,6 +136,9 @@ class ModelRunner:
                 if batch.samples(req, end):
                     out.sample_rows[req] = len(logit_rows)
                     logit_rows.append(q0 + n - 1)
+                lo, hi = batch.prompt_positions(req, start, end)
+                if hi > lo:
+                    scored.append((req, q0 + lo - start, hi - lo, lo))
                 positions.append(torch.arange(start + shift, end + shift))
                 seqs.append(SeqAttention(q0, n, end + shift, key_slots.to(self.device)))
             else:
@@ -144,6 +154,9 @@ class ModelRunner:
                                                         plan.inv_temp, plan.key, plan.warp)):
                         col.append(v)
                 logit_rows.extend(range(q0, q0 + n))
+        for req, q, count, lo in scored:
+            out.prompt_rows[req] = (len(logit_rows), count, lo)
+            logit_rows.extend(range(q, q + count))
         dev = self.device
         meta = AttentionMetadata(torch.cat(slot_chunks).to(dev), seqs)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
@@ -180,8 +193,11 @@ class ModelRunner:
         # (a prompt-lookup chain has no tree mask but needs them too)
         masked = any(p is not None and (p.step_mask is not None or p.device_slot is not None)
                      for p in plans)
-        # logit rows at most: one per plain item, every token of a draft
-        rows = sum(n if p is not None else 1 for (_, n), p in zip(batch.items, plans))
+        # logit rows at most: one per plain item, every token of a draft, and the prompt
+        # positions scored (a step scoring a long prompt chunk runs eagerly: no bucket has
+        # that many rows)
+        rows = (sum(n if p is not None else 1 for (_, n), p in zip(batch.items, plans))
+                + batch.num_prompt_rows())
         bucket = (self.graphs.find_bucket(len(batch.items), batch.num_tokens, masked, rows)
                   if self.graphs is not None else None)
         pad = (bucket.num_seqs, bucket.num_tokens) if bucket is not None else None

@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """Logprob of the chosen token and the top alternatives ({token_id: logprob})."""
+    """Logprob of the chosen token and the top alternatives ({token_id: logprob}, most
+    likely first); ``rank``: the token's rank in its row, 1 = most likely (prompt logprobs
+    set it; None where it was not computed)."""
 
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None
 
 
 @dataclass
@@ -42,6 +45,9 @@ class RequestOutput:
     only what this step added (for streaming). ``finish_reason`` is None while running, else
     "stop" (eos, stop string or stop token), "length" (max_tokens or max_seq_len), "abort",
     or "error": serving this request failed (``error`` says why; the engine goes on).
+    ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``): one entry per prompt token,
+    None for the first, set on every output once the whole prompt has been scored (its
+    first output with tokens at the latest; the list is shared, read it only).
     """
 
     request_id: str
@@ -56,4 +62,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # why the request failed (finish_reason "error")
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 

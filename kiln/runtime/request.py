@@ -44,6 +44,11 @@ class Request:
         self.error: str | None = None  # set when serving it failed (finish_reason "error")
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # Prompt logprobs collected so far, in prompt order (None for the first token), when
+        # params.prompt_logprobs asks for them; complete at num_prompt_tokens entries. They
+        # survive preemption: a recompute scores only the positions still missing.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.matcher = None  # GuidedMatcher when params.guided is set
         self.spec_state = None  # the speculative worker's per-request state, if it speculates
@@ -67,6 +72,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are still to be collected: its prefill needs logits at
+        every prompt position, so it may not start from prefix-cache hits."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -169,4 +181,5 @@ def request_output(req: Request) -> RequestOutput:
         logprobs=list(req.logprobs) if req.logprobs is not None else None,
         stop_reason=req.stop_reason,
         error=req.error,
+        prompt_logprobs=None if req.scores_prompt else req.prompt_logprobs,
     )

@@ -28,6 +28,11 @@ class SamplingParams:
     ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) is greedy. ``top_k <= 0``
     disables top-k. ``logprobs=k`` returns the
     chosen token's logprob and the ``k`` most likely alternatives per generated token.
+    ``prompt_logprobs=k`` returns, for every prompt token after the first, its logprob given
+    the tokens before it, its rank and the ``k`` most likely alternatives
+    (``RequestOutput.prompt_logprobs``): log_softmax of the raw model logits in float32, no
+    temperature, penalties or logit bias. Its prefill computes logits at every prompt
+    position, so such a request takes no prefix-cache hits.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -47,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     guided: GuidedSpec | None = None
     # Per-request lookahead window (w, n, g), bounded by the engine's (W, N, G); None takes
     # the engine's; (1, 1, 0) is plain decoding. In ngram engines, (1, 1, 0) turns drafting off.
@@ -97,6 +103,8 @@ class SamplingParams:
              "must be token ids >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
              "must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs", self.prompt_logprobs, "must be between 0 and 20"),
             (all(s for s in self.stop), "stop", self.stop, "must not contain empty strings"),
         ]
         for ok, name, value, rule in checks:

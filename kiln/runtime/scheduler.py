@@ -46,6 +46,26 @@ class ScheduledBatch:
         (its logits give the next token)."""
         return end == req.num_tokens + self.in_flight
 
+    def prompt_positions(self, req: Request, start: int, end: int) -> tuple[int, int]:
+        """Positions ``lo..hi-1`` of ``req``'s item (computing ``start..end-1``) whose logits
+        score prompt tokens its prompt logprobs still lack (position p scores prompt token
+        p + 1); ``lo == hi``: none."""
+        got = req.prompt_logprobs
+        if got is None:
+            return end, end
+        lo = max(start, len(got) - 1)
+        return lo, max(lo, min(end, req.num_prompt_tokens - 1))
+
+    def num_prompt_rows(self) -> int:
+        """Logits rows the step computes to score prompt tokens (``prompt_positions``)."""
+        rows = 0
+        for r, n in self.items:
+            if r.prompt_logprobs is not None:
+                lo, hi = self.prompt_positions(r, r.num_computed_tokens,
+                                               r.num_computed_tokens + n)
+                rows += hi - lo
+        return rows
+
     def unfinished(self) -> ScheduledBatch:
         """The items whose request has not stopped, failed or been aborted since."""
         return ScheduledBatch([(r, n) for r, n in self.items if not r.is_finished])
@@ -118,7 +138,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached_blocks: list[int] = []
-            if req.num_computed_tokens == 0 and not req.block_table:
+            # a request scoring its prompt computes every position (vLLM skips hits too)
+            if req.num_computed_tokens == 0 and not req.block_table and not req.scores_prompt:
                 cached_blocks, hashes = self.blocks.match_prefix(req.all_token_ids)
                 req.block_table.extend(cached_blocks)
                 req.block_hashes = hashes

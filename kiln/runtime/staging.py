@@ -136,7 +136,8 @@ class StepStager:
 
     def stage(self, batch: ScheduledBatch, plans: list, out,
               pad: tuple[int, int] | None = None) -> Staged:
-        """Write ``batch`` into the buffers and upload; fills ``out.sample_rows/draft_rows``.
+        """Write ``batch`` into the buffers and upload; fills ``out.sample_rows/draft_rows``
+        (and ``spec_entries``, ``prompt_rows``).
 
         The caller checked ``fits(batch)``. ``pad=(S, T)`` lays the step out for a graph
         bucket of S sequences and T tokens (see the module docstring).
@@ -152,6 +153,7 @@ class StepStager:
         qsl[0] = 0
         spec_slots = h["spec_slots"]
         spec_slots[:] = -1
+        scored = []  # (request, first input row, count, first position) of prompt rows
         for i, ((req, n), plan) in enumerate(zip(batch.items, plans)):
             start = req.num_computed_tokens
             end = start + n
@@ -160,6 +162,10 @@ class StepStager:
             ctx[i] = end
             max_q, max_ctx = max(max_q, n), max(max_ctx, end)
             moff[i] = -1
+            if req.prompt_logprobs is not None and plan is None:
+                lo, hi = batch.prompt_positions(req, start, end)
+                if hi > lo:
+                    scored.append((req, q0 + lo - start, hi - lo, lo))
             if n == 1 and plan is None:  # decode: plain ints, no numpy temporaries
                 slots[q0] = slot_of(table, start, bs)
                 known = req.all_token_ids
@@ -203,6 +209,10 @@ class StepStager:
                 nrows += n
             q0 += n
             qsl[i + 1] = q0
+        for req, q, count, lo in scored:  # after every other row (ForwardOutput.prompt_rows)
+            out.prompt_rows[req] = (nrows, count, lo)
+            rows[nrows : nrows + count] = np.arange(q, q + count)
+            nrows += count
         b = len(batch.items)
         if pad is not None:
             s, t = pad

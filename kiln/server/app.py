@@ -54,8 +54,16 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 1024
     max_body_bytes: int = 1 << 20
+    tool_parser: str | None = None  # None: the engine's (engine.json); "none": no tools
 
     def __post_init__(self) -> None:
+        if self.tool_parser not in (None, "none"):
+            from kiln.tools import get_parser
+
+            try:
+                get_parser(self.tool_parser)
+            except ValueError as e:
+                raise ValueError(f"--tool-parser: {e}, or none") from None
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
         if self.max_body_bytes < 1024:
@@ -143,6 +151,8 @@ def create_app(engine: Any, config: ServerConfig,
         return app.openapi_schema
 
     app.openapi = schema
+    tool_parser = engine.tool_parser if config.tool_parser is None else config.tool_parser
+    tool_parser = None if tool_parser == "none" else tool_parser
     app.state.engine_thread = et
     app.state.metrics = metrics
     app.state.startup = None  # set by record_startup once the server accepts requests
@@ -227,7 +237,7 @@ def create_app(engine: Any, config: ServerConfig,
     async def chat_completions(request: Request):
         body = await read_body(request, ChatCompletionRequest)
         return await openai_api.chat_completions(request, et, body, config.served_model_name,
-                                                 compile_guided)
+                                                 compile_guided, tool_parser)
 
     @app.get("/v1/models", responses=openapi.responses(openapi.ModelList, 503))
     async def models(request: Request):

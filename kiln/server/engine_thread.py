@@ -317,7 +317,9 @@ class EngineThread:
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
     def _items(self, outputs: list[RequestOutput]) -> list[StreamItem]:
-        """Wrap outputs; decode logprob token ids here, where the tokenizer may be used."""
+        """Wrap outputs; decode logprob token ids here, where the tokenizer may be used (the
+        prompt's tokens and their alternatives with a request's first tokens, when its
+        prompt was scored)."""
         items = []
         decode = self.engine.tokenizer.decode
         for out in outputs:
@@ -327,6 +329,13 @@ class EngineThread:
                     for t in (lp.token_id, *lp.top):
                         if t not in item.token_text:
                             item.token_text[t] = decode([t])
+            if out.prompt_logprobs is not None and len(out.new_token_ids) == len(out.token_ids):
+                ids = {t: None for t in out.prompt_token_ids}
+                for lp in out.prompt_logprobs[1:]:
+                    ids.update(dict.fromkeys(lp.top))
+                ids = [t for t in ids if t not in item.token_text]
+                item.token_text.update(zip(ids, self.engine.tokenizer.batch_decode(
+                    [[t] for t in ids])))
             items.append(item)
         return items
 

@@ -24,6 +24,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from kiln.errors import RequestError
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sampling_params import DEFAULT_MAX_TOKENS
+from kiln.server import tool_calls
+from kiln.server.echo import MIN_LOGPROB, PromptPart, prompt_only
 from kiln.server.engine_thread import (
     EngineThread,
     RequestEndedError,
@@ -39,8 +41,7 @@ from kiln.server.protocol import (
     choice_seed,
     sampling_params,
 )
-
-MIN_LOGPROB = -9999.0  # what -inf and NaN logprobs are reported as (vLLM's clamp)
+from kiln.server.tool_calls import StreamedCalls, ToolPlan
 
 
 def _logprob(v: float) -> float:
@@ -58,6 +59,12 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_text: dict[int, str] = field(default_factory=dict)
     finish_reason: str | None = None
+    calls: StreamedCalls | None = None  # a streamed chat choice whose tool calls are parsed
+    # /v1/completions' prompt part (PromptPart): the prompt's ids and the engine's scores of
+    # them, and whether a body of this choice carried them yet
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob | None] | None = None
+    prompt_sent: bool = False
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -89,8 +96,12 @@ def _add_param(e: RequestError, prompt_param: str, guided_param: str | None) -> 
 class Generation:
     """The engine requests behind one HTTP request."""
 
-    def __init__(self, et: EngineThread, model: str, chat: bool, include_usage: bool):
+    prompt_part: PromptPart | None = None  # /v1/completions: echo, prompt logprobs
+
+    def __init__(self, et: EngineThread, model: str, chat: bool, include_usage: bool,
+                 tools: ToolPlan | None = None):
         self.et = et
+        self.tools = tools  # chat with tools: each choice's output is parsed for calls
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
@@ -146,6 +157,13 @@ class Generation:
             raise item
         out = item.output
         c = self.choices[out.request_id]
+        if self.prompt_part is not None:
+            if self.prompt_part.prompt_only:  # max_tokens 0: the token drawn is dropped
+                item = StreamItem(prompt_only(out), item.token_text)
+                out = item.output
+            c.prompt_ids = out.prompt_token_ids
+            if c.prompt_scores is None:
+                c.prompt_scores = out.prompt_logprobs
         c.text += out.new_text
         c.num_tokens = len(out.token_ids)
         c.token_text.update(item.token_text)
@@ -206,10 +224,41 @@ class Generation:
             obj["usage"] = usage
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def chat_delta(self, c: Choice, piece: str, logprobs: dict | None) -> dict | None:
+        """A streamed chat choice's next body, None when there is nothing to send yet (its
+        tool-call parser holds the piece back)."""
+        if c.calls is None:
+            delta = {"content": piece} if piece else {}
+            reason = c.finish_reason
+        else:
+            delta = c.calls.feed(piece)
+            if c.finish_reason is not None:  # the last piece: flush what was held back
+                end = c.calls.finish()
+                if "content" in end:
+                    delta["content"] = delta.get("content", "") + end["content"]
+                delta["tool_calls"] = delta.get("tool_calls", []) + end.get("tool_calls", [])
+                if not delta["tool_calls"]:
+                    del delta["tool_calls"]
+            reason = tool_calls.finish_reason(c.finish_reason, c.calls.called)
+            if not delta and reason is None and logprobs is None:
+                return None
+        return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def completion_choice(self, c: Choice, body: dict) -> dict:
+        """A /v1/completions choice ``body`` with the prompt's part (PromptPart.add: first in
+        the first body of ``c``, streaming its first chunk)."""
+        if self.prompt_part is None:
+            return body
+        first, c.prompt_sent = not c.prompt_sent, True
+        return self.prompt_part.add(body, c.index, first, c.prompt_ids, c.prompt_scores,
+                                    c.token_text)
+
     async def sse(self) -> AsyncIterator[str]:
         try:
             if self.chat:
                 for c in sorted(self.choices.values(), key=lambda c: c.index):
+                    if self.tools is not None:
+                        c.calls = StreamedCalls(self.tools.new_parser())
                     yield self.chunk([{"index": c.index, "delta": {"role": "assistant",
                                                                    "content": ""},
                                        "logprobs": None, "finish_reason": None}])
@@ -222,11 +271,13 @@ class Generation:
                 start = before[item.output.request_id]
                 logprobs = self.logprobs_json(c, lps, start)
                 if self.chat:
-                    body = {"index": c.index, "delta": {"content": piece} if piece else {},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason}
+                    body = self.chat_delta(c, piece, logprobs)
+                    if body is None:
+                        continue
                 else:
-                    body = {"index": c.index, "text": piece, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason}
+                    body = self.completion_choice(c, {
+                        "index": c.index, "text": piece, "logprobs": logprobs,
+                        "finish_reason": c.finish_reason})
                 yield self.chunk([body])
             if self.include_usage:
                 yield self.chunk([], self.usage())
@@ -241,12 +292,16 @@ class Generation:
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             logprobs = self.logprobs_json(c, c.logprobs, 0)
             if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant",
-                                                               "content": c.text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                msg, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+                if self.tools is not None:
+                    msg = tool_calls.message(self.tools.new_parser().parse(c.text))
+                    reason = tool_calls.finish_reason(reason, "tool_calls" in msg)
+                choices.append({"index": c.index, "message": msg, "logprobs": logprobs,
+                                "finish_reason": reason})
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason})
+                choices.append(self.completion_choice(c, {
+                    "index": c.index, "text": c.text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason}))
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage()}
@@ -283,6 +338,11 @@ async def respond(request: Request, gen: Generation, stream: bool):
 async def _prepare(et: EngineThread, body: CompletionRequest | ChatCompletionRequest,
                    compile_guided: Callable[[Any], Any] | None):
     guided, guided_param = body.guided()
+    return await _compile(guided, guided_param, compile_guided)
+
+
+async def _compile(guided: Any, guided_param: str | None,
+                   compile_guided: Callable[[Any], Any] | None):
     if guided is not None:
         if compile_guided is None:
             raise BadRequest("structured output needs xgrammar (pip install xgrammar)",
@@ -318,7 +378,8 @@ def _max_tokens(et: EngineThread, prompt_lens: list[int], asked: int | None, par
 
 
 def _params_for(et: EngineThread, body: CompletionRequest | ChatCompletionRequest,
-                max_tokens: list[int], logprobs: int | None, guided: Any) -> Callable[[int], Any]:
+                max_tokens: list[int], logprobs: int | None, guided: Any,
+                prompt_logprobs: int | None = None) -> Callable[[int], Any]:
     """Choice ``idx`` -> its SamplingParams (prompt ``idx // n``, ``choice_seed``)."""
     vocab = et.engine.model_config.vocab_size
     defaults = getattr(et.engine, "generation_defaults", None) or {}
@@ -326,7 +387,7 @@ def _params_for(et: EngineThread, body: CompletionRequest | ChatCompletionReques
     def params_for(idx: int):
         return sampling_params(body, max_tokens=max_tokens[idx // body.n], logprobs=logprobs,
                                seed=choice_seed(body.seed, idx), guided=guided, vocab=vocab,
-                               defaults=defaults)
+                               defaults=defaults, prompt_logprobs=prompt_logprobs)
 
     params_for(0)  # validate once before anything reaches the engine
     return params_for
@@ -334,29 +395,54 @@ def _params_for(et: EngineThread, body: CompletionRequest | ChatCompletionReques
 
 async def completions(request: Request, et: EngineThread, body: CompletionRequest,
                       model: str, compile_guided) -> Any:
+    """``echo``, ``prompt_logprobs`` and ``max_tokens: 0`` (with echo) add the prompt's part
+    to each choice (kiln/server/echo.py); max_tokens 0 runs the prompt with max_tokens 1
+    (the scores come with its prefill) and drops the token drawn, as vLLM does."""
     guided, guided_param = await _prepare(et, body, compile_guided)
+    given = body.prompts()
     prompts = []
-    for p in body.prompts():
+    for p in given:
         if isinstance(p, str):
             p = await et.call(lambda e, p=p: e.tokenizer.encode(p))
         prompts.append(p)
     max_tokens = _max_tokens(et, [len(p) for p in prompts], body.max_tokens, "max_tokens",
                              chat=False)
-    params_for = _params_for(et, body, max_tokens, body.logprobs, guided)
+    part = PromptPart(body.n, body.echo, body.logprobs, body.prompt_logprobs,
+                      prompt_only=body.max_tokens == 0)
+    params_for = _params_for(et, body, [max(m, 1) for m in max_tokens], body.logprobs, guided,
+                             part.engine_k)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
     gen = Generation(et, model, chat=False, include_usage=include_usage)
-    await gen.start(prompts, params_for, body.n, body.logprobs is not None, "prompt",
+    if part.echo or part.prompt_logprobs is not None:
+        gen.prompt_part = part
+    await gen.start(prompts, params_for, body.n,
+                    body.logprobs is not None or part.engine_k is not None, "prompt",
                     guided_param)
+    if part.echo:  # a token-id prompt echoes its text (decoded once the engine took it)
+        try:
+            for p, ids in zip(given, prompts):
+                part.texts.append(p if isinstance(p, str) else await et.call(
+                    lambda e, ids=ids: e.tokenizer.decode(ids)))
+        except BaseException:
+            gen.abort()
+            raise
     return await respond(request, gen, body.stream)
 
 
 async def chat_completions(request: Request, et: EngineThread, body: ChatCompletionRequest,
-                           model: str, compile_guided) -> Any:
-    guided, guided_param = await _prepare(et, body, compile_guided)
+                           model: str, compile_guided, tool_parser: str | None = None) -> Any:
+    """``tool_parser``: the tool-call family this server reads calls in (None: no tools)."""
+    tools = tool_calls.plan_tools(body, tool_parser)
+    if tools is not None:
+        param = "tools" if tools.mode == "auto" else "tool_choice"
+        guided, guided_param = await _compile(tools.guided(), param, compile_guided)
+    else:
+        guided, guided_param = await _prepare(et, body, compile_guided)
     messages = chat_dicts(body.messages)
+    template_tools = tools.tools if tools is not None else None
     try:
-        ids = await et.call(lambda e: e.apply_chat_template(messages))
+        ids = await et.call(lambda e: e.apply_chat_template(messages, template_tools))
     except ValueError as e:
         raise BadRequest(str(e), "messages") from None
     param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
@@ -365,6 +451,6 @@ async def chat_completions(request: Request, et: EngineThread, body: ChatComplet
     params_for = _params_for(et, body, max_tokens, logprobs, guided)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
-    gen = Generation(et, model, chat=True, include_usage=include_usage)
+    gen = Generation(et, model, chat=True, include_usage=include_usage, tools=tools)
     await gen.start([ids], params_for, body.n, logprobs is not None, "messages", guided_param)
     return await respond(request, gen, body.stream)

@@ -44,13 +44,28 @@ class Usage(_Out):
 
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(_Out):
+    """Per token: its text, logprob, alternatives and offset into the choice's text (with
+    echo, the prompt's tokens first, the first of them null: nothing precedes it)."""
+
     tokens: list[str]
-    token_logprobs: list[float] = Field(description="<= 0; -9999.0 stands for -inf")
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="<= 0; -9999.0 stands for -inf")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Out):
+    logprob: float = Field(description="<= 0; -9999.0 stands for -inf")
+    rank: int = Field(ge=1, description="1 = the most likely token")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+_PROMPT_LOGPROBS = ("prompt_logprobs requests: per prompt token (the first: null) token id -> "
+                    "its score, the token itself then its most likely alternatives")
 
 
 class CompletionChoice(_Out):
@@ -58,6 +73,7 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
 
 
 class CompletionResponse(_Out):
@@ -83,16 +99,29 @@ class ChatLogprobs(_Out):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(_Out):
+    name: str
+    arguments: str = Field(description="the arguments object as JSON text")
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
+    tool_calls: list[ToolCallOut] | None = Field(None, description=(
+        "the calls parsed from the answer (requests with tools)"))
 
 
 class ChatChoice(_Out):
     index: int = Field(ge=0)
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionResponse(_Out):
@@ -105,10 +134,13 @@ class ChatCompletionResponse(_Out):
 
 
 class CompletionChunkChoice(_Out):
+    """With echo or prompt_logprobs, a choice's first chunk carries the prompt's part."""
+
     index: int = Field(ge=0)
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
 
 
 class CompletionChunk(_Out):
@@ -123,16 +155,32 @@ class CompletionChunk(_Out):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out):
+    """A piece of call ``index``: its first piece has the id, type and name; the arguments
+    come in fragments to concatenate."""
+
+    index: int = Field(ge=0)
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):
     index: int = Field(ge=0)
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(_Out):

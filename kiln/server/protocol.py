@@ -202,27 +202,37 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={  # max_tokens 0 needs echo: true
+        "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+        "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}})
+
     prompt: (Text | Annotated[list[Text], Field(min_length=1)]
              | Annotated[list[PromptTokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[PromptTokenId], Field(min_length=1)]],
                          Field(min_length=1)]) = Field(description=(
         "a non-empty string, a list of them, a list of token ids, or a list of token-id lists "
         "(n choices per prompt)"))
-    max_tokens: int | None = Field(None, ge=1, json_schema_extra={MAX: "max_tokens"},
-                                   description="tokens to generate, >= 1; prompt + max_tokens "
-                                   f"must fit the context; omitted: {DEFAULT_MAX_TOKENS}, "
-                                   "capped to the context")
+    max_tokens: int | None = Field(None, ge=0, json_schema_extra={MAX: "max_tokens"},
+                                   description="tokens to generate, >= 1 (0 with echo: true: "
+                                   "the prompt alone, scored); prompt + max_tokens must fit "
+                                   f"the context; omitted: {DEFAULT_MAX_TOKENS}, capped to "
+                                   "the context")
     logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token, 0 "
-                                 "to 20")
-    echo: bool = Field(False, description="not supported: must be false",
-                       json_schema_extra={"const": False})
+                                 "to 20 (with echo: the prompt's tokens too)")
+    echo: bool = Field(False, description="true: the text starts with the prompt, and "
+                       "logprobs cover the prompt's tokens first (the first one's null)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "vLLM's: the choice's prompt_logprobs holds, per prompt token (the first: null), its "
+        "logprob, its rank and this many alternatives, 0 to 20"))
     suffix: str | None = Field(None, description="not supported: must be empty or null",
                                json_schema_extra={"maxLength": 0})
     best_of: int | None = Field(None, ge=1, description="not supported: must equal n")
 
     def check(self) -> None:
-        if self.echo:
-            raise unsupported("echo", "echo", "drop it or send false")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens 0 generates nothing, which only echo: true asks for "
+                             "(the prompt alone, with logprobs scored); send max_tokens >= 1 "
+                             "or echo: true", "max_tokens")
         if self.suffix:
             raise unsupported("suffix (insertion)", "suffix", "drop it")
         if self.best_of is not None and self.best_of != self.n:
@@ -243,12 +253,57 @@ _TEXT_PARTS = WithJsonSchema({"type": "array", "items": {
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}})
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=FUNCTION_NAME, description="a-z, A-Z, 0-9, _ and -, at most 64")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description=(
+        "a JSON Schema for the arguments object; omitted: any object"))
+    strict: bool | None = Field(None, description=(
+        "true: the arguments are constrained to the schema (a grammar) even under "
+        'tool_choice "auto"'))
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="the arguments object as JSON text")
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = Field(
         None, description='a string or a list of text parts [{"type": "text", "text": "..."}]')
+    tool_calls: list[ToolCallIn] | None = Field(None, description=(
+        "assistant messages: the calls the model made (rendered back through the chat "
+        "template)"))
+    tool_call_id: str | None = Field(None, description="tool messages: the call answered")
+    name: str | None = None
 
-    def as_dict(self, index: int) -> dict[str, str]:
+    def as_dict(self, index: int) -> dict[str, Any]:
+        """The message as the chat template reads it: text parts joined; a call's
+        arguments as an object (templates write them with ``tojson``)."""
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
@@ -260,15 +315,38 @@ class ChatMessage(_Body):
                         f"messages[{index}].content")
                 parts.append(part["text"])
             content = "".join(parts)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise BadRequest(f"messages[{index}] has role {self.role!r}: only assistant "
+                                 "messages carry tool_calls", f"messages[{index}].tool_calls")
+            out["tool_calls"] = [self._call(index, j, c) for j, c in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    @staticmethod
+    def _call(index: int, j: int, call: ToolCallIn) -> dict[str, Any]:
+        param = f"messages[{index}].tool_calls[{j}].function.arguments"
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError as e:
+            raise BadRequest(f"{param} is not valid JSON ({e}); send the arguments object as "
+                             'JSON text, e.g. "{\\"city\\": \\"Paris\\"}"', param) from None
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{param} is JSON {type(arguments).__name__}, not an object; "
+                             "send the arguments object as JSON text", param)
+        return {"id": call.id, "type": "function",
+                "function": {"name": call.function.name, "arguments": arguments}}
 
 
-def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.as_dict(i) for i, m in enumerate(messages)]
 
 
-_TOOLS = "tool calling"
-_TOOLS_FIX = "remove tools, tool_choice, functions and function_call from the request"
+_LEGACY_FIX = "use tools and tool_choice instead (the same functions, as tools)"
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -286,24 +364,55 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token, "
                                      "0 to 20; needs logprobs: true")
-    tools: Annotated[list[dict[str, Any]] | None, _ONLY_EMPTY] = Field(
-        None, description="tool calling is not supported yet: empty or null")
-    tool_choice: Annotated[str | dict[str, Any] | None, _ONLY_NONE] = Field(
-        None, description='tool calling is not supported yet: "none" or null')
+    tools: list[Tool] | None = Field(None, description=(
+        "functions the model may call; rendered through the model's chat template"))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description=(
+            'none: no calls; auto (the default with tools): the model decides, its calls are '
+            'parsed; required: at least one call; {"type": "function", "function": {"name": '
+            '...}}: exactly that call (required and named calls are constrained by a grammar, '
+            "so their arguments always match the schema)"))
+    parallel_tool_calls: bool | None = Field(None, description=(
+        "false: at most one call per answer; omitted: true"))
+    modalities: list[Literal["text"]] | None = Field(None, description=(
+        'output kinds: only ["text"] (this server makes no audio)'))
+    audio: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"})] = Field(
+        None, description="not supported (no audio output): null")
+    prediction: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"})] = Field(
+        None, description="predicted outputs are not supported: null")
+    web_search_options: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"})] = (
+        Field(None, description="web search is not supported: null"))
     functions: Annotated[list[dict[str, Any]] | None, _ONLY_EMPTY] = Field(
-        None, description="tool calling is not supported yet: empty or null")
+        None, description="deprecated by OpenAI, not supported: use tools")
     function_call: Annotated[str | dict[str, Any] | None, _ONLY_NONE] = Field(
-        None, description='tool calling is not supported yet: "none" or null')
+        None, description="deprecated by OpenAI, not supported: use tool_choice")
 
     def check(self) -> None:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise unsupported(_TOOLS, name, _TOOLS_FIX)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise unsupported(_TOOLS, name, _TOOLS_FIX)
+        if self.functions:
+            raise unsupported("functions (deprecated)", "functions", _LEGACY_FIX)
+        if self.function_call not in (None, "none"):
+            raise unsupported("function_call (deprecated)", "function_call", _LEGACY_FIX)
+        for name, feature in (("audio", "audio output"), ("prediction", "predicted outputs"),
+                              ("web_search_options", "web search")):
+            if getattr(self, name) is not None:
+                raise unsupported(feature, name, f"drop {name}")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise BadRequest(f"tools name {dup[0]!r} more than once; give each function a "
+                             "unique name", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise BadRequest(
+                    f"tool_choice names function {choice.function.name!r}, which is not in "
+                    f"tools ({', '.join(names) or 'none given'}); name one of them",
+                    "tool_choice")
+        elif choice == "required" and not names:
+            raise BadRequest('tool_choice "required" needs tools: send at least one',
+                             "tool_choice")
 
 
 class TokenizeRequest(_Body):
@@ -354,9 +463,11 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                     seed: int | None, guided: GuidedSpec | None, vocab: int,
-                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+                    defaults: dict[str, Any] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one choice of ``req``; ``vocab``: the engine's vocabulary size;
-    ``defaults``: the engine's generation defaults for omitted fields (over KILN_DEFAULTS).
+    ``defaults``: the engine's generation defaults for omitted fields (over KILN_DEFAULTS);
+    ``prompt_logprobs``: alternatives per scored prompt token (None: none scored).
     Bad values raise BadRequest naming the field."""
     fill = {**KILN_DEFAULTS, **{k: v for k, v in (defaults or {}).items()
                                 if k in KILN_DEFAULTS and v is not None}}
@@ -371,7 +482,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "logit_bias": _logit_bias(req.logit_bias, vocab), "logprobs": logprobs,
-        "guided": guided,
+        "guided": guided, "prompt_logprobs": prompt_logprobs,
     }
     if req.lookahead is not None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}

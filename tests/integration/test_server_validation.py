@@ -243,22 +243,55 @@ def test_generation_defaults():
         (1.0, 1.0, 0, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
+FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    # this engine's template (ChatML) has no tools: calls could not be read back
+    ({"tools": [FN]}, "tools", "no tool-call format"),
+    ({"tools": [FN], "tool_choice": "required"}, "tools", "--tool-parser"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [FN, FN]}, "tools", "more than once"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+     "tools.function.name", "a-z, A-Z, 0-9, _ and -"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.type", "'function'"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "use tools"),
+    ({"function_call": "auto"}, "function_call", "use tools and tool_choice"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities", "'text'"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"web_search_options": {}}, "web_search_options", "web search is not supported"),
 ])
-def test_tools_unsupported(client, extra, param):
-    err = bad(client, CHAT, {"messages": msgs(), "max_tokens": 2, **extra}, param=param,
-              code="unsupported")
-    assert "tool calling is not supported" in err["message"], err
+def test_tools_errors(client, extra, param, words):
+    err = bad(client, CHAT, {"messages": msgs(), "max_tokens": 2, **extra}, param=param)
+    assert words in err["message"], err
 
 
-def test_tool_choice_none_passes(client):
+def test_tool_choice_without_tools_passes(client):
     ok(client, CHAT, {"messages": msgs(), "max_tokens": 2, "tool_choice": "none"})
+    ok(client, CHAT, {"messages": msgs(), "max_tokens": 2, "tool_choice": "auto"})
     ok(client, CHAT, {"messages": msgs(), "max_tokens": 2, "tools": [], "tool_choice": None})
+    # tools with tool_choice "none" are not rendered nor parsed: any template serves them
+    ok(client, CHAT, {"messages": msgs(), "max_tokens": 2, "tools": [FN], "tool_choice": "none"})
+
+
+def test_tool_call_history(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    ok(client, CHAT, {"messages": history, "max_tokens": 2})
+    for arguments, words in (("{bad", "not valid JSON"), ("[1]", "not an object")):
+        broken = [history[0], {**history[1], "tool_calls": [
+            {**call, "function": {"name": "f", "arguments": arguments}}]}, history[2]]
+        err = bad(client, CHAT, {"messages": broken, "max_tokens": 2},
+                  param="messages[1].tool_calls[0].function.arguments")
+        assert words in err["message"], err
+    err = bad(client, CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}],
+                             "max_tokens": 2}, param="messages[0].tool_calls")
+    assert "only assistant" in err["message"]
 
 
 # -- 7. bounds -------------------------------------------------------------------------------

@@ -179,3 +179,30 @@ def test_qwen05_drafting_for_qwen15_equals_plain_greedy(alias, tmp_path):
     steps = sum(o.metrics.spec_steps for o in outs)
     assert steps > 0 and sum(o.metrics.spec_tokens for o in outs) > 2 * steps
     eng.blocks.check_all_free()
+
+
+def test_qwen05_prompt_logprobs_match_transformers(qwen05):
+    """Prompt logprobs (what lm-eval's loglikelihood tasks sum) of a 39-token code prompt
+    equal transformers' float32 log_softmax over the same tokens within atol 2e-3 (float32
+    on both sides, 24 layers summed in different orders), and the 5 alternatives are its
+    5 most likely tokens (compared by value: near-ties may swap places)."""
+    _, eng = qwen05
+    code = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n'
+            "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n")
+    ids = eng.tokenizer.encode(code, add_special_tokens=False)
+    assert 30 <= len(ids) <= 45  # 39
+    out = eng.generate([ids], SamplingParams(max_tokens=1, temperature=0,
+                                             prompt_logprobs=5))[0]
+    hf = _hf("qwen2.5-coder-0.5b")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    del hf
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for p in range(1, len(ids)):
+        row, lp = ref[p - 1], got[p]
+        assert lp.token_id == ids[p] and abs(lp.logprob - row[ids[p]].item()) <= 2e-3, p
+        top = torch.tensor(list(lp.top.values()))
+        assert torch.allclose(top, row.topk(5).values, atol=2e-3), p
+        assert torch.allclose(row[list(lp.top)], top, atol=2e-3), p
+    eng.blocks.check_all_free()

@@ -275,3 +275,41 @@ def test_draft_model_on_the_staged_path(tiny_reference, graphs, device):
     got, spec_steps = run("triton", True)
     assert got == ref
     assert spec_steps > 0
+
+
+def test_prompt_logprobs_on_the_staged_path(tiny_reference):
+    """Prompt logprobs (their logits rows staged after the step's other rows): a 12-token
+    prompt whose 11 scored rows fit the 16-sequence decode bucket (a graph replay), a
+    40-token one chunked by the 24-token budget (too many rows for any bucket: eager), and
+    a request without them beside; the torch backend's values within 1e-4, same ranks."""
+    _, out = tiny_reference("llama", max_seq_len=64, max_num_tokens=64, max_batch_size=16)
+    prompts = [mixed_prompts()[2][:12], mixed_prompts()[4], mixed_prompts()[1]]
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+
+    def engine(backend):
+        return LLMEngine.from_engine_dir(out, RuntimeConfig(
+            device="cpu", block_size=4, num_kv_blocks=64, max_num_tokens=24,
+            attention_backend=backend, cuda_graphs=backend == "triton"))
+
+    ref = engine("torch").generate(prompts, params)
+    eng = engine("triton")
+    eng.add_request(prompts[0], params[0])  # alone: its prefill step is a graph bucket's
+    outs = eng.step()
+    assert eng.runner.graphs.num_replays == 1 and outs[0].prompt_logprobs is not None
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    alone = [o for o in outs if o.finished]
+    got = eng.generate(prompts, params)
+    eng.blocks.check_all_free()
+    for r, g in zip(ref + ref[:1], got + alone):
+        assert g.token_ids == r.token_ids
+        if r.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert len(g.prompt_logprobs) == len(r.prompt_logprobs) and g.prompt_logprobs[0] is None
+        for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+            assert (a.token_id, a.rank, list(a.top)) == (b.token_id, b.rank, list(b.top))
+            assert abs(a.logprob - b.logprob) <= 1e-4
+    assert [len(o.prompt_logprobs) for o in got[:2]] == [12, 40]

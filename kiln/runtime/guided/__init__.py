@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class GuidedSpec:
 
     kind: "json_object" (any JSON object; value None), "json_schema" (value: the schema as
     JSON text), "regex" (value: the pattern), "choice" (value: tuple of strings), "grammar"
-    (value: EBNF text, GBNF-style as xgrammar reads it).
+    (value: EBNF text, GBNF-style as xgrammar reads it), "structural_tag" (value: an xgrammar
+    structural tag as JSON text: tool calls, kiln.tools).
     """
 
     kind: str

@@ -121,6 +121,8 @@ class XGrammarCompiler(GuidedCompiler):
             return c.compile_regex(spec.value)
         if spec.kind == "choice":
             return c.compile_grammar(_ebnf_for_choices(spec.value))
+        if spec.kind == "structural_tag":
+            return c.compile_structural_tag(spec.value)
         return c.compile_grammar(spec.value)  # "grammar": EBNF
 
     def _future(self, spec: GuidedSpec) -> Future:

@@ -163,6 +163,7 @@ class DraftSeq:
     block table (shared: the draft's KV goes in the same blocks)."""
 
     __slots__ = ("all_token_ids", "block_table", "draft", "num_computed_tokens", "req")
+    prompt_logprobs = None  # the draft scores no prompt (ScheduledBatch.prompt_positions)
 
     def __init__(self, req: Request, computed: int) -> None:
         self.req = req

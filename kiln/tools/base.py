@@ -1,0 +1,81 @@
+"""The tool-calling interface every chat-template family implements (see ``kiln.tools``)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+ToolMode = Literal["auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as the model wrote them (the text of
+    a JSON object; clients ``json.loads`` it)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """A finished assistant output: ``content`` (None when the output was only calls) and
+    the calls in the order written."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolDelta:
+    """One streaming event: plain ``content`` text, or a piece of call ``index``: its
+    ``name`` (on the call's first event only) and/or a fragment of its ``arguments``.
+    Concatenating a call's fragments gives ``ToolCall.arguments``."""
+
+    content: str = ""
+    index: int | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolStreamer(ABC):
+    """Incremental parsing of one streamed output. Text that might still turn into a call
+    (a partial start marker) is held back until it is decided."""
+
+    @abstractmethod
+    def feed(self, text: str) -> list[ToolDelta]:
+        """The events that ``text`` (the next piece of the output) completes."""
+
+    @abstractmethod
+    def finish(self) -> list[ToolDelta]:
+        """The events left when the output ends (held-back text becomes content)."""
+
+
+class ToolParser(ABC):
+    """One chat-template family's tool-call syntax, for one request: ``functions`` are the
+    request's tools (OpenAI function objects: name, description, parameters, strict)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, functions: list[dict[str, Any]]):
+        self.functions = functions
+        self.names = frozenset(f["name"] for f in functions)
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedMessage:
+        """Content and calls of a finished output. Output that is not a well-formed call
+        (bad JSON, an unknown shape) stays content: nothing the model wrote is lost."""
+
+    @abstractmethod
+    def streamer(self) -> ToolStreamer:
+        """A fresh incremental parser for one output."""
+
+    @abstractmethod
+    def structural_tag(self, mode: ToolMode, parallel: bool,
+                       name: str | None = None) -> dict[str, Any]:
+        """The xgrammar structural tag (a JSON-able dict) over ``self.functions``: "auto"
+        lets text and calls mix, every call well-formed (its arguments match the function's
+        parameters schema); "required" makes the output calls only, at least one; "named"
+        makes it exactly one call of function ``name``. ``parallel`` False: at most one
+        call."""
