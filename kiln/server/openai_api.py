@@ -25,7 +25,7 @@ from kiln.errors import RequestError
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sampling_params import DEFAULT_MAX_TOKENS
 from kiln.server import tool_calls
-from kiln.server.echo import MIN_LOGPROB, PromptPart, prompt_only
+from kiln.server.echo import MIN_LOGPROB, PromptPart, prompt_logprobs_json, prompt_only
 from kiln.server.engine_thread import (
     EngineThread,
     RequestEndedError,
@@ -302,9 +302,15 @@ class Generation:
                 choices.append(self.completion_choice(c, {
                     "index": c.index, "text": c.text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason}))
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage()}
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices,
+               "usage": self.usage()}
+        part = self.prompt_part
+        if self.chat and part is not None and part.prompt_logprobs is not None:
+            first = min(self.choices.values(), key=lambda c: c.index)  # one prompt
+            out["prompt_logprobs"] = prompt_logprobs_json(first.prompt_scores,
+                                                          part.prompt_logprobs, first.token_text)
+        return out
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -448,9 +454,13 @@ async def chat_completions(request: Request, et: EngineThread, body: ChatComplet
     param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = _max_tokens(et, [len(ids)], getattr(body, param), param, chat=True)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params_for = _params_for(et, body, max_tokens, logprobs, guided)
+    params_for = _params_for(et, body, max_tokens, logprobs, guided, body.prompt_logprobs)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
     gen = Generation(et, model, chat=True, include_usage=include_usage, tools=tools)
-    await gen.start([ids], params_for, body.n, logprobs is not None, "messages", guided_param)
+    if body.prompt_logprobs is not None:  # vLLM's: on the response, not on a choice
+        gen.prompt_part = PromptPart(body.n, prompt_logprobs=body.prompt_logprobs)
+    await gen.start([ids], params_for, body.n,
+                    logprobs is not None or body.prompt_logprobs is not None, "messages",
+                    guided_param)
     return await respond(request, gen, body.stream)

@@ -131,6 +131,8 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=(
+        "prompt_logprobs requests: as on /v1/completions, over the rendered messages"))
 
 
 class CompletionChunkChoice(_Out):

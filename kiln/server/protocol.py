@@ -374,6 +374,10 @@ class ChatCompletionRequest(SamplingFields):
             "so their arguments always match the schema)"))
     parallel_tool_calls: bool | None = Field(None, description=(
         "false: at most one call per answer; omitted: true"))
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "vLLM's: the response's prompt_logprobs holds, per token of the rendered messages "
+        "(the first: null), its logprob, its rank and this many alternatives, 0 to 20; not "
+        "with stream"))
     modalities: list[Literal["text"]] | None = Field(None, description=(
         'output kinds: only ["text"] (this server makes no audio)'))
     audio: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"})] = Field(
@@ -398,6 +402,10 @@ class ChatCompletionRequest(SamplingFields):
                 raise unsupported(feature, name, f"drop {name}")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise unsupported("prompt_logprobs with stream on chat completions",
+                              "prompt_logprobs", "drop one of them (or use /v1/completions, "
+                              "which streams them)")
         names = [t.function.name for t in self.tools or ()]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

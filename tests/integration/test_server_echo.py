@@ -150,3 +150,24 @@ def test_streaming_echo(client):
         assert offsets[:n] == want["logprobs"]["text_offset"][:n] == list(range(n))
         assert all(o >= n for o in offsets[n:])
         assert want["prompt_logprobs"] == first["prompt_logprobs"]
+
+
+
+def test_chat_prompt_logprobs(client, tiny):
+    """vLLM's chat prompt_logprobs: on the response, per rendered prompt token, equal to
+    transformers over the same tokens."""
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "prompt_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    scores = r.json()["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny[0](torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, len(ids)):
+        entry = scores[p]
+        assert 1 <= len(entry) <= 3
+        assert abs(entry[str(ids[p])]["logprob"] - ref[p - 1, ids[p]].item()) <= ATOL
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
