@@ -21,20 +21,21 @@ class Detokenizer:
         req.read_offset = req.num_prompt_tokens
         req.prefix_offset = max(req.read_offset - _CONTEXT, 0)
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Random-weight engines may emit ids past the tokenizer's vocabulary: they have no text.
         ids = [i for i in ids if i < self.vocab_len]
         if self._fast is not None:
-            return self._fast(ids, skip_special_tokens=True)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self._fast(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def update(self, req: Request, final: bool = False) -> None:
         """Extend ``req.text`` with whatever the new tokens completed; apply stop strings."""
         ids = req.all_token_ids
         if req.finish_reason == "stop" and isinstance(req.stop_reason, int):
             ids = ids[:-1]  # the eos / stop token itself has no text
-        prefix = self._decode(ids[req.prefix_offset : req.read_offset])
-        full = self._decode(ids[req.prefix_offset :])
+        skip = req.params.skip_special_tokens
+        prefix = self._decode(ids[req.prefix_offset : req.read_offset], skip)
+        full = self._decode(ids[req.prefix_offset :], skip)
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             old_len = len(req.text)
             req.text += full[len(prefix) :]

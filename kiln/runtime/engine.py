@@ -146,9 +146,14 @@ class LLMEngine:
         ``tools`` (OpenAI tool objects) go to the template's own tools branch."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this engine's tokenizer has no chat template; send raw text")
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
-        )
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            )
+        except TemplateError as e:  # the template's own raise_exception: a bad conversation
+            raise ValueError(f"the model's chat template rejected the messages: {e}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property

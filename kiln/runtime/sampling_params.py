@@ -60,6 +60,9 @@ class SamplingParams:
     # Per-request draft length of a draft-model engine: 0 to the engine's max_draft_len (0:
     # plain decoding); None takes the engine's.
     max_draft_len: int | None = None
+    # False keeps special tokens in the text (Mistral's [TOOL_CALLS] marker is one); a
+    # stop token that ends the request has no text either way.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

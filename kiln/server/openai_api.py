@@ -294,7 +294,7 @@ class Generation:
             if self.chat:
                 msg, reason = {"role": "assistant", "content": c.text}, c.finish_reason
                 if self.tools is not None:
-                    msg = tool_calls.message(self.tools.new_parser().parse(c.text))
+                    msg = tool_calls.message(self.tools.new_parser(), c.text)
                     reason = tool_calls.finish_reason(reason, "tool_calls" in msg)
                 choices.append({"index": c.index, "message": msg, "logprobs": logprobs,
                                 "finish_reason": reason})
@@ -445,6 +445,8 @@ async def chat_completions(request: Request, et: EngineThread, body: ChatComplet
         guided, guided_param = await _compile(tools.guided(), param, compile_guided)
     else:
         guided, guided_param = await _prepare(et, body, compile_guided)
+    if tools is not None and tools.parser.keeps_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})
     messages = chat_dicts(body.messages)
     template_tools = tools.tools if tools is not None else None
     try:

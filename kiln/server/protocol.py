@@ -166,6 +166,8 @@ class SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, description=(
         "token ids in [0, vocabulary size) that end generation"))
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description=(
+        "false keeps special tokens in the text (a stop token that ends it has none)"))
     response_format: ResponseFormat | None = None
     regex: str | None = None
     grammar: str | None = Field(None, description="EBNF (GBNF-style) the output must match")
@@ -491,6 +493,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "logit_bias": _logit_bias(req.logit_bias, vocab), "logprobs": logprobs,
         "guided": guided, "prompt_logprobs": prompt_logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
     }
     if req.lookahead is not None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -10,13 +10,12 @@ build, overridable with ``kiln serve --tool-parser``.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.guided import GuidedSpec
 from kiln.server.protocol import BadRequest, ChatCompletionRequest, NamedToolChoice
-from kiln.tools import PARSERS, ParsedMessage, ToolDelta, ToolMode, ToolParser, get_parser
+from kiln.tools import PARSERS, ToolDelta, ToolMode, ToolParser, get_parser
 
 
 @dataclass(frozen=True)
@@ -71,10 +70,6 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None) -> ToolPlan
     return ToolPlan(get_parser(parser_name), tools, mode, parallel, name)
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 def call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": arguments}}
@@ -85,11 +80,12 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def message(parsed: ParsedMessage) -> dict[str, Any]:
+def message(parser: ToolParser, text: str) -> dict[str, Any]:
     """A finished answer as ``choices[i].message``."""
+    parsed = parser.parse(text)
     out: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
-        out["tool_calls"] = [call_json(new_call_id(), c.name, c.arguments)
+        out["tool_calls"] = [call_json(parser.new_call_id(), c.name, c.arguments)
                              for c in parsed.tool_calls]
     return out
 
@@ -98,6 +94,7 @@ class StreamedCalls:
     """One streamed choice: its output pieces in, ``delta`` dicts out."""
 
     def __init__(self, parser: ToolParser):
+        self._parser = parser
         self._streamer = parser.streamer()
         self._ids: dict[int, str] = {}
 
@@ -120,7 +117,7 @@ class StreamedCalls:
             if e.index is None:
                 continue
             if e.index not in self._ids:
-                self._ids[e.index] = new_call_id()
+                self._ids[e.index] = self._parser.new_call_id()
                 calls.append({"index": e.index, **call_json(self._ids[e.index], e.name or "",
                                                             e.arguments)})
             elif calls and calls[-1]["index"] == e.index:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -57,6 +58,13 @@ class ToolParser(ABC):
     request's tools (OpenAI function objects: name, description, parameters, strict)."""
 
     name: ClassVar[str]
+    # The family's call markers are special tokens: its outputs are decoded keeping them.
+    keeps_special_tokens: ClassVar[bool] = False
+
+    @classmethod
+    def new_call_id(cls) -> str:
+        """A fresh id for one call (OpenAI's form, ``call_`` and 24 hex digits)."""
+        return "call_" + uuid.uuid4().hex[:24]
 
     def __init__(self, functions: list[dict[str, Any]]):
         self.functions = functions

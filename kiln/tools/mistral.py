@@ -11,6 +11,8 @@ kept, or the calls read as plain text.
 from __future__ import annotations
 
 import re
+import secrets
+import string
 from typing import Any
 
 from kiln.tools import tags as st
@@ -27,6 +29,7 @@ from kiln.tools.streaming import CallStreamer
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
+_ID_CHARS = string.ascii_letters + string.digits
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
@@ -34,6 +37,13 @@ class MistralParser(ToolParser):
     """``[TOOL_CALLS]`` followed by a JSON list of calls or by ``name[ARGS]{...}``."""
 
     name = "mistral"
+    keeps_special_tokens = True
+
+    @classmethod
+    def new_call_id(cls) -> str:
+        """Nine letters and digits: Mistral's templates refuse any other id when the call
+        comes back in the conversation."""
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
     def parse(self, text: str) -> ParsedMessage:
         """Content (the text outside well-formed call groups, stripped) and the calls."""

@@ -559,3 +559,19 @@ def test_structural_tag_outputs_parse(compiler, family):
             args = json.loads(call.arguments)
             assert call.name == "get_weather" and args["city"] in ("Paris", "Oslo"), text
         assert stream(p, list(text)) == (None, [(c.name, c.arguments) for c in msg.tool_calls])
+
+
+def test_only_mistral_keeps_special_tokens():
+    """Mistral's [TOOL_CALLS] / [ARGS] are special tokens: its output is decoded with them."""
+    assert {name: cls.keeps_special_tokens for name, cls in PARSERS.items()} == {
+        "hermes": False, "llama3_json": False, "mistral": True}
+
+
+def test_call_ids():
+    """OpenAI's call_ + 24 hex digits; Mistral's templates accept only 9 letters and digits."""
+    import re
+
+    ids = {name: {cls.new_call_id() for _ in range(50)} for name, cls in PARSERS.items()}
+    assert all(len(v) == 50 for v in ids.values())  # fresh each time
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids["hermes"] | ids["llama3_json"])
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids["mistral"])
