@@ -5,7 +5,8 @@ kiln/env.py, which the sources and the CLI read without importing the runtime.
 ``RuntimeConfig``'s defaults (read when a config is made; an explicit field wins):
 
 - ``KILN_ATTENTION_BACKEND``: ``auto`` (default: the Triton kernels on CUDA when triton
-  imports, else the torch reference), ``torch`` or ``triton``.
+  imports, else the torch reference), ``torch``, ``triton`` or ``flash-attn`` (Triton, with
+  flash-attn-4 for prompt steps when the package is installed).
 - ``KILN_CUDA_GRAPHS``: ``0`` runs every step eagerly (default ``1``: decode, speculative
   and short steps replay CUDA graphs; CUDA and the triton backend only).
 - ``KILN_PREFILL_GRAPHS``: ``0`` runs steps larger than the decode buckets eagerly (a

@@ -13,7 +13,7 @@ from kiln.artifact.speculative import SpeculativeConfig
 from kiln.config import ModelConfig
 from kiln.runtime.config import EngineLimits, RuntimeConfig
 from kiln.runtime.kv_cache import BlockManager, KVCache, auto_num_blocks, fp8_kv_scales
-from kiln.runtime.layers.attention_registry import get_backend
+from kiln.runtime.layers.attention_registry import TRITON_BACKENDS, get_backend
 from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import Sampler
 from kiln.runtime.model_runner import ModelRunner
@@ -61,7 +61,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     backend = _resolve_backend(config.attention_backend, device)
     # The Triton kernels (fused norm / rotary / activation) go with the Triton backend
     # (off CUDA that backend runs only under TRITON_INTERPRET, in tests).
-    fused = backend == "triton"
+    fused = backend in TRITON_BACKENDS
     model = LlamaModel(model_config, weights, get_backend(backend), device, fused=fused,
                        max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
     t_model = time.perf_counter()
@@ -125,7 +125,7 @@ def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_bloc
     """The draft model, its KV cache (``num_blocks``, the target's block ids) and runner
     (on the Triton path staged, with decode and prefill CUDA graphs)."""
     weights = place_weights(weights, device, dtype)
-    fused = backend == "triton"
+    fused = backend in TRITON_BACKENDS
     model = LlamaModel(cfg, weights, get_backend(backend), device, fused=fused,
                        max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
     cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,

@@ -22,8 +22,8 @@ PACKAGE = REPO / "kiln"
 # [project.optional-dependencies] test, plus what pytest itself brings in.
 TEST_ONLY = ("pytest", "_pytest", "openai", "jsonschema", "schemathesis", "hypothesis")
 # Packages of optional extras (CUDA-only backends such as flash-attn), import name -> extra:
-# kiln may import them only inside the functions that use them. None yet.
-OPTIONAL_LAZY: dict[str, str] = {}
+# kiln may import them only inside the functions that use them.
+OPTIONAL_LAZY: dict[str, str] = {"flash_attn": "flash-attn"}
 
 _IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys

@@ -2,7 +2,8 @@
 
 ``"torch"``: the plain-torch reference (attention.py), the oracle every kernel is checked
 against and the CPU backend. ``"triton"``: the Triton kernels over the paged cache
-(triton_attention.py; CUDA, or Triton's CPU interpreter in tests). Which one an engine runs
+(triton_attention.py; CUDA, or Triton's CPU interpreter in tests). ``"flash-attn"``: Triton
+with flash-attn-4 for prompt steps (flash_attention.py; an optional package). Which one an engine runs
 is ``RuntimeConfig.attention_backend`` (``KILN_ATTENTION_BACKEND``, kiln/runtime/env.py),
 "auto" resolved at start-up (kiln/runtime/startup.py).
 """
@@ -10,9 +11,14 @@ is ``RuntimeConfig.attention_backend`` (``KILN_ATTENTION_BACKEND``, kiln/runtime
 from __future__ import annotations
 
 from kiln.runtime.layers.attention import AttentionBackend, TorchAttention
+from kiln.runtime.layers.flash_attention import FlashAttention
 from kiln.runtime.layers.triton_attention import TritonAttention
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttention, "triton": TritonAttention, "flash-attn": FlashAttention}
+# Backends built on the Triton kernels: the fused norm / rotary / activation kernels, staged
+# inputs and CUDA graphs go with them.
+TRITON_BACKENDS = ("triton", "flash-attn")
 
 
 def get_backend(name: str) -> AttentionBackend:
