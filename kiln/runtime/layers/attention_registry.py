@@ -2,9 +2,9 @@
 
 ``"torch"``: the plain-torch reference (attention.py), the oracle every kernel is checked
 against and the CPU backend. ``"triton"``: the Triton kernels over the paged cache
-(triton_attention.py; CUDA, or Triton's CPU interpreter in tests). ``"flash-attn"``: Triton
-with flash-attn-4 for prompt steps (flash_attention.py; an optional package). Which one an engine runs
-is ``RuntimeConfig.attention_backend`` (``KILN_ATTENTION_BACKEND``, kiln/runtime/env.py),
+(triton_attention.py; CUDA, or Triton's CPU interpreter in tests). ``"flash-attn"``:
+Triton with flash-attn-4 for prompt steps (flash_attention.py; an optional package). Which
+one an engine runs is ``RuntimeConfig.attention_backend`` (``KILN_ATTENTION_BACKEND``, kiln/runtime/env.py),
 "auto" resolved at start-up (kiln/runtime/startup.py).
 """
 
