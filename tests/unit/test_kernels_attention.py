@@ -185,5 +185,6 @@ def test_triton_backend_matches_torch_backend(dtype, cache_dtype):
 def test_backends_are_chosen_by_name_and_an_unknown_one_lists_the_valid_ones():
     assert isinstance(get_backend("torch"), TorchAttention)
     assert get_backend("triton").name == "triton"
-    with pytest.raises(ValueError, match=r"'flash' is unknown; choose one of \['torch', 'trit"):
+    with pytest.raises(ValueError, match=r"'flash' is unknown; choose one of "
+                                         r"\['flash-attn', 'torch', 'triton'\]"):
         get_backend("flash")
