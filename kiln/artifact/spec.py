@@ -216,7 +216,10 @@ class EngineSpec:
     {"tuned": false, "reason"}; empty in engines built before tuning existed).
     ``generation_defaults``: sampling values for the fields a request omits (see
     kiln.artifact.generation). ``tools``: the tool-call parser (an optional section: None in
-    engines built before it, which read it from the chat template at load).
+    engines built before it, which read it from the chat template at load). ``attention``:
+    the attention backend per step class, measured at build or given by the build's
+    ``--attention-backend`` (kiln.runtime.layers.attention_select; an optional section:
+    empty in engines built before it, which run the runtime's default).
     """
 
     format_version: int
@@ -231,6 +234,7 @@ class EngineSpec:
     kernel_configs: dict[str, Any] = field(default_factory=dict)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     tools: ToolsConfig | None = None
+    attention: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -254,6 +258,7 @@ class EngineSpec:
             "kernel_configs": self.kernel_configs,
             "generation_defaults": self.generation_defaults.to_dict(),
             **({"tools": self.tools.to_dict()} if self.tools is not None else {}),
+            **({"attention": self.attention} if self.attention else {}),
         }
 
     @classmethod
@@ -271,4 +276,5 @@ class EngineSpec:
             kernel_configs=dict(d.get("kernel_configs") or {}),
             generation_defaults=GenerationDefaults.from_dict(d.get("generation_defaults") or {}),
             tools=ToolsConfig.from_dict(d["tools"]) if d.get("tools") is not None else None,
+            attention=dict(d.get("attention") or {}),
         )

@@ -38,6 +38,7 @@ from kiln.builder.safetensors_stream import SafetensorsStreamWriter
 from kiln.builder.weights import check_source_tensors, prepare_groups, tensor_plan
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import KilnError
+from kiln.runtime.layers import attention_select
 from kiln.sources import SourceModel, open_source
 from kiln.sources.base import sha256_file
 from kiln.sources.umask import honour_umask
@@ -71,6 +72,7 @@ def build_engine(
     finish: Callable[[Path], None] | None = None,
     generation_config: str = "auto",
     tool_parser: str = "auto",
+    attention_backend: str = "auto",
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -89,6 +91,9 @@ def build_engine(
     ``tool_parser``: "auto" records the tool-call family the chat template speaks
     (kiln.tools.detect_parser) in engine.json ``tools``; a family name (kiln.tools.PARSERS)
     records that one; "none" records that the engine parses no tool calls.
+    ``attention_backend``: "auto" times the attention backends per step class on this
+    machine's GPU when tuning (kiln.runtime.layers.attention_select) and records the
+    winners in engine.json ``attention``; a backend name records that one.
     ``speculative`` mode "draft": ``speculative.draft_model`` (any source form) is opened and
     checked against the target (kiln.builder.draft) with the rest, then built as a complete
     engine in ``out_dir/draft`` (the same dtype and limits, no speculation, no quantization,
@@ -103,6 +108,7 @@ def build_engine(
         raise ValueError(f"--generation-config {generation_config!r} is not supported; use "
                          f"one of {list(GENERATION_CONFIG_MODES)}")
     tools = _requested_tools(tool_parser)
+    attention = _requested_attention(attention_backend)
     _check_out_dir(out_dir, force)
     speculative = speculative or SpeculativeConfig()
     console = Console(stderr=True, quiet=not progress)
@@ -114,7 +120,8 @@ def build_engine(
         speculative=speculative, requested=quantization or QuantConfig(),
         generation_config=generation_config,
     )
-    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, tools=tools))
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, tools=tools,
+                                                              attention=attention))
     draft = None
     if speculative.mode == "draft":
         draft = _plan_draft(source_name(source, model), plan, speculative, progress)
@@ -150,6 +157,19 @@ def build_engine(
                if draft is not None else "")
     console.print(f"[green]built[/] {out_dir} ({spec.model.architecture}, {dtype}{drafted})")
     return spec
+
+
+def _requested_attention(name: str) -> dict[str, Any]:
+    """engine.json ``attention`` as asked at build: {} for "auto" (``write_engine`` measures
+    it), else the named backend."""
+    from kiln.runtime.layers.attention_registry import BACKENDS
+
+    if name == "auto":
+        return {}
+    if name not in BACKENDS:
+        raise ValueError(f"--attention-backend {name!r} is unknown; choose auto (measure at "
+                         f"build) or one of {sorted(BACKENDS)}")
+    return {"backend": name, "source": "--attention-backend"}
 
 
 def _requested_tools(tool_parser: str) -> ToolsConfig | None:
@@ -257,8 +277,11 @@ def _plan_draft(
     plan = _plan_engine(draft, dtype=dtype, limits=target.spec.limits,
                         speculative=SpeculativeConfig(), requested=QuantConfig(),
                         generation_config="none")
-    # a draft engine is never served: it parses no tool calls
-    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, tools=ToolsConfig()))
+    # a draft engine is never served: it parses no tool calls, and runs its target's
+    # attention backend
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(
+        plan.spec, tools=ToolsConfig(), attention={**attention_select.DEFAULT,
+                                                   "reason": "a draft runs its target's backend"}))
     if plan.fp8_ckpt is not None:
         raise KilnError(
             f"draft model {name} is an FP8 checkpoint ({plan.fp8_ckpt.scheme}): a draft "
@@ -291,6 +314,8 @@ def write_engine(
     if spec.tools is None:  # "auto"
         spec = dataclasses.replace(spec, tools=_detected_tools(model.tokenizer))
     spec = dataclasses.replace(spec, kernel_configs=_tune_kernels(spec, tune, console))
+    if not spec.attention:  # "auto"
+        spec = dataclasses.replace(spec, attention=_measure_attention(spec, tune, console))
     (directory / ENGINE_JSON).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     return spec
 
@@ -335,6 +360,45 @@ def _tune_kernels(spec: EngineSpec, tune: bool | None, console: Console) -> dict
     console.print(
         f"tuned {tuning.num_configs(section)} kernel configs on {section['gpu']} in "
         f"{section['tune_s']:.1f} s ({skipped} candidates skipped, {rejected} rejected)")
+    return section
+
+
+def _measure_attention(spec: EngineSpec, tune: bool | None, console: Console
+                       ) -> dict[str, Any]:
+    """The engine.json ``attention`` section: the backend per step class measured on this
+    GPU (with the kernel tuning), or why nothing was measured."""
+    import torch
+
+    if tune is False:
+        return {**attention_select.DEFAULT, "reason": "not measured (--no-tune)"}
+    if not torch.cuda.is_available():
+        return {**attention_select.DEFAULT, "reason": "no CUDA device at build time"}
+    device = torch.device("cuda", torch.cuda.current_device())
+    q, sp = spec.quantization, spec.speculative
+    dtype = TORCH_DTYPES[spec.dtype]
+    bar = Progress(
+        TextColumn("[bold]Attention[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=True, disable=console.quiet,
+    )
+    task = bar.add_task("backends", total=None)
+    try:
+        with bar:
+            section = attention_select.measured(
+                spec.model, spec.limits, dtype,
+                torch.float8_e4m3fn if q.kv_cache == "fp8" else dtype, device,
+                tokens_per_step=sp.tokens_per_step, tree=sp.mode == "lookahead",
+                progress=lambda label, done, total: bar.update(
+                    task, completed=done, total=total, description=label))
+    except Exception as e:
+        Console(stderr=True).print(f"[yellow]warning:[/] measuring the attention backends "
+                                   f"failed ({type(e).__name__}: {e}); the engine runs Triton")
+        return {**attention_select.DEFAULT,
+                "reason": f"measurement failed: {type(e).__name__}: {e}"[:300]}
+    finally:
+        torch.cuda.empty_cache()
+    won = ", ".join(f"{c} {b}" for c, b in section["classes"].items())
+    console.print(f"attention backends measured on {section['gpu']} in "
+                  f"{section['measure_s']:.1f} s: {won}")
     return section
 
 

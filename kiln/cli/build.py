@@ -126,6 +126,15 @@ def build(
         "of those names, or none. Recorded in engine.json; `kiln serve --tool-parser` "
         "overrides it.",
     ),
+    attention_backend: str = typer.Option(
+        "auto", "--attention-backend",
+        help="Attention kernels the engine runs: auto (on a CUDA machine, time triton and "
+        "flash-attn per step class (decode, prompt, speculative tree) at this engine's shapes "
+        "with the kernel tuning, and record the fastest; flash-attn needs `pip install "
+        "'kiln-llm[flash-attn]'`), triton, flash-attn (flash-attn-4 for prompt steps, Triton "
+        "for the rest) or torch (the plain-torch reference). Recorded in engine.json; "
+        "KILN_ATTENTION_BACKEND at serve time overrides it.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
     ),
@@ -163,6 +172,7 @@ def build(
         finish=finish,
         generation_config=generation_config.value,
         tool_parser=tool_parser,
+        attention_backend=attention_backend,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))

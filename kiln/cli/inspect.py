@@ -78,6 +78,7 @@ def inspect(
         weights[name] = f"{info['size']:,} bytes, sha256 {info['sha256']}"
     console.print(_table("Weights", weights))
     console.print(_table("Kernel configs", _kernel_rows(spec.kernel_configs)))
+    console.print(_table("Attention", _attention_rows(spec.attention)))
     console.print(_table("Compiled kernels", _compiled_rows(artifact.path)))
 
 
@@ -121,6 +122,28 @@ def _tools_rows(tools: Any) -> dict[str, Any]:
         return {"parser": "not recorded (built before kiln recorded it): serve detects it "
                           "from the chat template"}
     return {"parser": tools.parser or "none (no tool calling)", "source": tools.source}
+
+
+def _attention_rows(section: dict[str, Any]) -> dict[str, Any]:
+    """The attention backend per step class, where the choice came from, what was timed."""
+    if not section:
+        return {"backend": "not recorded (built before kiln recorded it): Triton on CUDA, "
+                           "the torch reference elsewhere"}
+    if section.get("backend") == "auto":
+        return {"backend": "auto: Triton on CUDA, the torch reference elsewhere",
+                "source": f"{section.get('source')} ({section.get('reason', 'no reason')})"}
+    rows: dict[str, Any] = {"backend": section.get("backend"), "source": section.get("source")}
+    for cls, backend in (section.get("classes") or {}).items():
+        rows[f"{cls} steps"] = backend
+    if section.get("gpu"):
+        rows["measured on"] = (f"{section['gpu']}, {section.get('measured_at')}, "
+                               f"{section.get('measure_s', 0):.1f} s")
+    for problem, stat in (section.get("stats") or {}).items():
+        us = stat.get("us") or {}
+        rows[problem] = ", ".join(f"{b} {t:,.0f} us" for b, t in us.items()) or "not timed"
+    for backend, why in (section.get("skipped") or {}).items():
+        rows[f"{backend} not chosen"] = why
+    return rows
 
 
 def _compiled_rows(path: Path) -> dict[str, Any]:

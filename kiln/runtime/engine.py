@@ -61,8 +61,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         # Speculative settings come from the engine artifact only (validated at build).
         self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
-        parts = assemble(model_config, weights, limits, dtype, config, self.speculative, draft)
+        parts = assemble(model_config, weights, limits, dtype, config, self.speculative, draft,
+                         attention=getattr(spec, "attention", None))
         self.device, self.attention_backend = parts.device, parts.attention_backend
+        self.attention_classes = parts.attention_classes
         self.model, self.cache, self.blocks = parts.model, parts.cache, parts.blocks
         self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
         # Seconds from the constructor's start; from_engine_dir adds the weight loading.

@@ -13,7 +13,7 @@ from kiln.artifact.speculative import SpeculativeConfig
 from kiln.config import ModelConfig
 from kiln.runtime.config import EngineLimits, RuntimeConfig
 from kiln.runtime.kv_cache import BlockManager, KVCache, auto_num_blocks, fp8_kv_scales
-from kiln.runtime.layers.attention_registry import TRITON_BACKENDS, get_backend
+from kiln.runtime.layers.attention_registry import BACKENDS, TRITON_BACKENDS, get_backend
 from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import Sampler
 from kiln.runtime.model_runner import ModelRunner
@@ -24,8 +24,7 @@ from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
 from kiln.runtime.speculative.draft_model import DraftModel
 from kiln.runtime.speculative.workers import make_device_state
-from kiln.runtime.warmup import (warm_device_state, warm_eager_forward, warm_moved_rows,
-                                 warm_sampler)
+from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_moved_rows, warm_sampler
 
 
 @dataclass
@@ -44,25 +43,29 @@ class EngineParts:
     # speculative state on the device (lookahead or prompt lookup), or None
     device_state: DeviceLookahead | DeviceNgram | None = None
     draft: DraftModel | None = None  # a draft-model engine's draft
+    # step class -> backend, from engine.json ``attention`` (None: the backend's own default)
+    attention_classes: dict[str, str] | None = None
 
 
 def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig,
              speculative: SpeculativeConfig,
-             draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None) -> EngineParts:
+             draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
+             attention: dict | None = None) -> EngineParts:
     """Place the weights, build the model and the KV cache (sized from free memory unless
     ``config.num_kv_blocks``), the scheduler and the runner; on the Triton path stage the
     steps and capture CUDA graphs, then compile what the graphs did not. ``draft``: the
     draft model's config and weights (a draft-model engine): its own model, runner and KV
-    cache of as many blocks as the target's (``DraftModel``)."""
+    cache of as many blocks as the target's (``DraftModel``). ``attention``: engine.json's
+    ``attention`` section (the backend measured at build), which "auto" follows on CUDA."""
     t_start = time.perf_counter()
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     weights = place_weights(weights, device, dtype)  # FP8 + scales keep their dtype
-    backend = _resolve_backend(config.attention_backend, device)
+    backend, classes = resolve_backend(config.attention_backend, device, attention)
     # The Triton kernels (fused norm / rotary / activation) go with the Triton backend
     # (off CUDA that backend runs only under TRITON_INTERPRET, in tests).
     fused = backend in TRITON_BACKENDS
-    model = LlamaModel(model_config, weights, get_backend(backend), device, fused=fused,
+    model = LlamaModel(model_config, weights, get_backend(backend, classes), device, fused=fused,
                        max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
     t_model = time.perf_counter()
     c, bs = model_config, config.block_size
@@ -115,7 +118,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
              "total_s": time.perf_counter() - t_start}
     return EngineParts(device, backend, model, cache, blocks, scheduler, runner, sampler, times,
-                       device_state, draft_model)
+                       device_state, draft_model, classes)
 
 
 def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
@@ -152,12 +155,20 @@ def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
     return speculative.mode in ("ngram", "draft") and device.type == "cuda"
 
 
-def _resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, recorded: dict | None = None
+                    ) -> tuple[str, dict[str, str] | None]:
+    """The attention backend to run and its step classes. A name other than "auto" (the
+    runtime's ``attention_backend``) is taken as given. "auto": on CUDA with triton, the
+    engine's recorded choice (engine.json ``attention``: measured at build, or the build's
+    ``--attention-backend``), else Triton; elsewhere the torch reference."""
     if name != "auto":
-        return name
+        return name, None
     if device.type == "cuda":
         from kiln.runtime import kernels
 
         if kernels.available():
-            return "triton"
-    return "torch"
+            rec = recorded or {}
+            if rec.get("backend") in BACKENDS:
+                return rec["backend"], rec.get("classes")
+            return "triton", None
+    return "torch", None

@@ -27,7 +27,7 @@ BACKENDS = ["torch", "triton-eager", "triton"]
 def runtime(backend: str, **kw) -> RuntimeConfig:
     name = "triton" if backend.startswith("triton") else backend
     return RuntimeConfig(device="cuda", attention_backend=name,
-                         cuda_graphs=backend == "triton", **kw)
+                         cuda_graphs=backend in ("triton", "flash-attn"), **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -169,9 +169,10 @@ def test_smollm2_device_lookahead_equals_host_and_plain_greedy_on_cuda(smol32):
     assert results["device"] == results["plain"]
 
 
-@pytest.mark.parametrize("norm_form", ["default", "epilogue"])
+@pytest.mark.parametrize("norm_form, backend", [
+    ("default", "triton"), ("epilogue", "triton"), ("default", "flash-attn")])
 def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_path,
-                                                             norm_form, monkeypatch):
+                                                             norm_form, backend, monkeypatch):
     """bf16: the fast path (kernels + graphs) vs the reference path, 32 greedy tokens.
 
     Where they differ, the first differing token must be a near tie in the reference's own
@@ -179,11 +180,20 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
     kernels, not a bug (the float32 fast path is checked token-exact above).
     ``epilogue``: smollm2 forced onto the batch-1 norm fusion that llama-3-8b's hidden size
     takes (gemv_rms_scaled; smollm2's own is the prologue form), which no real model of
-    that size can check here.
+    that size can check here. ``flash-attn``: flash-attn-4 runs the prompts (prefill graphs
+    off, so it takes every prompt step: it has no float32 kernels, so bf16 is where it is
+    checked); the decode steps run the Triton graphs.
     """
     from kiln.builder import build_engine
     from kiln.runtime.kernels import gemv, gemv_configs
 
+    flash_calls = []
+    if backend == "flash-attn":
+        pytest.importorskip("flash_attn.cute")
+        from kiln.runtime.layers.flash_attention import FlashAttention
+
+        monkeypatch.setattr(FlashAttention, "flash", lambda self, *a, _f=FlashAttention.flash:
+                            (flash_calls.append(1), _f(self, *a))[1])
     calls = []
     if norm_form == "epilogue":
         monkeypatch.setattr(gemv_configs, "RESIDUAL_FUSION_MAX_HIDDEN", 0)
@@ -194,7 +204,7 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
     build_engine("smollm2-135m", out, dtype="bfloat16", max_seq_len=512, max_num_tokens=2048,
                  max_batch_size=8, progress=False)
     ref = LLMEngine.from_engine_dir(out, runtime("torch"))
-    fast = LLMEngine.from_engine_dir(out, runtime("triton"))
+    fast = LLMEngine.from_engine_dir(out, runtime(backend, prefill_graphs=backend == "triton"))
     prompts = [ref.apply_chat_template([{"role": "user", "content": p}])
                for p in CHAT_PROMPTS[:4]]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -210,7 +220,8 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
     got.append(fast.generate([short], params)[0].token_ids)
     want += [want[0], ref.generate([short], params)[0].token_ids]
     prompts = prompts + [prompts[0], short]
-    print("\nsmollm2-135m bf16 CUDA: fast path vs reference, first 32 greedy tokens")
+    print(f"\nsmollm2-135m bf16 CUDA: fast path ({backend}) vs reference, first 32 greedy "
+          "tokens")
     for prompt, w, g in zip(prompts, want, got):
         j = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if j is None:
@@ -225,6 +236,7 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
         assert gap < 0.25, (j, gap)
     assert fast.runner.graphs is not None and fast.runner.graphs.num_replays > 0
     assert bool(calls) == (norm_form == "epilogue")
+    assert bool(flash_calls) == (backend == "flash-attn")
 
 
 def test_lookahead_engine_measures_its_break_even_on_cuda(tiny_reference):

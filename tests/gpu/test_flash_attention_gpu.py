@@ -50,8 +50,46 @@ def _step(seqs: list[tuple[int, int]], block_size: int):
 def test_matches_the_reference(seqs, block_size):
     q, k, v, cache, meta = _step(seqs, block_size)
     flash = FlashAttention()
-    assert flash._varlen is not None
+    assert flash.varlen is not None
     ref = TorchAttention().forward(0, q, k, v, cache, meta, D ** -0.5).float()
     out = flash.forward(0, q, k, v, cache, meta, D ** -0.5).float()
-    assert flash._varlen is not None, "flash-attn-4 refused the step (fell back to Triton)"
+    assert flash.varlen is not None, "flash-attn-4 refused the step (fell back to Triton)"
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seqs", [[(1, 8000)], [(1, 1024)] * 16])
+def test_decode_matches_the_reference(seqs):
+    """Decode is timed at build for the record (it runs in the Triton graphs): its numbers
+    must be right too."""
+    q, k, v, cache, meta = _step(seqs, 16)
+    flash = FlashAttention(classes=("decode",))
+    ref = TorchAttention().forward(0, q, k, v, cache, meta, D ** -0.5).float()
+    out = flash.forward(0, q, k, v, cache, meta, D ** -0.5).float()
+    assert flash.varlen is not None, "flash-attn-4 refused the step (fell back to Triton)"
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_build_measures_the_backends_and_the_engine_runs_the_choice(tmp_path):
+    """`kiln build` on CUDA times triton and flash-attn per step class, records every
+    problem's numbers and the winners, and the engine loads with the recorded backend."""
+    from kiln.builder import build_engine
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.runtime.layers.attention_select import STEP_CLASSES
+    from kiln.runtime.sampling_params import SamplingParams
+
+    out = tmp_path / "e"
+    spec = build_engine("random:qwen2.5-0.5b", out, dtype="bfloat16", max_seq_len=4096,
+                        max_num_tokens=4096, max_batch_size=8, progress=False, tune=True)
+    att = spec.attention
+    print("\nattention section:", att)
+    assert att["source"] == "measured" and set(att["classes"]) == set(STEP_CLASSES)
+    assert att["skipped"] == {}
+    prompt = [s for s in att["stats"].values() if s["class"] == "prompt"]
+    assert prompt and all(set(s["us"]) == {"triton", "flash-attn"} for s in prompt)
+    assert all(t > 0 for s in att["stats"].values() for t in s["us"].values())
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig())
+    assert eng.attention_backend == att["backend"]
+    assert eng.attention_classes == (att["classes"] if att["backend"] == "flash-attn" else None)
+    got = eng.generate([list(range(100, 1600))], SamplingParams(max_tokens=4, temperature=0,
+                                                                ignore_eos=True))
+    assert len(got[0].token_ids) == 4

@@ -43,15 +43,34 @@ def test_build_on_cpu_records_untuned(tmp_path):
     assert not (out / "kernels").exists()
     spec = json.loads((out / "engine.json").read_text())
     assert spec["kernel_configs"] == {"tuned": False, "reason": "no CUDA device at build time"}
+    assert spec["attention"] == {"backend": "auto", "source": "default",
+                                 "reason": "no CUDA device at build time"}
 
     r = kiln("build", "random:tiny-llama", "-o", str(tmp_path / "off"), "--max-seq-len", "128",
              "--no-tune", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["kernel_configs"] == {
         "tuned": False, "reason": "tuning not requested (--no-tune)"}
+    assert json.loads(r.stdout)["attention"]["reason"] == "not measured (--no-tune)"
 
     r = kiln("inspect", str(out))
     assert r.returncode == 0 and "no CUDA device at build time" in r.stdout
+    assert "Attention" in r.stdout and "auto: Triton on CUDA" in r.stdout
+
+
+def test_build_attention_backend_flag(tmp_path):
+    out = tmp_path / "fa"
+    r = kiln("build", "random:tiny-llama", "-o", str(out), "--max-seq-len", "128",
+             "--attention-backend", "flash-attn", "--no-tune", "--no-precompile-kernels")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads((out / "engine.json").read_text())
+    assert spec["attention"] == {"backend": "flash-attn", "source": "--attention-backend"}
+    r = kiln("inspect", str(out))
+    assert r.returncode == 0 and "--attention-backend" in r.stdout
+    r = kiln("build", "random:tiny-llama", "-o", str(tmp_path / "bad"), "--max-seq-len", "128",
+             "--attention-backend", "flashinfer")
+    assert r.returncode != 0 and not (tmp_path / "bad").exists()
+    assert "--attention-backend 'flashinfer' is unknown" in r.stderr and "triton" in r.stderr
 
 
 def test_inspect_and_load_a_tuned_engine(tmp_path, capsys):

@@ -77,7 +77,7 @@ def test_runs_flash_and_falls_back_once(monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(TritonAttention, "_attend",
                         staticmethod(lambda *a: calls.append("triton") or "triton-out"))
-    monkeypatch.setattr(FlashAttention, "takes", lambda self, q, kc, dm: self._varlen is not None)
+    monkeypatch.setattr(FlashAttention, "takes", lambda self, q, kc, dm: self.varlen is not None)
 
     def varlen(q, k, v, **kw):
         assert kw["page_table"] == "tables" and kw["seqused_k"] == "ctx" and kw["causal"]

@@ -8,11 +8,12 @@ cache layout kiln writes ([blocks, block_size, kv_heads, head_dim], any block si
 ``page_table`` = the step's block tables and ``seqused_k`` = its context lengths; its causal
 mask is aligned to the end of the keys, as kiln's in-step mask is.
 
-Which steps it takes (measured on the H200, docs/decisions.md "flash-attn-4 over kiln's
-paged cache"): steps with more than one query token per sequence and no tree mask, outside
-CUDA-graph capture (prompts and prompt chunks beside decodes: 2.7x faster than Triton at
-8000 tokens). Decode (one query token) and speculative tree steps stay on Triton, which
-matches or beats it there and runs inside the decode graphs.
+Which steps it takes: the step classes a build measured it faster on (engine.json
+``attention``, kiln/runtime/layers/attention_select.py), by default prompts and prompt
+chunks beside decodes (2.7x faster than Triton at 8000 tokens on the H200, docs/decisions.md
+"flash-attn-4 over kiln's paged cache"), never under CUDA-graph capture. Decode (one query
+token) and speculative tree steps stay on Triton, which matches or beats it at decode and
+runs inside the decode graphs; flash-attn-4 has no tree masks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.layers.attention_select import step_class
 from kiln.runtime.layers.triton_attention import TritonAttention
 
 log = logging.getLogger("kiln.attention")
@@ -43,33 +45,42 @@ def _import() -> Callable[..., Any] | None:
 
 
 class FlashAttention(TritonAttention):
-    """TritonAttention whose prompt steps run flash-attn-4's varlen paged forward."""
+    """TritonAttention whose steps of the step classes ``classes`` (attention_select.py:
+    "prompt" by default, the class flash-attn-4 wins; a build's measurement decides per
+    engine) run flash-attn-4's varlen paged forward."""
 
     name = "flash-attn"
 
-    def __init__(self, varlen: Callable[..., Any] | None = None) -> None:
+    def __init__(self, varlen: Callable[..., Any] | None = None,
+                 classes: tuple[str, ...] = ("prompt",)) -> None:
         super().__init__()
-        self._varlen = varlen if varlen is not None else _import()
+        self.varlen = varlen if varlen is not None else _import()
+        self.classes = tuple(classes)
 
     def takes(self, q: torch.Tensor, kc: torch.Tensor, dm: Any) -> bool:
-        """Whether flash-attn-4 runs this step: a CUDA step of prompt tokens (more than one
-        query per sequence somewhere, no tree mask), 16-bit q and cache, a head size it has
-        kernels for, not under CUDA-graph capture (it compiles on first use)."""
-        return (self._varlen is not None and q.is_cuda and dm.mask is None
-                and dm.max_query_len > 1 and q.dtype in DTYPES and kc.dtype == q.dtype
-                and q.shape[-1] in HEAD_DIMS and not torch.cuda.is_current_stream_capturing())
+        """Whether flash-attn-4 runs this step: a CUDA step of one of ``classes`` (never a
+        tree-masked one), 16-bit q and cache, a head size it has kernels for, not under
+        CUDA-graph capture (it compiles on first use and launches from the host)."""
+        return (self.varlen is not None and q.is_cuda and dm.mask is None
+                and step_class(dm) in self.classes and q.dtype in DTYPES
+                and kc.dtype == q.dtype and q.shape[-1] in HEAD_DIMS
+                and not torch.cuda.is_current_stream_capturing())
+
+    def flash(self, q, kc, vc, dm, scale):
+        """flash-attn-4 over the paged cache: causal, aligned to the end of the keys."""
+        out = self.varlen(
+            q, kc, vc, cu_seqlens_q=dm.query_start_loc, max_seqlen_q=dm.max_query_len,
+            seqused_k=dm.context_lens, page_table=dm.block_tables, softmax_scale=scale,
+            causal=True)
+        return out[0] if isinstance(out, tuple) else out
 
     def _attend(self, q, kc, vc, dm, scale, k_scale, v_scale):
         if self.takes(q, kc, dm):
             try:
-                out = self._varlen(
-                    q, kc, vc, cu_seqlens_q=dm.query_start_loc, max_seqlen_q=dm.max_query_len,
-                    seqused_k=dm.context_lens, page_table=dm.block_tables,
-                    softmax_scale=scale, causal=True)
-                return out[0] if isinstance(out, tuple) else out
+                return self.flash(q, kc, vc, dm, scale)
             except Exception as e:  # a shape it refuses: Triton from now on, said once
                 log.warning("attention backend flash-attn: flash-attn-4 failed on a step "
                             "(%s: %s); using the Triton kernels from now on",
                             type(e).__name__, e)
-                self._varlen = None
+                self.varlen = None
         return TritonAttention._attend(q, kc, vc, dm, scale, k_scale, v_scale)
