@@ -44,8 +44,11 @@ def test_problems_at_the_engine_shapes():
     assert by_name["decode b1 ctx8000"]["seqs"] == [[7999, 1]]
     assert by_name["decode b64 ctx1024"]["seqs"] == [[1023, 1]] * 64
     assert by_name["prefill 8192"]["seqs"] == [[0, 8192]]
-    mixed = by_name["mixed chunk512 ctx4096 + 31 decodes"]["seqs"]
-    assert mixed[0] == [3584, 512] and len(mixed) == 32
+    mixed = by_name["mixed 1x512 + 63 decodes"]["seqs"]
+    assert mixed == [[3584, 512]] + [[1023, 1]] * 63
+    busy = sel.problems(_model(), Limits(256, 8448, 8192, 8192))[3]
+    assert busy["name"] == "mixed 8x512 + 63 decodes"
+    assert busy["seqs"][:2] == [[3584, 512], [0, 512]] and len(busy["seqs"]) == 71
     tree = by_name["tree b8 q15 ctx527"]
     assert tree["tree"] and tree["seqs"] == [[512, 15]] * 8
     # every problem fits the limits: a sequence within max_seq_len, a step within the budget

@@ -9,8 +9,9 @@ engine's shapes, on problems of each class::
 
     decode  batch 1 at min(8000, max_seq_len) tokens of context; batch min(64, max_batch_size)
             at min(1024, max_seq_len)
-    prompt  one prompt of min(8192, max_num_tokens, max_seq_len) tokens ("prefill"); a
-            512-token chunk at 4096 tokens of context beside up to 31 decodes ("mixed")
+    prompt  one prompt of min(8192, max_num_tokens, max_seq_len) tokens ("prefill"); up to 8
+            512-token prompt chunks (the first at 4096 tokens of context) beside up to 63
+            decodes at 1024 ("mixed", the steps of a busy server)
     tree    (lookahead engines) min(8, batch the budget allows) sequences of tokens_per_step
             masked queries at 512 tokens of context
 
@@ -27,7 +28,9 @@ or ``{"backend": name, "source": "--attention-backend"}`` (a build flag), or
 ``{"backend": "auto", "source": "default", "reason": ...}`` (nothing measured: the runtime
 picks as before: Triton on CUDA, the torch reference elsewhere). Which backends support a
 class is ``SUPPORTS``: flash-attn-4 has no tree masks, and kiln runs decode steps inside CUDA
-graphs, where flash-attn-4 does not run (kiln/runtime/layers/flash_attention.py).
+graphs, where flash-attn-4 does not run (kiln/runtime/layers/flash_attention.py). For the same
+reason a prompt step small enough for the prefill graphs (RuntimeConfig.max_graph_tokens)
+runs Triton's kernels whatever the choice; the prompt problems are the eager steps' sizes.
 """
 
 from __future__ import annotations
@@ -78,12 +81,13 @@ def problems(model: ModelConfig, limits: Limits, tokens_per_step: int = 1,
     if n > 1:
         out.append({"name": f"prefill {n}", "class": "prompt", "seqs": [[0, n]]})
     chunk = min(512, budget // 2, seq // 2)
-    if chunk > 1 and batch > 1:
+    if chunk > 1 and batch > 1:  # prompt chunks beside decodes, as a busy server steps
         ctx = min(4096, seq)
-        decodes = min(31, batch - 1, budget - chunk)
-        out.append({"name": f"mixed chunk{chunk} ctx{ctx} + {decodes} decodes",
-                    "class": "prompt",
-                    "seqs": [[ctx - chunk, chunk]] + [[min(1024, seq) - 1, 1]] * decodes})
+        decodes = min(63, batch - 1, budget - chunk)
+        prompts = max(1, min(8, batch - decodes, (budget - decodes) // chunk))
+        out.append({"name": f"mixed {prompts}x{chunk} + {decodes} decodes", "class": "prompt",
+                    "seqs": [[ctx - chunk, chunk]] + [[0, chunk]] * (prompts - 1)
+                    + [[min(1024, seq) - 1, 1]] * decodes})
     q = tokens_per_step
     if tree and 1 < q < seq - 512:
         b = max(1, min(8, batch, budget // q))
