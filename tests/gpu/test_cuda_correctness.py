@@ -176,8 +176,9 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
     """bf16: the fast path (kernels + graphs) vs the reference path, 32 greedy tokens.
 
     Where they differ, the first differing token must be a near tie in the reference's own
-    distribution (top-2 log-prob gap < 0.25 nats): bf16 rounding differences between
-    kernels, not a bug (the float32 fast path is checked token-exact above).
+    distribution (top-2 log-prob gap <= 0.25 nats, one bf16 step of a logit between 32 and
+    64; flash-attn-4 met exactly that once): bf16 rounding differences between kernels, not a
+    bug (the float32 fast path is checked token-exact above).
     ``epilogue``: smollm2 forced onto the batch-1 norm fusion that llama-3-8b's hidden size
     takes (gemv_rms_scaled; smollm2's own is the prologue form), which no real model of
     that size can check here. ``flash-attn``: flash-attn-4 runs the prompts (prefill graphs
@@ -233,7 +234,7 @@ def test_smollm2_bf16_fast_path_vs_reference_first_32_tokens(smollm2_gguf, tmp_p
         gap = top[0] - top[1]
         print(f"  first difference at token {j}: reference {w[j]}, fast {g[j]}, "
               f"reference top-2 gap {gap:.3f} nats")
-        assert gap < 0.25, (j, gap)
+        assert gap <= 0.25, (j, gap)
     assert fast.runner.graphs is not None and fast.runner.graphs.num_replays > 0
     assert bool(calls) == (norm_form == "epilogue")
     assert bool(flash_calls) == (backend == "flash-attn")
