@@ -150,3 +150,51 @@ def test_tp1_engines_never_load_the_parallel_package(tiny_reference):
                        timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_equals_tp1(smollm2_gguf, tmp_path):
+    """The real smollm2-135m: 9 query heads and 3 KV heads split over 3 ranks (3 query
+    heads and 1 KV head each; --tp 2 is a build error, test_tp_build.py), vocabulary 49152
+    without pad. 4 chat prompts (~45 tokens, 24 more each) in a batch with chunked prefill
+    and a 192-token cache (preemption)."""
+    from kiln.bench.prompts import CHAT_PROMPTS, CODE_PROMPTS
+    from kiln.builder import build_engine
+
+    opts = dict(dtype="float32", max_seq_len=192, progress=False, tune=False)
+    build_engine("smollm2-135m", tmp_path / "tp1", **opts)
+    spec = build_engine("smollm2-135m", tmp_path / "tp3", tp=3, **opts)
+    assert spec.parallel.kv_heads == "split" and spec.parallel.vocab_size_padded == 49152
+    small = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_tokens=32)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eng = LLMEngine.from_engine_dir(tmp_path / "tp1", RuntimeConfig(device="cpu"))
+    prompts = [eng.apply_chat_template([{"role": "user", "content": p}])
+               for p in (CODE_PROMPTS[0], CHAT_PROMPTS[0], CHAT_PROMPTS[2], CODE_PROMPTS[2])]
+    eng.close()
+    want = _run(tmp_path / "tp1", prompts, params, **small)
+    got = _run(tmp_path / "tp3", prompts, params, **small)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+
+
+def test_fp8_tp2_equals_tp1_with_static_scales(tiny_reference_source, tmp_path):
+    """FP8 linears (per-tensor weight scales kept on every shard, static activation
+    scales), an FP8 KV cache and an FP8 lm_head (per-row scales sharded with their rows):
+    tp 2 == tp 1. (With dynamic activation scales each rank's row-parallel input has its
+    own amax, so tp 2 rounds differently from tp 1, as in vLLM.)"""
+    from helpers import write_compressed_tensors
+
+    from kiln.artifact.spec import QuantConfig
+    from kiln.builder import build_engine
+
+    _, src = tiny_reference_source("qwen2")
+    ckpt = write_compressed_tensors(src, tmp_path / "ct", dynamic=False, kv=True)
+    opts = dict(dtype="float32", max_seq_len=128, progress=False, tune=False,
+                quantization=QuantConfig(lm_head="fp8"))
+    build_engine(str(ckpt), tmp_path / "tp1", **opts)
+    spec = build_engine(str(ckpt), tmp_path / "tp2", tp=2, **opts)
+    assert (spec.quantization.weights, spec.quantization.kv_cache) == ("fp8", "fp8")
+    prompts = mixed_prompts()[:4]
+    want = _run(tmp_path / "tp1", prompts, device="cpu")
+    got = _run(tmp_path / "tp2", prompts, device="cpu")
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

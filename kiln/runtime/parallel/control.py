@@ -8,9 +8,11 @@ input, not the scheduler's batch: the runner builds it once, on rank 0, and the 
 need no request state. Every rank's cache takes the same writes at the same slots, so block
 tables, the prefix cache and preemption stay rank 0's business.
 
-The commands are pickled over the gloo control group (``broadcast_object_list``): a few
-small CPU tensors per step, a host cost of the order of 0.1 ms per step that a CUDA
-engine will want to replace with a preallocated tensor broadcast.
+The commands are pickled over the gloo control group (``broadcast_object_list``: two
+broadcasts, the size then the bytes; a gloo send returns once every follower has taken
+it). Measured on a 2-core CPU machine, smollm2-135m tp 3, batch 8 decode: 2.9 ms median
+per step against a 340 ms forward. A CUDA engine will want a preallocated tensor broadcast
+instead, and the plan sent ahead of the step it serves.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ def run(engine_dir: str, rank: int, store, config) -> None:
 
     art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
     spec = art.spec
+    if config.device == "cpu":  # the ranks share the cores: N ranks x all cores thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.tp))
     store.set(f"kiln/up/{rank}", "1")
     ranks = Ranks(spec.parallel, spec.model, TPGroup(rank, spec.tp, store))
     dtype = TORCH_DTYPES[spec.dtype]
