@@ -40,13 +40,13 @@ def run(engine_dir: str, rank: int, store, config) -> None:
     from kiln.runtime.config import EngineLimits
     from kiln.runtime.parallel.control import follow
     from kiln.runtime.parallel.group import TPGroup
-    from kiln.runtime.parallel.ranks import Ranks
+    from kiln.runtime.parallel.ranks import Ranks, cpu_share
     from kiln.runtime.startup import assemble
 
     art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
     spec = art.spec
-    if config.device == "cpu":  # the ranks share the cores: N ranks x all cores thrash
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.tp))
+    if config.device == "cpu":
+        torch.set_num_threads(cpu_share(spec.tp))
     store.set(f"kiln/up/{rank}", "1")
     ranks = Ranks(spec.parallel, spec.model, TPGroup(rank, spec.tp, store))
     dtype = TORCH_DTYPES[spec.dtype]
