@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,11 +75,12 @@ def test_tp_lookahead_equals_tp1(tiny_reference):
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not reaped yet, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_killed_rank_ends_the_engine_with_its_name(tiny_reference):
@@ -198,3 +200,26 @@ def test_fp8_tp2_equals_tp1_with_static_scales(tiny_reference_source, tmp_path):
     want = _run(tmp_path / "tp1", prompts, device="cpu")
     got = _run(tmp_path / "tp2", prompts, device="cpu")
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_followers_end_when_rank0_is_killed(tiny_reference):
+    """Rank 0's process killed (SIGKILL: no cleanup) while its engine idles: the followers,
+    waiting for its next command, end within seconds."""
+    _, engine_dir = tiny_reference("llama", tp=2)
+    code = ("import sys, time; from kiln.runtime.engine import LLMEngine, RuntimeConfig; "
+            f"e = LLMEngine.from_engine_dir({str(engine_dir)!r}, RuntimeConfig(device='cpu')); "
+            "print(*[p.pid for p in e.tp.procs], flush=True); time.sleep(120)")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        pids = [int(p) for p in leader.stdout.readline().split()]
+        assert len(pids) == 1 and all(_alive(p) for p in pids)
+        leader.kill()
+        leader.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        leader.kill()
+        leader.wait()
