@@ -37,6 +37,9 @@ class TPGroup:
     on rank 0 [rows, world * cols] (rank order), elsewhere None."""
 
     def __init__(self, rank: int, world: int, store: dist.Store):
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel engine (one "
+                               "torch.distributed group per process); close() it first")
         self.rank, self.world, self.store = rank, world, store
         bounded = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,

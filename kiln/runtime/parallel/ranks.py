@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +71,7 @@ class Ranks:
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
         settings = json.dumps(dataclasses.asdict(config))
-        procs = []
-        ranks = None
+        procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, parallel.tp):
                 procs.append(subprocess.Popen(
@@ -81,21 +79,25 @@ class Ranks:
                      "--rank", str(rank), "--port", str(store.port), "--leader-pid",
                      str(os.getpid()), "--config", settings],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
-            ranks = cls(parallel, model_config, None, procs)  # type: ignore[arg-type]
-            atexit.register(ranks.kill)
-            # the ranks share the cores (worker.py): rank 0 takes its share too while the
-            # engine runs (smollm2 tp 3 on 2 cores: 2.7 -> 4.1 tokens/s)
-            ranks._threads = torch.get_num_threads()
-            torch.set_num_threads(cpu_share(parallel.tp))
-            wait_for(store, [f"kiln/up/{r}" for r in range(1, parallel.tp)],
-                     ranks._check_followers(store))
-            ranks.group = TPGroup(0, parallel.tp, store)
+
+            def check() -> None:
+                reasons = _exited(procs, store)
+                if reasons:
+                    raise TensorParallelError(
+                        f"tensor-parallel engine (tp={parallel.tp}) did not start: "
+                        f"{'; '.join(reasons)}; every rank was ended")
+
+            wait_for(store, [f"kiln/up/{r}" for r in range(1, parallel.tp)], check)
+            ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store), procs)
         except BaseException:
             for p in procs:
                 _end(p)
-            if ranks is not None:
-                ranks.kill()
             raise
+        atexit.register(ranks.kill)
+        # the ranks share the cores (worker.py): rank 0 takes its share too while the
+        # engine runs (smollm2 tp 3 on 2 cores: 2.7 -> 4.0 tokens/s)
+        ranks._threads = torch.get_num_threads()
+        torch.set_num_threads(cpu_share(parallel.tp))
         return ranks
 
     # -- what the model and the engine parts ask of a rank ----------------------------------
@@ -130,43 +132,16 @@ class Ranks:
         deadline = time.monotonic() + 2  # a follower that failed is exiting now
         while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
             time.sleep(0.05)
-        reasons = [self._reason(r, p) for r, p in enumerate(self.procs, 1)
-                   if p.poll() is not None]
-        why = "; ".join(reasons) or f"a collective failed ({type(cause).__name__}: {cause})"
+        why = "; ".join(_exited(self.procs, self.group.store)) or (
+            f"a collective failed ({type(cause).__name__}: {cause})")
         self.failed = f"tensor-parallel engine (tp={self.parallel.tp}) stopped: {why}"
         self.kill()
         return TensorParallelError(f"{self.failed}; every rank was ended")
 
-    def _reason(self, rank: int, proc: subprocess.Popen) -> str:
-        key = f"kiln/error/{rank}"
-        try:
-            if self.group is not None and self.group.store.check([key]):
-                return f"rank {rank} failed: {self.group.store.get(key).decode()}"
-        except RuntimeError:  # the store is rank 0's own; a read fails only at teardown
-            pass
-        rc = proc.returncode
-        how = (f"was killed by signal {signal.Signals(-rc).name}" if rc < 0
-               else f"exited with code {rc}")
-        return f"rank {rank} (pid {proc.pid}) {how}"
-
     def _check(self) -> None:
+        """Rank 0 while it waits on the followers at start-up: raise if one exited."""
         if any(p.poll() is not None for p in self.procs):
             raise self.fail(RuntimeError("a follower exited during start-up"))
-
-    def _check_followers(self, store: dist.Store) -> Callable[[], None]:
-        """``_check`` before the group exists (the store is there already)."""
-
-        def check() -> None:
-            for rank, p in enumerate(self.procs, 1):
-                if p.poll() is not None:
-                    key = f"kiln/error/{rank}"
-                    why = (f"failed: {store.get(key).decode()}" if store.check([key])
-                           else f"exited with code {p.returncode}")
-                    raise TensorParallelError(
-                        f"tensor-parallel engine (tp={self.parallel.tp}): rank {rank} {why} "
-                        "during start-up; every rank was ended")
-
-        return check
 
     def close(self) -> None:
         """End the followers (``Stop``, then a kill after ``STOP_TIMEOUT_S``) and leave
@@ -203,6 +178,24 @@ def cpu_share(tp: int) -> int:
     """Torch threads of one rank of a CPU engine: its share of this machine's cores
     (``tp`` processes of all the cores each thrash: smollm2 tp 3 on 2 cores 35 s -> 7 s)."""
     return max(1, (os.cpu_count() or 1) // tp)
+
+
+def _exited(procs: list[subprocess.Popen], store: dist.Store) -> list[str]:
+    """Why each follower that exited did: the error it published in the store, else its
+    exit code or signal (follower i is rank i + 1)."""
+    reasons = []
+    for rank, proc in enumerate(procs, 1):
+        if proc.poll() is None:
+            continue
+        key = f"kiln/error/{rank}"
+        if store.check([key]):
+            reasons.append(f"rank {rank} failed: {store.get(key).decode()}")
+            continue
+        rc = proc.returncode
+        how = (f"was killed by signal {signal.Signals(-rc).name}" if rc < 0
+               else f"exited with code {rc}")
+        reasons.append(f"rank {rank} (pid {proc.pid}) {how}")
+    return reasons
 
 
 def _end(proc: subprocess.Popen) -> None:
