@@ -18,6 +18,7 @@ from kiln.artifact.weights import (
     quantize_random,
     random_weights,
     runtime_shapes,
+    weight_groups,
 )
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import EngineFormatError
@@ -70,16 +71,19 @@ class EngineArtifact:
         if not 0 <= rank < self.spec.tp:
             raise ValueError(f"rank {rank} is not a rank of this tp={self.spec.tp} engine")
         if w.get("format") == "random":
-            weights = random_weights(
-                self.spec.model, int(w["seed"]), device=device, dtype=dtype, std=float(w["std"])
-            )
-            if "fp8" in (q.weights, q.kv_cache, q.lm_head):
-                weights = quantize_random(weights, self.spec.model, fp8_weights=q.weights == "fp8",
-                                          kv_fp8=q.kv_cache == "fp8",
-                                          fp8_lm_head=q.lm_head == "fp8")
-            if par is not None:
-                weights = {k: par.shard(self.spec.model, k, weights[k], rank)
-                           for k in list(weights)}
+            cfg = self.spec.model
+            weights = {}
+            # a rank makes one group of full tensors at a time and keeps its shard of it
+            for names in [None] if par is None else weight_groups(cfg):
+                part = random_weights(cfg, int(w["seed"]), device=device, dtype=dtype,
+                                      std=float(w["std"]), names=names)
+                if "fp8" in (q.weights, q.kv_cache, q.lm_head):
+                    part = quantize_random(part, cfg, fp8_weights=q.weights == "fp8",
+                                           kv_fp8=q.kv_cache == "fp8",
+                                           fp8_lm_head=q.lm_head == "fp8")
+                if par is not None:
+                    part = {k: par.shard(cfg, k, part.pop(k), rank) for k in list(part)}
+                weights.update(part)
             return weights
         from safetensors import safe_open
 

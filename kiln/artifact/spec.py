@@ -15,9 +15,9 @@ from kiln.config import ModelConfig
 # (quantization.lm_head "fp8", lm_head.weight_scale one per row). 3: speculative decoding
 # mode "draft" (a draft engine in ENGINE/draft; speculative.draft_model, draft_engine,
 # draft_sha256). 4: tensor parallelism (a ``parallel`` section, one weight file per rank,
-# which an older kiln would read as one model). An engine is written with the oldest version that describes it
-# (``format_version_for``), so a kiln that reads only 1 still opens every engine without the
-# new feature and says "upgrade kiln" for the others.
+# which an older kiln would read as one model). An engine is written with the oldest version
+# that describes it (``format_version_for``), so a kiln that reads only 1 still opens every
+# engine without the new feature and says "upgrade kiln" for the others.
 # An optional section that an older kiln can ignore (EngineSpec.from_dict reads only the keys
 # it knows) needs no new version: ``generation_defaults`` is one.
 ENGINE_FORMAT_VERSION = 4

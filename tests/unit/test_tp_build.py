@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from kiln.artifact.loader import load_engine
 from kiln.artifact.parallel import ParallelConfig, shard_file, valid_tp
+from kiln.artifact.weights import FP8
 from kiln.builder import build_engine
 from kiln.config import ModelConfig
 from kiln.errors import EngineFormatError
@@ -164,16 +165,28 @@ def test_engines_without_the_section_are_tp1_and_older_kilns_refuse_tp_engines(
         load_engine(tmp_path / "two")
 
 
-def test_a_random_engine_shards_its_seeded_weights_at_load(tmp_path):
-    build_engine("random:tiny-qwen2", tmp_path / "one", dtype="float32", progress=False)
-    build_engine("random:tiny-qwen2", tmp_path / "two", dtype="float32", tp=2, progress=False)
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
+def test_a_random_engine_shards_its_seeded_weights_at_load(tmp_path, fp8):
+    """A rank makes its random weights group by group (never the whole model at once) and
+    keeps exactly its shard of the tp-1 engine's (FP8: quantized before slicing: the same
+    per-tensor scales; tied qwen2's FP8 head made from the whole embedding)."""
+    from kiln.artifact.spec import QuantConfig
+
+    q = QuantConfig("fp8", "fp8", "fp8", lm_head="fp8") if fp8 else None
+    opts = dict(dtype="float32", progress=False, quantization=q)
+    build_engine("random:tiny-qwen2", tmp_path / "one", **opts)
+    build_engine("random:tiny-qwen2", tmp_path / "two", tp=2, **opts)
     full = load_engine(tmp_path / "one").load_weights()
     art = load_engine(tmp_path / "two")
+    assert ("layers.1.k_scale" in full) == fp8
+    assert ("lm_head.weight" in full and full["lm_head.weight"].dtype == FP8) == fp8
     for r in range(2):
         part = art.load_weights(rank=r)
         assert set(part) == set(full)
         for name, t in full.items():
-            assert torch.equal(part[name], art.spec.parallel.shard(art.spec.model, name, t, r))
+            want = art.spec.parallel.shard(art.spec.model, name, t, r)
+            assert part[name].dtype == want.dtype and torch.equal(part[name].float(),
+                                                                  want.float()), name
 
 
 def test_inspect_shows_tp_and_the_rank_files(tiny_hf_model, tmp_path, capsys):
