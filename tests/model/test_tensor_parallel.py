@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo, float32): a tp-N engine's greedy output equals the
 tp-1 engine's token for token, alone and in a batch with chunked prefill and preemption,
-and with lookahead; a rank that dies or hangs ends the engine with an error naming it, and
+and with lookahead and prompt lookup; a rank that dies or hangs ends the engine with an error naming it, and
 no rank process is left behind.
 
 Each tp engine starts N-1 follower processes (about 1.5 s each on a 2-core machine).
@@ -30,6 +30,7 @@ from kiln.runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 LOOKAHEAD = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
+NGRAM = SpeculativeConfig.from_cli("ngram", None, 4, 2)
 # 8 mixed-length prompts, a 16-token budget (chunked prefill) and a cache far too small for
 # all of them (recompute preemption)
 SMALL = dict(device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16)
@@ -61,11 +62,12 @@ def test_tp_greedy_equals_tp1_alone_and_in_a_preempting_batch(tiny_reference, ar
     assert sum(o.metrics.num_preemptions for o in got) > 0
 
 
-def test_tp_lookahead_equals_tp1(tiny_reference):
-    """Lookahead's accepted tokens move their KV (``KVCache.move_slots``) on every rank:
-    a tp-2 lookahead engine's greedy output is plain tp-1 greedy, with drafts accepted."""
+@pytest.mark.parametrize("speculative", [LOOKAHEAD, NGRAM], ids=["lookahead", "ngram"])
+def test_tp_speculative_equals_tp1(tiny_reference, speculative):
+    """Accepted draft tokens move their KV (``KVCache.move_slots``) on every rank: a tp-2
+    speculative engine's greedy output is plain tp-1 greedy, with drafts accepted."""
     _, one = tiny_reference("llama")
-    _, two = tiny_reference("llama", tp=2, speculative=LOOKAHEAD)
+    _, two = tiny_reference("llama", tp=2, speculative=speculative)
     prompts = mixed_prompts()[:4]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     want = _run(one, prompts, params, device="cpu")
