@@ -61,8 +61,8 @@ class EngineArtifact:
         engine, rank ``rank``'s shard (kiln.artifact.parallel).
 
         ``dtype`` defaults to the engine dtype. Random engines generate their weights here,
-        deterministically from the recorded seed (a tensor-parallel one: all of them, then
-        the rank's shard).
+        deterministically from the recorded seed (a tensor-parallel one group by group,
+        keeping the rank's shard of each).
         """
         dtype = dtype or TORCH_DTYPES[self.spec.dtype]
         w = self.spec.weights

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from kiln.runtime.speculative.workers import make_worker, request_window
 from kiln.runtime.startup import assemble
 from kiln.runtime.step import LaunchedStep, StepResult, TokenReadback, sample_logits
 
+if TYPE_CHECKING:
+    from kiln.runtime.parallel import Ranks
+
 __all__ = ["EngineLimits", "LLMEngine", "RuntimeConfig", "StepResult"]
 
 
@@ -50,7 +53,7 @@ class LLMEngine:
         self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Any,
         limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
         spec: Any = None, draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
-        tp: Any = None,
+        tp: Ranks | None = None,
     ):
         """``draft``: a draft-model engine's draft (its model config and weights). ``tp``:
         rank 0 of a tensor-parallel engine (kiln.runtime.parallel.Ranks, made by

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +27,9 @@ from kiln.runtime.speculative.draft_model import DraftModel
 from kiln.runtime.speculative.workers import make_device_state
 from kiln.runtime.warmup import (warm_device_state, warm_eager_forward, warm_moved_rows,
                                  warm_sampler)
+
+if TYPE_CHECKING:
+    from kiln.runtime.parallel import Ranks
 
 
 @dataclass
@@ -51,7 +54,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig,
              speculative: SpeculativeConfig,
              draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
-             tp: Any = None) -> EngineParts:
+             tp: Ranks | None = None) -> EngineParts:
     """Place the weights, build the model and the KV cache (sized from free memory unless
     ``config.num_kv_blocks``), the scheduler and the runner; on the Triton path stage the
     steps and capture CUDA graphs, then compile what the graphs did not. ``draft``: the

@@ -18,7 +18,7 @@ contraction.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from kiln.runtime.layers.linear import Linear, linear_residual_norm_linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
+if TYPE_CHECKING:
+    from kiln.runtime.parallel import Ranks
+
 
 class LlamaModel:
     """Holds weights as plain tensors; ``forward`` returns hidden states of selected rows."""
@@ -37,7 +40,7 @@ class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
         device: torch.device, fused: bool = False, max_positions: int = 8192,
-        tp: Any = None,
+        tp: Ranks | None = None,
     ):
         """``tp``: this process's rank of a tensor-parallel engine
         (kiln.runtime.parallel.Ranks); ``cfg`` and ``weights`` are then the rank's shard."""
