@@ -18,6 +18,7 @@ from kiln.artifact.weights import (
     quantize_random,
     random_weights,
     runtime_shapes,
+    weight_groups,
 )
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import EngineFormatError
@@ -53,29 +54,41 @@ class EngineArtifact:
             ) from e
 
     def load_weights(
-        self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+        self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+        rank: int = 0,
     ) -> dict[str, torch.Tensor]:
-        """Runtime-named tensors (see kiln.artifact.weights) on ``device``.
+        """Runtime-named tensors (see kiln.artifact.weights) on ``device``; of a tensor-parallel
+        engine, rank ``rank``'s shard (kiln.artifact.parallel).
 
         ``dtype`` defaults to the engine dtype. Random engines generate their weights here,
-        deterministically from the recorded seed.
+        deterministically from the recorded seed (a tensor-parallel one group by group,
+        keeping the rank's shard of each).
         """
         dtype = dtype or TORCH_DTYPES[self.spec.dtype]
         w = self.spec.weights
         q = self.spec.quantization
+        par = self.spec.parallel
+        if not 0 <= rank < self.spec.tp:
+            raise ValueError(f"rank {rank} is not a rank of this tp={self.spec.tp} engine")
         if w.get("format") == "random":
-            weights = random_weights(
-                self.spec.model, int(w["seed"]), device=device, dtype=dtype, std=float(w["std"])
-            )
-            if "fp8" in (q.weights, q.kv_cache, q.lm_head):
-                weights = quantize_random(weights, self.spec.model, fp8_weights=q.weights == "fp8",
-                                          kv_fp8=q.kv_cache == "fp8",
-                                          fp8_lm_head=q.lm_head == "fp8")
+            cfg = self.spec.model
+            weights = {}
+            # a rank makes one group of full tensors at a time and keeps its shard of it
+            for names in [None] if par is None else weight_groups(cfg):
+                part = random_weights(cfg, int(w["seed"]), device=device, dtype=dtype,
+                                      std=float(w["std"]), names=names)
+                if "fp8" in (q.weights, q.kv_cache, q.lm_head):
+                    part = quantize_random(part, cfg, fp8_weights=q.weights == "fp8",
+                                           kv_fp8=q.kv_cache == "fp8",
+                                           fp8_lm_head=q.lm_head == "fp8")
+                if par is not None:
+                    part = {k: par.shard(cfg, k, part.pop(k), rank) for k in list(part)}
+                weights.update(part)
             return weights
         from safetensors import safe_open
 
         out: dict[str, torch.Tensor] = {}
-        for name in w["files"]:
+        for name in w["files"] if par is None else [par.shards[rank]]:
             with safe_open(str(self.path / name), framework="pt", device=str(device)) as f:
                 for key in f.keys():
                     t = f.get_tensor(key)
@@ -83,7 +96,8 @@ class EngineArtifact:
                     keep = t.dtype == torch.float8_e4m3fn or is_scale_name(key)
                     out[key] = t if keep else t.to(dtype)
         self._check_lm_head(out)
-        expected = runtime_shapes(self.spec.model, separate_head=q.lm_head == "fp8")
+        cfg = self.spec.model if par is None else par.local_config(self.spec.model)
+        expected = runtime_shapes(cfg, separate_head=q.lm_head == "fp8")
         extra = {k for k in set(out) - set(expected) if not is_scale_name(k)}
         if not set(expected) <= set(out) or extra:
             missing, extra = sorted(set(expected) - set(out)), sorted(extra)
@@ -161,6 +175,13 @@ def load_engine(path: str | Path, *, verify_checksums: bool = True) -> EngineArt
                         f"checksum mismatch for {file}: expected sha256 {info['sha256']}, "
                         f"got {actual}; the file is corrupt: rebuild the engine"
                     )
+        shards = spec.parallel.shards if spec.parallel is not None else ()
+        unlisted = [s for s in shards if s not in spec.weights.get("files", {})]
+        if unlisted or (spec.parallel is not None and not shards):
+            raise EngineFormatError(
+                f"{spec_path}: a tp={spec.tp} engine lists its per-rank weight files in "
+                f"parallel.shards and their checksums in weights.files; missing "
+                f"{unlisted or 'parallel.shards'}: rebuild the engine")
     elif fmt != "random":
         raise EngineFormatError(
             f"{spec_path} has weights format {fmt!r}; expected 'safetensors' or 'random'"

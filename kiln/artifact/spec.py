@@ -7,25 +7,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.artifact.generation import GenerationDefaults
+from kiln.artifact.parallel import ParallelConfig
 from kiln.artifact.speculative import SpeculativeConfig, check_limits
 from kiln.config import ModelConfig
 
 # The newest engine format this kiln reads and writes. 2: an FP8 lm_head
 # (quantization.lm_head "fp8", lm_head.weight_scale one per row). 3: speculative decoding
 # mode "draft" (a draft engine in ENGINE/draft; speculative.draft_model, draft_engine,
-# draft_sha256). An engine is written with the oldest version that describes it
-# (``format_version_for``), so a kiln that reads only 1 still opens every engine without the
-# new feature and says "upgrade kiln" for the others.
+# draft_sha256). 4: tensor parallelism (a ``parallel`` section, one weight file per rank,
+# which an older kiln would read as one model). An engine is written with the oldest version
+# that describes it (``format_version_for``), so a kiln that reads only 1 still opens every
+# engine without the new feature and says "upgrade kiln" for the others.
 # An optional section that an older kiln can ignore (EngineSpec.from_dict reads only the keys
 # it knows) needs no new version: ``generation_defaults`` is one.
-ENGINE_FORMAT_VERSION = 3
+ENGINE_FORMAT_VERSION = 4
 
 
 def format_version_for(
-    quantization: QuantConfig, speculative: SpeculativeConfig | None = None
+    quantization: QuantConfig, speculative: SpeculativeConfig | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> int:
-    """The oldest engine format version that holds an engine with this quantization and
-    these speculative settings."""
+    """The oldest engine format version that holds an engine with this quantization, these
+    speculative settings and this tensor parallelism."""
+    if parallel is not None:
+        return 4
     if speculative is not None and speculative.mode == "draft":
         return 3
     return 2 if quantization.lm_head != "none" else 1
@@ -219,7 +224,8 @@ class EngineSpec:
     engines built before it, which read it from the chat template at load). ``attention``:
     the attention backend per step class, measured at build or given by the build's
     ``--attention-backend`` (kiln.runtime.layers.attention_select; an optional section:
-    empty in engines built before it, which run the runtime's default).
+    empty in engines built before it, which run the runtime's default). ``parallel``:
+    tensor parallelism (kiln.artifact.parallel; None: tp 1, and no section).
     """
 
     format_version: int
@@ -235,10 +241,17 @@ class EngineSpec:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     tools: ToolsConfig | None = None
     attention: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {list(DTYPES)}")
+        if self.parallel is not None:
+            self.parallel.check_model(self.model)
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tp if self.parallel is not None else 1
 
     @property
     def is_random(self) -> bool:
@@ -259,6 +272,7 @@ class EngineSpec:
             "generation_defaults": self.generation_defaults.to_dict(),
             **({"tools": self.tools.to_dict()} if self.tools is not None else {}),
             **({"attention": self.attention} if self.attention else {}),
+            **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
         }
 
     @classmethod
@@ -277,4 +291,6 @@ class EngineSpec:
             generation_defaults=GenerationDefaults.from_dict(d.get("generation_defaults") or {}),
             tools=ToolsConfig.from_dict(d["tools"]) if d.get("tools") is not None else None,
             attention=dict(d.get("attention") or {}),
+            parallel=(ParallelConfig.from_dict(d["parallel"]) if d.get("parallel") is not None
+                      else None),
         )

@@ -29,6 +29,7 @@ checkpoints become these tensors: kiln/builder/fp8.py.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 
@@ -76,6 +77,16 @@ def runtime_shapes(cfg: ModelConfig, separate_head: bool = False) -> dict[str, t
     return shapes
 
 
+def weight_groups(cfg: ModelConfig) -> list[list[str]]:
+    """The runtime names in groups that ``quantize_random`` converts alone: the embedding
+    with the final norm and lm_head (an FP8 head of a tied model is made from the
+    embedding), then each layer."""
+    outer = ["embed_tokens.weight", "norm.weight"]
+    if has_lm_head(cfg):
+        outer.append("lm_head.weight")
+    return [outer, *(list(_layer_shapes(cfg, i)) for i in range(cfg.num_layers))]
+
+
 def is_scale_name(name: str) -> bool:
     return name.endswith(_SCALE_SUFFIXES)
 
@@ -110,10 +121,14 @@ def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
                     fp8_lm_head: bool = False) -> dict[str, torch.Tensor]:
     """Random engine weights → FP8 linears with per-tensor scales (dynamic activations),
     with ``kv_fp8`` KV scales of 1.0, with ``fp8_lm_head`` the FP8 lm_head
-    (``quantize_lm_head``). Converts in place of the dict, one tensor at a time."""
-    if fp8_lm_head:
+    (``quantize_lm_head``). Converts in place of the dict, one tensor at a time. ``weights``
+    may be a part (``random_weights(names=)``): the layers it has, the head where it has the
+    embedding."""
+    if fp8_lm_head and "embed_tokens.weight" in weights:
         quantize_lm_head(weights)
     for i in range(cfg.num_layers):
+        if f"layers.{i}.qkv.weight" not in weights:
+            continue
         for lin in LINEARS if fp8_weights else ():
             name = f"layers.{i}.{lin}.weight"
             w = weights.pop(name)
@@ -121,7 +136,7 @@ def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
             del w
             weights[name], weights[f"layers.{i}.{lin}.weight_scale"] = q, s.to(q.device)
         if kv_fp8:
-            dev = weights["embed_tokens.weight"].device
+            dev = weights[f"layers.{i}.qkv.weight"].device
             weights[f"layers.{i}.k_scale"] = torch.ones((), device=dev)
             weights[f"layers.{i}.v_scale"] = torch.ones((), device=dev)
     return weights
@@ -144,15 +159,20 @@ def random_weights(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     std: float = RANDOM_STD,
+    names: Iterable[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Deterministic N(0, std) weights made directly on ``device`` (norms are 1).
+    """Deterministic N(0, std) weights made directly on ``device`` (norms are 1); only
+    ``names`` where given (a part: a tensor-parallel rank makes its weights group by group).
 
     Each tensor has its own generator seeded from (seed, name), so the result does not depend
     on which tensors are made or in what order. Same device type + seed → same weights.
     """
     device = torch.device(device)
     out = {}
-    for name, shape in runtime_shapes(cfg).items():
+    shapes = runtime_shapes(cfg)
+    if names is not None:
+        shapes = {n: shapes[n] for n in names}
+    for name, shape in shapes.items():
         if _is_norm(name):
             out[name] = torch.ones(shape, device=device, dtype=dtype)
             continue

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import kiln
 from kiln.artifact import ENGINE_JSON, TOKENIZER_DIR, WEIGHTS_FILE
+from kiln.artifact.parallel import ParallelConfig
 from kiln.artifact.spec import (
     DTYPES,
     EngineSpec,
@@ -35,6 +36,7 @@ from kiln.builder import fp8
 from kiln.builder.draft import DRAFT_DIR, check_draft, source_name
 from kiln.builder.generation import GENERATION_CONFIG_MODES, resolve_generation_defaults
 from kiln.builder.safetensors_stream import SafetensorsStreamWriter
+from kiln.builder.shard import ShardedWriter
 from kiln.builder.weights import check_source_tensors, prepare_groups, tensor_plan
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import KilnError
@@ -73,6 +75,7 @@ def build_engine(
     generation_config: str = "auto",
     tool_parser: str = "auto",
     attention_backend: str = "auto",
+    tp: int = 1,
 ) -> EngineSpec:
     """Build an engine directory at ``out_dir`` from ``source`` (see ``open_source``).
 
@@ -94,6 +97,8 @@ def build_engine(
     ``attention_backend``: "auto" times the attention backends per step class on this
     machine's GPU when tuning (kiln.runtime.layers.attention_select) and records the
     winners in engine.json ``attention``; a backend name records that one.
+    ``tp``: tensor parallelism over that many ranks (kiln.artifact.parallel): checked
+    against the model's head counts with the rest, weights written as one file per rank.
     ``speculative`` mode "draft": ``speculative.draft_model`` (any source form) is opened and
     checked against the target (kiln.builder.draft) with the rest, then built as a complete
     engine in ``out_dir/draft`` (the same dtype and limits, no speculation, no quantization,
@@ -120,8 +125,10 @@ def build_engine(
         speculative=speculative, requested=quantization or QuantConfig(),
         generation_config=generation_config,
     )
-    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, tools=tools,
-                                                              attention=attention))
+    parallel = _requested_parallel(plan.spec, tp)
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(
+        plan.spec, tools=tools, attention=attention, parallel=parallel,
+        format_version=format_version_for(plan.spec.quantization, speculative, parallel)))
     draft = None
     if speculative.mode == "draft":
         draft = _plan_draft(source_name(source, model), plan, speculative, progress)
@@ -170,6 +177,16 @@ def _requested_attention(name: str) -> dict[str, Any]:
         raise ValueError(f"--attention-backend {name!r} is unknown; choose auto (measure at "
                          f"build) or one of {sorted(BACKENDS)}")
     return {"backend": name, "source": "--attention-backend"}
+def _requested_parallel(spec: EngineSpec, tp: int) -> ParallelConfig | None:
+    """engine.json ``parallel`` for ``--tp``: the model's heads must split (ValueError
+    naming them and the tp values that work); a draft-model engine runs on one device."""
+    parallel = ParallelConfig.for_model(spec.model, tp)
+    if parallel is not None and spec.speculative.mode == "draft":
+        raise ValueError(
+            f"--tp {tp} with --speculative-decoding-mode draft: a draft-model engine runs on "
+            "one device (its draft is not sharded); build it without --tp, or use lookahead "
+            "or ngram speculation with --tp")
+    return parallel
 
 
 def _requested_tools(tool_parser: str) -> ToolsConfig | None:
@@ -304,8 +321,10 @@ def write_engine(
     if not model.is_random:
         report: dict[str, Any] = {}
         files = _write_weights(model, directory, spec.dtype, console, quantization, report,
-                               label=label)
+                               label=label, parallel=spec.parallel)
         spec = dataclasses.replace(spec, weights={"format": "safetensors", "files": files})
+        if spec.parallel is not None:
+            spec = dataclasses.replace(spec, parallel=spec.parallel.with_shards())
         if quantization.kv_cache == "fp8":
             spec = _record_kv_scales(spec, report)
     elif quantization.kv_cache == "fp8":
@@ -457,7 +476,7 @@ def _record_kv_scales(spec: EngineSpec, report: dict[str, Any]) -> EngineSpec:
 def _write_weights(
     model: SourceModel, tmp: Path, dtype: str, console: Console,
     quantization: QuantConfig | None = None, report: dict[str, Any] | None = None,
-    label: str = "weights",
+    label: str = "weights", parallel: ParallelConfig | None = None,
 ) -> dict[str, Any]:
     cfg = model.config
     target = TORCH_DTYPES[dtype]
@@ -476,11 +495,12 @@ def _write_weights(
     if fp8_head:  # the head group's engine-dtype lm_head becomes e4m3 + scale
         layout = fp8.fp8_lm_head_layout(layout)
         groups = (quantize_lm_head(g) if "lm_head.weight" in g else g for g in groups)
-    writer = SafetensorsStreamWriter(
-        tmp / WEIGHTS_FILE, {name: shape for name, (shape, _) in layout.items()}, target,
-        metadata={"format": "pt", "kiln": "1"},
-        dtypes={name: dt for name, (_, dt) in layout.items()},
-    )
+    metadata = {"format": "pt", "kiln": "1"}
+    writer: SafetensorsStreamWriter | ShardedWriter = (
+        SafetensorsStreamWriter(
+            tmp / WEIGHTS_FILE, {name: shape for name, (shape, _) in layout.items()}, target,
+            metadata=metadata, dtypes={name: dt for name, (_, dt) in layout.items()})
+        if parallel is None else ShardedWriter(tmp, layout, target, cfg, parallel, metadata))
     bar = Progress(
         TextColumn("[bold]Building[/] {task.description}"),
         BarColumn(),
@@ -498,6 +518,8 @@ def _write_weights(
                     writer.write(name, tensor)
                 bar.advance(task)
                 del group
+        if isinstance(writer, ShardedWriter):
+            return writer.close()
         sha, size = writer.close()
     except BaseException:
         writer.abort()

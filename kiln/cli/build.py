@@ -135,6 +135,14 @@ def build(
         "for the rest) or torch (the plain-torch reference). Recorded in engine.json; "
         "KILN_ATTENTION_BACKEND at serve time overrides it.",
     ),
+    tp: int = typer.Option(
+        1, "--tp", min=1,
+        help="Tensor parallelism: shard the weights over this many ranks (one weight file "
+        "per rank; `kiln generate` starts one process per rank). The query heads, the "
+        "intermediate size and the KV heads must split: N divides the KV heads, or they "
+        "divide N (each KV head replicated); a model that does not split says which tp "
+        "values work.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the engine spec (engine.json) as JSON on stdout."
     ),
@@ -173,6 +181,7 @@ def build(
         generation_config=generation_config.value,
         tool_parser=tool_parser,
         attention_backend=attention_backend,
+        tp=tp,
     )
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))

@@ -178,6 +178,7 @@ def generate(
         close = getattr(stream, "close", None)
         if close is not None:
             close()
+        engine.close()  # a tensor-parallel engine's other ranks end here
     total = time.perf_counter() - t0
     if out is None:
         raise KilnError("the engine returned no output for the request")

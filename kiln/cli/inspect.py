@@ -70,6 +70,7 @@ def inspect(
         console.print(_table("Draft engine", _draft_rows(artifact)))
     console.print(_table("Generation defaults", _generation_rows(spec.generation_defaults)))
     console.print(_table("Tool calling", _tools_rows(spec.tools)))
+    console.print(_table("Tensor parallelism", _parallel_rows(spec)))
     console.print(_table("Provenance", spec.provenance))
     weights: dict[str, Any] = {"format": spec.weights.get("format")}
     if spec.is_random:
@@ -143,6 +144,30 @@ def _attention_rows(section: dict[str, Any]) -> dict[str, Any]:
         rows[problem] = ", ".join(f"{b} {t:,.0f} us" for b, t in us.items()) or "not timed"
     for backend, why in (section.get("skipped") or {}).items():
         rows[f"{backend} not chosen"] = why
+    return rows
+
+
+def _parallel_rows(spec: Any) -> dict[str, Any]:
+    """tp, how the KV heads and the vocabulary split, each rank's weight file."""
+    par = spec.parallel
+    if par is None:
+        return {"tp": 1}
+    rows: dict[str, Any] = {
+        "tp": par.tp,
+        "kv heads": f"{par.kv_heads} ({spec.model.num_kv_heads} KV heads, "
+                    f"{max(spec.model.num_kv_heads // par.tp, 1)} per rank)",
+        "query heads per rank": spec.model.num_heads // par.tp,
+        "vocab padded": f"{par.vocab_size_padded} ({par.vocab_size_padded // par.tp} rows "
+                        "per rank)",
+    }
+    files = spec.weights.get("files", {})
+    for rank in range(par.tp):
+        if par.shards:
+            info = files.get(par.shards[rank], {})
+            rows[f"rank {rank}"] = (f"{par.shards[rank]}, {info.get('size', 0):,} bytes, "
+                                    f"sha256 {info.get('sha256')}")
+        else:
+            rows[f"rank {rank}"] = "random weights, sharded at load"
     return rows
 
 

@@ -10,12 +10,13 @@ launched on top: the host's work of one step overlaps the GPU's work of the next
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +40,9 @@ from kiln.runtime.speculative.workers import make_worker, request_window
 from kiln.runtime.startup import assemble
 from kiln.runtime.step import LaunchedStep, StepResult, TokenReadback, sample_logits
 
+if TYPE_CHECKING:
+    from kiln.runtime.parallel import Ranks
+
 __all__ = ["EngineLimits", "LLMEngine", "RuntimeConfig", "StepResult"]
 
 
@@ -49,9 +53,13 @@ class LLMEngine:
         self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Any,
         limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig | None = None,
         spec: Any = None, draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
+        tp: Ranks | None = None,
     ):
-        """``draft``: a draft-model engine's draft (its model config and weights)."""
+        """``draft``: a draft-model engine's draft (its model config and weights). ``tp``:
+        rank 0 of a tensor-parallel engine (kiln.runtime.parallel.Ranks, made by
+        ``from_engine_dir``); ``weights`` are its shard. ``close()`` ends the other ranks."""
         config = config or RuntimeConfig()
+        self.tp = tp
         self.config = config
         self.spec = spec
         self.generation_defaults = dict(spec.generation_defaults.values) if spec is not None else {}
@@ -62,7 +70,7 @@ class LLMEngine:
         # Speculative settings come from the engine artifact only (validated at build).
         self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
         parts = assemble(model_config, weights, limits, dtype, config, self.speculative, draft,
-                         attention=getattr(spec, "attention", None))
+                         attention=getattr(spec, "attention", None), tp=tp)
         self.device, self.attention_backend = parts.device, parts.attention_backend
         self.attention_classes = parts.attention_classes
         self.model, self.cache, self.blocks = parts.model, parts.cache, parts.blocks
@@ -126,13 +134,24 @@ class LLMEngine:
         limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
                               lim.max_num_tokens)
         t0 = time.perf_counter()
-        weights = art.load_weights(device, dtype)
-        tokenizer = art.load_tokenizer()
-        draft = ((art.draft.spec.model, art.draft.load_weights(device, dtype))
-                 if getattr(art, "draft", None) is not None else None)
-        load_s = time.perf_counter() - t0
-        engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec,
-                     draft=draft)
+        tp = None
+        if spec.tp > 1:  # the other ranks start first and load their shards meanwhile
+            from kiln.runtime.parallel import Ranks
+
+            tp = Ranks.start(Path(path), spec.parallel, spec.model, torch.device(device),
+                             dataclasses.replace(config, device=str(device)))
+        try:
+            weights = art.load_weights(device, dtype)
+            tokenizer = art.load_tokenizer()
+            draft = ((art.draft.spec.model, art.draft.load_weights(device, dtype))
+                     if getattr(art, "draft", None) is not None else None)
+            load_s = time.perf_counter() - t0
+            engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec,
+                         draft=draft, tp=tp)
+        except BaseException:
+            if tp is not None:
+                tp.kill()
+            raise
         engine.startup_times = {"load_weights_s": load_s, **engine.startup_times,
                                 "total_s": load_s + engine.startup_times["total_s"]}
         if kernels:  # the engine shipped compiled kernels for this machine
@@ -582,7 +601,10 @@ class LLMEngine:
 
     def _device_broken(self) -> bool:
         """Whether the device still runs work after an exception (a CUDA fault is sticky:
-        every later call fails, so the engine cannot go on)."""
+        every later call fails, so the engine cannot go on; a tensor-parallel rank that
+        failed ended them all)."""
+        if self.tp is not None and self.tp.failed is not None:
+            return True
         if self.device.type != "cuda":
             return False
         try:
@@ -599,6 +621,12 @@ class LLMEngine:
 
             self._guided_compiler = XGrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self._guided_compiler
+
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel engine's other ranks (their
+        processes end). Idempotent; the engine runs no step after it."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- conveniences ----------------------------------------------------------------------
     def generate(

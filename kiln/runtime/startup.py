@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from kiln.runtime.speculative.device_step import DeviceSpecStep
 from kiln.runtime.speculative.draft_model import DraftModel
 from kiln.runtime.speculative.workers import make_device_state
 from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_moved_rows, warm_sampler
+
+if TYPE_CHECKING:
+    from kiln.runtime.parallel import Ranks
 
 
 @dataclass
@@ -51,13 +55,17 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              limits: EngineLimits, dtype: torch.dtype, config: RuntimeConfig,
              speculative: SpeculativeConfig,
              draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
-             attention: dict | None = None) -> EngineParts:
+             attention: dict | None = None, tp: Ranks | None = None) -> EngineParts:
     """Place the weights, build the model and the KV cache (sized from free memory unless
     ``config.num_kv_blocks``), the scheduler and the runner; on the Triton path stage the
     steps and capture CUDA graphs, then compile what the graphs did not. ``draft``: the
     draft model's config and weights (a draft-model engine): its own model, runner and KV
     cache of as many blocks as the target's (``DraftModel``). ``attention``: engine.json's
-    ``attention`` section (the backend measured at build), which "auto" follows on CUDA."""
+    ``attention`` section (the backend measured at build), which "auto" follows on CUDA.
+    ``tp``: this process's rank of a tensor-parallel engine (kiln.runtime.parallel.Ranks):
+    ``weights`` are its shard, the model and cache its share, as many KV blocks on every
+    rank; on rank 0 the model and the cache send what they do to the other ranks;
+    speculative state stays on the host."""
     t_start = time.perf_counter()
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     weights = place_weights(weights, device, dtype)  # FP8 + scales keep their dtype
@@ -65,10 +73,14 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     # The Triton kernels (fused norm / rotary / activation) go with the Triton backend
     # (off CUDA that backend runs only under TRITON_INTERPRET, in tests).
     fused = backend in TRITON_BACKENDS
-    model = LlamaModel(model_config, weights, get_backend(backend, classes), device, fused=fused,
-                       max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
+    if tp is not None and draft is not None:
+        raise ValueError("a draft-model engine cannot be tensor-parallel; rebuild it "
+                         "without --tp")
+    c = tp.local_config() if tp is not None else model_config  # a rank's heads and MLP
+    model = LlamaModel(c, weights, get_backend(backend, classes), device, fused=fused,
+                       max_positions=limits.max_seq_len + limits.max_num_tokens + 64, tp=tp)
     t_model = time.perf_counter()
-    c, bs = model_config, config.block_size
+    bs = config.block_size
     block_bytes = KVCache.bytes_per_block(c.num_layers, bs, c.num_kv_heads, c.head_dim, dtype)
     if draft is not None:  # a block id holds the request's target and draft KV
         dc = draft[0]
@@ -77,6 +89,8 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     num_blocks = config.num_kv_blocks or auto_num_blocks(
         block_bytes, bs, limits.max_batch_size, limits.max_seq_len, device,
         config.gpu_memory_utilization)
+    if tp is not None:
+        num_blocks = tp.agree_num_blocks(num_blocks)
     if num_blocks * bs < limits.max_seq_len:
         raise ValueError(
             f"num_kv_blocks={num_blocks} x block_size={bs} holds fewer tokens than "
@@ -90,10 +104,13 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     scheduler = Scheduler(blocks, max_num_seqs=config.max_num_seqs or limits.max_batch_size,
                           max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
     t_cache = time.perf_counter()
+    if tp is not None:
+        model, cache = tp.lead(model, cache)
     runner = ModelRunner(model, cache, device)
     device_state = (make_device_state(speculative, scheduler.max_num_seqs, limits.max_seq_len,
                                       device)
-                    if device_speculation_on(config, speculative, device) else None)
+                    if tp is None and device_speculation_on(config, speculative, device)
+                    else None)
     if device_state is not None:
         runner.spec_step = DeviceSpecStep(device_state)  # before the graphs capture it
     graphs_s = 0.0
@@ -108,10 +125,12 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                                    max_seqs, max_tokens, model_config.vocab_size)
                    if draft is not None else None)
     sampler = Sampler()
+    if tp is not None:
+        tp.ready()
     t_warm = time.perf_counter()
     if fused and device.type == "cuda":  # what the graphs did not compile
         warm_eager_forward(model, cache, runner.stager, tokens_per_step)
-        warm_sampler(sampler, c.vocab_size, device)
+        warm_sampler(sampler, model_config.vocab_size, device)
         if device_state is not None:
             warm_device_state(device_state)
     times = {"place_weights_s": t_model - t_start, "kv_cache_s": t_cache - t_model,

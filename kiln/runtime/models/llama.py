@@ -17,6 +17,9 @@ contraction.
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +30,9 @@ from kiln.runtime.layers.linear import Linear, linear_residual_norm_linear
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
+if TYPE_CHECKING:
+    from kiln.runtime.parallel import Ranks
+
 
 class LlamaModel:
     """Holds weights as plain tensors; ``forward`` returns hidden states of selected rows."""
@@ -34,7 +40,13 @@ class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
         device: torch.device, fused: bool = False, max_positions: int = 8192,
+        tp: Ranks | None = None,
     ):
+        """``tp``: this process's rank of a tensor-parallel engine
+        (kiln.runtime.parallel.Ranks); ``cfg`` and ``weights`` are then the rank's shard."""
+        if tp is not None and fused:
+            raise ValueError("tensor parallelism runs the reference layers (attention "
+                             "backend 'torch'); the fused Triton path has no collectives yet")
         self.cfg = cfg
         self.attention = attention
         self.rotary = Rotary(cfg, device)
@@ -55,6 +67,10 @@ class LlamaModel:
         self.lm_head = "embed_tokens" if tied else "lm_head"
         # each projection's kernel path, chosen once for its weight
         self.linears = {p: Linear.from_weights(weights, p) for p in self.linear_prefixes()}
+        self.embed = functools.partial(F.embedding, weight=weights["embed_tokens.weight"])
+        if tp is not None:  # o_proj, down all-reduced; embedding and head vocab-parallel
+            self.embed, self.linears = tp.parallelize(
+                self.linears, weights["embed_tokens.weight"], self.lm_head)
 
     def linear_prefixes(self) -> list[str]:
         """The linear layers' prefixes: per layer qkv, o_proj, gate_up, down; the head."""
@@ -88,7 +104,7 @@ class LlamaModel:
         if self.fused:
             return self._forward_fused(input_ids, positions, cache, meta, logit_rows)
         cfg, w, lin = self.cfg, self.w, self.linears
-        h = F.embedding(input_ids, w["embed_tokens.weight"])  # [T, hidden]
+        h = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         n = len(input_ids)
         for i in range(cfg.num_layers):

@@ -1,0 +1,204 @@
+"""``Ranks``: a process's part in a tensor-parallel engine, and rank 0's follower processes.
+
+Rank 0 is the process that loads the engine (``LLMEngine.from_engine_dir``): it hosts the
+rendezvous store on a free loopback port, starts ranks 1..N-1 as ``python -m
+kiln.runtime.parallel.worker`` processes, and runs the engine. It ends them (``close``) and
+watches them: a follower that exits or hangs makes rank 0's next collective raise, and
+rank 0 then ends every follower and raises ``TensorParallelError`` naming the rank and why
+(the error the follower published in the store, or its exit code). A follower ends itself
+when rank 0 goes away (``worker.py``), so no rank outlives the engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kiln.artifact.parallel import ParallelConfig
+from kiln.config import ModelConfig
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.parallel.control import LeaderCache, LeaderModel, Stop
+from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
+from kiln.runtime.parallel.layers import parallelize
+
+STOP_TIMEOUT_S = 10  # a follower leaves its loop and exits within this after Stop
+
+
+class TensorParallelError(RuntimeError):
+    """A rank exited, hung or failed: the ranks are out of step and the engine is done."""
+
+
+class Ranks:
+    """This process's rank of a tensor-parallel engine: its shard layout (``parallel``,
+    ``model_config`` the whole model's), its groups; on rank 0 (``start``) the follower
+    processes."""
+
+    def __init__(self, parallel: ParallelConfig, model_config: ModelConfig, group: TPGroup,
+                 procs: list[subprocess.Popen] | None = None):
+        self.parallel, self.model_config, self.group = parallel, model_config, group
+        self.procs = procs or []
+        self.failed: str | None = None
+        self._closed = False
+        self._threads: int | None = None  # rank 0's torch threads before the engine
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @classmethod
+    def start(cls, engine_dir: Path, parallel: ParallelConfig, model_config: ModelConfig,
+              device: torch.device, config: Any) -> Ranks:
+        """Rank 0: start the followers of the engine at ``engine_dir`` (each loads its shard
+        with ``config``, a RuntimeConfig) and form the group with them."""
+        if device.type != "cpu":
+            raise ValueError(
+                f"this engine is tensor-parallel (tp={parallel.tp}); kiln runs tensor "
+                f"parallelism on the CPU (gloo) so far, not on {device.type}: pass --device "
+                "cpu (device='cpu'), or build the engine without --tp")
+        store = dist.TCPStore("127.0.0.1", 0, parallel.tp, is_master=True,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                              wait_for_workers=False)
+        settings = json.dumps(dataclasses.asdict(config))
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, parallel.tp):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kiln.runtime.parallel.worker", str(engine_dir),
+                     "--rank", str(rank), "--port", str(store.port), "--leader-pid",
+                     str(os.getpid()), "--config", settings],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+
+            def check() -> None:
+                reasons = _exited(procs, store)
+                if reasons:
+                    raise TensorParallelError(
+                        f"tensor-parallel engine (tp={parallel.tp}) did not start: "
+                        f"{'; '.join(reasons)}; every rank was ended")
+
+            wait_for(store, [f"kiln/up/{r}" for r in range(1, parallel.tp)], check)
+            ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store), procs)
+        except BaseException:
+            for p in procs:
+                _end(p)
+            raise
+        atexit.register(ranks.kill)
+        # the ranks share the cores (worker.py): rank 0 takes its share too while the
+        # engine runs (smollm2 tp 3 on 2 cores: 2.7 -> 4.0 tokens/s)
+        ranks._threads = torch.get_num_threads()
+        torch.set_num_threads(cpu_share(parallel.tp))
+        return ranks
+
+    # -- what the model and the engine parts ask of a rank ----------------------------------
+    def local_config(self) -> ModelConfig:
+        return self.parallel.local_config(self.model_config)
+
+    def parallelize(self, linears: dict, embedding: torch.Tensor, head: str):
+        """``LlamaModel``'s layers of this rank (kiln.runtime.parallel.layers)."""
+        return parallelize(linears, embedding, head, self.group, self.model_config.vocab_size)
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The KV blocks every rank allocates: the fewest any rank can hold."""
+        return self.group.agree_min("num_kv_blocks", num_blocks, self._check)
+
+    def lead(self, model: Any, cache: KVCache) -> tuple[Any, Any]:
+        """Rank 0: the model and cache that send what they do to the followers; a
+        follower: its own, driven by ``control.follow``."""
+        if self.rank != 0:
+            return model, cache
+        return LeaderModel(model, self.group, self.fail), LeaderCache(cache, self.group,
+                                                                      self.fail)
+
+    def ready(self) -> None:
+        """Wait until every rank has built its model and cache."""
+        self.group.publish("ready", "1")
+        self.group.gather_published("ready", self._check)
+
+    # -- failure and shutdown (rank 0) -----------------------------------------------------
+    def fail(self, cause: BaseException) -> TensorParallelError:
+        """Rank 0 after a collective or a command failed: end every follower; the error
+        names the ranks that exited and why."""
+        deadline = time.monotonic() + 2  # a follower that failed is exiting now
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        why = "; ".join(_exited(self.procs, self.group.store)) or (
+            f"a collective failed ({type(cause).__name__}: {cause})")
+        self.failed = f"tensor-parallel engine (tp={self.parallel.tp}) stopped: {why}"
+        self.kill()
+        return TensorParallelError(f"{self.failed}; every rank was ended")
+
+    def _check(self) -> None:
+        """Rank 0 while it waits on the followers at start-up: raise if one exited."""
+        if any(p.poll() is not None for p in self.procs):
+            raise self.fail(RuntimeError("a follower exited during start-up"))
+
+    def close(self) -> None:
+        """End the followers (``Stop``, then a kill after ``STOP_TIMEOUT_S``) and leave
+        the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.rank == 0 and self.failed is None:
+            try:
+                self.group.send(Stop())
+            except RuntimeError:  # a follower already gone: ended below
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _end(p)
+        self.group.close()
+        self.kill()
+
+    def kill(self) -> None:
+        """End every follower now (rank 0; also at interpreter exit) and give rank 0 its
+        threads back."""
+        for p in self.procs:
+            _end(p)
+        atexit.unregister(self.kill)
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
+
+
+def cpu_share(tp: int) -> int:
+    """Torch threads of one rank of a CPU engine: its share of this machine's cores
+    (``tp`` processes of all the cores each thrash: smollm2 tp 3 on 2 cores 35 s -> 7 s)."""
+    return max(1, (os.cpu_count() or 1) // tp)
+
+
+def _exited(procs: list[subprocess.Popen], store: dist.Store) -> list[str]:
+    """Why each follower that exited did: the error it published in the store, else its
+    exit code or signal (follower i is rank i + 1)."""
+    reasons = []
+    for rank, proc in enumerate(procs, 1):
+        if proc.poll() is None:
+            continue
+        key = f"kiln/error/{rank}"
+        if store.check([key]):
+            reasons.append(f"rank {rank} failed: {store.get(key).decode()}")
+            continue
+        rc = proc.returncode
+        how = (f"was killed by signal {signal.Signals(-rc).name}" if rc < 0
+               else f"exited with code {rc}")
+        reasons.append(f"rank {rank} (pid {proc.pid}) {how}")
+    return reasons
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()

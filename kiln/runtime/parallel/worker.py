@@ -1,0 +1,98 @@
+"""A follower rank: ``python -m kiln.runtime.parallel.worker ENGINE --rank R --port P
+--leader-pid PID --config JSON`` (started by rank 0, ``Ranks.start``).
+
+It loads its shard, builds its model and KV cache with rank 0's RuntimeConfig, then runs
+rank 0's commands until told to stop. It never outlives rank 0: a thread ends the process
+when its parent is no longer ``--leader-pid``. On any error it publishes the message in the
+rendezvous store (rank 0 reports it), prints one line on stderr (the traceback with
+KILN_DEBUG=1) and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+PARENT_POLL_S = 0.5
+
+
+def _watch_parent(leader_pid: int) -> None:
+    def watch() -> None:
+        while os.getppid() == leader_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)  # rank 0 is gone: nothing can drive this rank any more
+
+    threading.Thread(target=watch, name="kiln-tp-parent-watch", daemon=True).start()
+
+
+def run(engine_dir: str, rank: int, store, config) -> None:
+    """Load rank ``rank``'s shard of ``engine_dir``, build its parts, follow rank 0."""
+    import torch
+
+    from kiln.artifact.loader import load_engine
+    from kiln.dtypes import TORCH_DTYPES
+    from kiln.runtime.config import EngineLimits
+    from kiln.runtime.parallel.control import follow
+    from kiln.runtime.parallel.group import TPGroup
+    from kiln.runtime.parallel.ranks import Ranks, cpu_share
+    from kiln.runtime.startup import assemble
+
+    art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
+    spec = art.spec
+    if config.device == "cpu":
+        torch.set_num_threads(cpu_share(spec.tp))
+    store.set(f"kiln/up/{rank}", "1")
+    ranks = Ranks(spec.parallel, spec.model, TPGroup(rank, spec.tp, store))
+    dtype = TORCH_DTYPES[spec.dtype]
+    lim = spec.limits
+    limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
+                          lim.max_num_tokens)
+    weights = art.load_weights(torch.device(config.device), dtype, rank=rank)
+    parts = assemble(spec.model, weights, limits, dtype, config, spec.speculative, tp=ranks)
+    follow(parts.model, parts.cache, ranks.group)
+    ranks.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kiln.runtime.parallel.worker")
+    parser.add_argument("engine")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--leader-pid", type=int, required=True)
+    parser.add_argument("--config", required=True, help="RuntimeConfig as JSON")
+    args = parser.parse_args(argv)
+    _watch_parent(args.leader_pid)
+
+    import torch.distributed as dist
+
+    from kiln import env
+    from kiln.runtime.config import RuntimeConfig
+    from kiln.runtime.parallel.group import START_TIMEOUT_S
+
+    store = None
+    try:
+        store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        run(args.engine, args.rank, store, RuntimeConfig(**json.loads(args.config)))
+    except BaseException as e:
+        message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if store is not None:
+            try:
+                store.set(f"kiln/error/{args.rank}", message)
+            except RuntimeError:  # rank 0 (the store's host) is gone
+                pass
+        if env.debug_enabled():
+            traceback.print_exc()
+        print(f"kiln tensor-parallel rank {args.rank}: error: {message}", file=sys.stderr,
+              flush=True)
+        os._exit(1)  # no gloo teardown: the peers may be gone
+
+
+if __name__ == "__main__":
+    main()
