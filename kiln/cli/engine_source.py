@@ -109,4 +109,7 @@ def _older_sections(engine_json: Path) -> list[str]:
         keys = set(json.loads(engine_json.read_text()))
     except (OSError, ValueError, TypeError):
         return []  # no engine there (or a broken one: loading it says so)
-    return sorted(f.name for f in dataclasses.fields(EngineSpec) if f.name not in keys)
+    # sections this kiln leaves out when they hold nothing: ``parallel`` (tp 1)
+    optional = {"parallel"}
+    return sorted(f.name for f in dataclasses.fields(EngineSpec)
+                  if f.name not in keys and f.name not in optional)
