@@ -622,6 +622,15 @@ class LLMEngine:
             self._guided_compiler = XGrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self._guided_compiler
 
+    def memory_by_rank(self) -> list[dict]:
+        """Each rank's peak memory (kiln.runtime.memory), in rank order: one entry for a
+        tp-1 engine; a tensor-parallel one asks its followers over the control channel."""
+        if self.tp is not None:
+            return self.tp.memory(self.device)
+        from kiln.runtime.memory import peak_memory
+
+        return [peak_memory(self.device)]
+
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call ``callback(error)``, from another thread, when the engine fails outside a
         step too: a tensor-parallel rank that died or hung while the engine idles or waits

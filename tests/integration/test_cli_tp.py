@@ -88,3 +88,26 @@ def test_generate_exits_1_naming_a_rank_that_stops_mid_generation(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_bench_reports_tp_and_every_ranks_peak_memory(tmp_path):
+    """`kiln bench latency` and `throughput` on a tp-2 engine: tp 2 and a peak-memory row
+    per rank in the table and in --json (the follower's numbers come over the control
+    channel: its own process, not rank 0's), and no rank left afterwards."""
+    engine = tmp_path / "tp2"
+    build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=128, tp=2,
+                 progress=False)
+    for bench, args in (("latency", ("--batch-size", "2", "--input-len", "8", "--output-len",
+                                     "4", "--num-iters", "1", "--warmup", "0")),
+                        ("throughput", ("--num-prompts", "3", "--input-len", "8",
+                                        "--output-len", "4"))):
+        path = tmp_path / f"{bench}.json"
+        r = kiln("bench", bench, str(engine), *args, "--device", "cpu", "--json", str(path))
+        assert r.returncode == 0, r.stderr
+        assert "Peak memory by rank (tp 2)" in r.stdout, r.stdout
+        got = json.loads(path.read_text())
+        assert got["tp"] == 2 and len(got["memory_by_rank"]) == 2
+        for m in got["memory_by_rank"]:
+            assert m["device"] == "cpu" and m["device_peak_bytes"] is None
+            assert m["peak_rss_bytes"] > 50 * 2**20  # a process with torch loaded
+        assert _workers_of(engine) == []

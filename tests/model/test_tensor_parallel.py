@@ -224,6 +224,28 @@ def test_exit_on_failure_ends_a_rank0_that_cannot_stop(tiny_reference):
         leader.wait()
 
 
+def test_memory_by_rank_is_each_rank_process_own(tiny_reference):
+    """``memory_by_rank``: the follower's entry is its own process's peak RSS (its VmHWM),
+    sent over the control channel, and the engine goes on afterwards."""
+    _, engine_dir = tiny_reference("llama", tp=2)
+    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cpu"))
+    try:
+        zero, one = eng.memory_by_rank()
+
+        def hwm(pid: int) -> int:  # the process's peak RSS as the kernel reports it
+            status = Path(f"/proc/{pid}/status").read_text()
+            return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+        # rank 0 is this test process (its peak is the test run's history); the
+        # follower's is its own process's
+        assert zero["peak_rss_bytes"] > 50 * 2**20
+        assert 0.95 * hwm(eng.tp.procs[0].pid) <= one["peak_rss_bytes"] <= hwm(
+            eng.tp.procs[0].pid), one
+        assert eng.generate([mixed_prompts()[0]], GREEDY)[0].token_ids
+    finally:
+        eng.close()
+
+
 def test_a_rank_that_fails_at_start_is_named(tiny_reference, tmp_path):
     """A follower that cannot load its shard: rank 0 reports the follower's own error."""
     _, engine_dir = tiny_reference("llama", tp=2)

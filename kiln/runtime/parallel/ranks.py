@@ -38,7 +38,8 @@ import torch.distributed as dist
 from kiln.artifact.parallel import ParallelConfig
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.parallel.control import LeaderCache, LeaderModel, Stop
+from kiln.runtime.memory import peak_memory
+from kiln.runtime.parallel.control import LeaderCache, LeaderModel, ReportMemory, Stop
 from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
 from kiln.runtime.parallel.layers import parallelize
 from kiln.runtime.parallel.supervisor import Supervisor
@@ -148,6 +149,14 @@ class Ranks:
             return model, cache
         return LeaderModel(model, self.group, self.fail), LeaderCache(cache, self.group,
                                                                       self.fail)
+
+    def memory(self, device: torch.device) -> list[dict]:
+        """Rank 0: every rank's peak memory (kiln.runtime.memory), in rank order."""
+        try:
+            self.group.send(ReportMemory())
+            return self.group.gather_object(peak_memory(device))
+        except Exception as e:
+            raise self.fail(e) from e
 
     def ready(self) -> None:
         """Wait until every rank has built its model and cache."""
