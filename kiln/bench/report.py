@@ -167,6 +167,7 @@ def render_throughput(result: dict, console: Console | None = None) -> None:
     console.print(t)
     console.print(_summary_table("Per request (all queued at once)",
                                  [("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])]))
+    render_memory(result, console)
     render_startup(result, console)
     if result.get("baseline"):
         render_baseline(result["baseline"], console)
@@ -184,9 +185,29 @@ def render_latency(result: dict, console: Console | None = None) -> None:
     console.print(f"output tokens/s: {result['output_tokens_per_s']:.1f}")
     if result.get("speculative"):
         render_speculative(result["speculative"], console)
+    render_memory(result, console)
     render_startup(result, console)
     if result.get("baseline"):
         render_baseline(result["baseline"], console)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def render_memory(result: dict, console: Console) -> None:
+    """The engine's ranks and each one's peak memory (``memory_by_rank``), when recorded."""
+    ranks = result.get("memory_by_rank")
+    if not ranks:
+        return
+    t = Table(title=f"Peak memory by rank (tp {result.get('tp', len(ranks))})",
+              title_justify="left")
+    for col in ("rank", "device", "peak RSS (MiB)", "device peak (MiB)"):
+        t.add_column(col, justify="left" if col == "device" else "right")
+    for rank, m in enumerate(ranks):
+        t.add_row(str(rank), m["device"], _mib(m["peak_rss_bytes"]),
+                  _mib(m["device_peak_bytes"]))
+    console.print(t)
 
 
 def render_startup(result: dict, console: Console) -> None:

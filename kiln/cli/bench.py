@@ -97,6 +97,13 @@ def _load(source: str, device: str | None, enforce_eager: bool = False,
     return engine, startup, engine_dir
 
 
+def _ranks_record(engine: Any) -> dict:
+    """``tp`` (the engine's ranks) and ``memory_by_rank`` (each rank's peak memory after
+    the run: kiln.runtime.memory), taken before any baseline frees the engine."""
+    spec = getattr(engine, "spec", None)
+    return {"tp": getattr(spec, "tp", 1), "memory_by_rank": engine.memory_by_rank()}
+
+
 def _free_engine_and_build_hf(engine_dir: Path, device: Any) -> tuple[Any, dict]:
     """Build the transformers model on ``device`` once the caller dropped its engine."""
     from rich.console import Console
@@ -172,6 +179,7 @@ def throughput(
     with _progress("throughput", total) as advance:
         result = run_throughput(engine, len(requests), input_len, output_len or 64, seed,
                                 requests=requests, progress=advance)
+    result.update(_ranks_record(engine))
     if dataset is None:
         result["config"]["source"] = "synthetic"
         result["config"]["input_len"] = input_len
@@ -284,6 +292,7 @@ def latency(
                 repeats=spec_repeats, batch_sizes=sizes, temperature=spec_temperature,
                 top_p=spec_top_p)
     result.update(startup)
+    result.update(_ranks_record(engine))
     env = environment(engine, engine_dir)
     if baseline == "hf":
         from kiln.bench.hf_baseline import baseline_record, run_hf_latency

@@ -60,7 +60,16 @@ def load_engine(engine_dir: Path, device: str | None = None, enforce_eager: bool
 
         engine = LLMEngine.from_engine_dir(
             engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
+    exit_on_rank_failure(engine)
     return engine, time.perf_counter() - t0
+
+
+def exit_on_rank_failure(engine: Any) -> None:
+    """A command's process must not outlive a tensor-parallel engine's failure: if it
+    cannot stop by itself (rank 0 blocked in a collective), the supervisor ends it with
+    exit code 1 (kiln.runtime.parallel.ranks). Nothing for a tp-1 engine."""
+    if getattr(engine, "tp", None) is not None:
+        engine.tp.exit_on_failure()
 
 
 # What an omitted sampling option is when the engine records no default for it.
@@ -173,6 +182,11 @@ def generate(
     except KeyboardInterrupt:
         if out is not None:
             engine.abort(out.request_id)
+        raise
+    except Exception as e:
+        tp = getattr(engine, "tp", None)
+        if tp is not None and tp.failed is not None:  # a rank died or hung: say which, briefly
+            raise KilnError(str(e)) from e
         raise
     finally:
         close = getattr(stream, "close", None)

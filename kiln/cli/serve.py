@@ -119,7 +119,7 @@ def serve(
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
     import uvicorn
 
-    from kiln.cli.generate import runtime_config
+    from kiln.cli.generate import exit_on_rank_failure, runtime_config
     from kiln.runtime.engine import LLMEngine
     from kiln.server.app import ServerConfig, create_app, record_startup
     from kiln.server.lifecycle import END_GRACE_S, DrainingServer, Timeouts, http_protocol
@@ -136,6 +136,7 @@ def serve(
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(
         engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
+    exit_on_rank_failure(engine)  # after a rank's failure: 503s, then exit 1, whatever blocks
     t_engine = time.perf_counter()
     # A source (smollm2-135m, a HF dir) is served under its own name, an engine under its dir's.
     from_source = engine_dir != Path(engine_or_source).expanduser()

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -621,6 +621,23 @@ class LLMEngine:
 
             self._guided_compiler = XGrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self._guided_compiler
+
+    def memory_by_rank(self) -> list[dict]:
+        """Each rank's peak memory (kiln.runtime.memory), in rank order: one entry for a
+        tp-1 engine; a tensor-parallel one asks its followers over the control channel."""
+        if self.tp is not None:
+            return self.tp.memory(self.device)
+        from kiln.runtime.memory import peak_memory
+
+        return [peak_memory(self.device)]
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)``, from another thread, when the engine fails outside a
+        step too: a tensor-parallel rank that died or hung while the engine idles or waits
+        on it (kiln.runtime.parallel.supervisor); the next step then raises the same error.
+        A tp-1 engine has no such failure and never calls it."""
+        if self.tp is not None:
+            self.tp.on_failure(callback)
 
     def close(self) -> None:
         """Release what outlives the object: a tensor-parallel engine's other ranks (their

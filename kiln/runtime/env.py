@@ -30,6 +30,12 @@ The kernels (read once, at the first launch that asks, then kept):
 - ``TRITON_INTERPRET``: set and not ``0``: the kernels run in Triton's CPU interpreter
   (tests); triton itself reads it when the kernels are built, at import.
 
+Tensor parallelism (read when a tensor-parallel engine starts):
+
+- ``KILN_TP_HEARTBEAT_TIMEOUT_S``: seconds (a number >= 1) a rank may go without a
+  heartbeat before rank 0 declares it hung and ends the engine (default 10;
+  kiln/runtime/parallel/supervisor.py). Anything else is a ValueError at load.
+
 Tests that change one of the cached two call ``pdl_mode.cache_clear()`` /
 ``triton_interpret.cache_clear()``.
 """
@@ -41,6 +47,8 @@ import os
 
 PDL_MODES = ("0", "1", "2")  # off, PDL, PDL and the GEMV weight prefetch
 PDL_DEFAULT = "2"
+# well inside gloo's 30 s collective timeout, far above a beat's 0.5 s interval
+TP_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -74,3 +82,20 @@ def pdl_mode() -> int:
         raise ValueError(f"KILN_PDL={raw!r} must be 0 (off), 1 (PDL) or 2 (PDL and the "
                          "GEMV weight prefetch)")
     return int(raw)
+
+
+def tp_heartbeat_timeout_s() -> float:
+    """``KILN_TP_HEARTBEAT_TIMEOUT_S`` (seconds, >= 1), else ``TP_HEARTBEAT_TIMEOUT_S``;
+    ValueError for any other value."""
+    raw = os.environ.get("KILN_TP_HEARTBEAT_TIMEOUT_S")
+    if raw is None:
+        return TP_HEARTBEAT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise ValueError(f"KILN_TP_HEARTBEAT_TIMEOUT_S={raw!r} is not a number of seconds >= 1 "
+                         "(a rank beats every 0.5 s); set it to e.g. "
+                         f"{TP_HEARTBEAT_TIMEOUT_S:g}, or unset it")
+    return value

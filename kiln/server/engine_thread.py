@@ -7,7 +7,9 @@ per-request ``asyncio.Queue``s that the engine thread fills via ``call_soon_thre
 The loop: drain commands; ``step()`` while there is work; otherwise sleep on a condition
 variable until a command arrives (no busy spinning). An exception from ``step()`` kills the
 engine: every in-flight request receives an ``EngineDeadError`` and ``on_dead`` is called
-(the server then stops and exits non-zero).
+(the server then stops and exits non-zero). So does a failure the engine reports from
+another thread (``engine.on_failure``: a tensor-parallel rank that died or hung), even
+while this thread idles or is blocked inside a step.
 
 Admission counts engine requests, not HTTP requests: one HTTP request's ``prompts x n`` engine
 requests are admitted together or not at all, and ``max_queue`` bounds only those that find no
@@ -120,10 +122,17 @@ class EngineThread:
         self.num_running = 0
         self.num_free_blocks = engine.blocks.num_free_blocks
         self.num_blocks = engine.blocks.num_blocks
+        watch = getattr(engine, "on_failure", None)
+        if watch is not None:
+            watch(self._die)
 
     # -- lifecycle (event loop side) ---------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        with self._cv:
+            self._loop = loop
+            dead = self.dead
+        if dead is not None:  # it failed between loading and serving
+            loop.call_soon(self._fail_all, dead)
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -291,10 +300,10 @@ class EngineThread:
         try:
             while True:
                 with self._cv:
-                    while (not self._commands and not self._stopping
+                    while (not self._commands and not self._stopping and self.dead is None
                            and not self.engine.has_unfinished_requests()):
                         self._cv.wait()
-                    if self._stopping:
+                    if self._stopping or self.dead is not None:
                         return
                     commands = list(self._commands)
                     self._commands.clear()
@@ -305,16 +314,29 @@ class EngineThread:
                         self._loop.call_soon_threadsafe(self._deliver, self._items(outputs))
                 self._snapshot()
         except BaseException as e:
-            traceback.print_exc()
-            with self._cv:
-                self.dead = e
-                stranded = list(self._commands)
-                self._commands.clear()
-            err = EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}")
+            if self.dead is None:
+                traceback.print_exc()
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        """The engine failed (``e``), on this thread or another: fail what waits on it and
+        call ``on_dead``, once; later calls do nothing."""
+        with self._cv:
+            if self.dead is not None:
+                return
+            self.dead = e
+            stranded = list(self._commands)
+            self._commands.clear()
+            self._cv.notify()  # an idle engine thread leaves its loop
+            loop = self._loop
+        if loop is None:  # not started: start() reports it
+            return
+        err = EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}")
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nothing waits
             for kind, payload in stranded:
                 if kind in ("add", "call"):
                     self._resolve(payload[-1], exc=err)
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            loop.call_soon_threadsafe(self._fail_all, e)
 
     def _items(self, outputs: list[RequestOutput]) -> list[StreamItem]:
         """Wrap outputs; decode logprob token ids here, where the tokenizer may be used (the

@@ -226,6 +226,8 @@ def test_bench_latency_json(engine_dir, tmp_path):
     assert r["ttft_s"]["count"] == 4
     assert len(r["iterations"]) == 2
     assert set(r["environment"]) >= ENV_KEYS
+    assert r["tp"] == 1 and len(r["memory_by_rank"]) == 1  # rank 0 alone
+    assert r["memory_by_rank"][0]["peak_rss_bytes"] > 50 * 2**20  # torch alone is more
 
 
 # --- bench serve (against a minimal OpenAI-style streaming server on loopback) ---------------

@@ -4,6 +4,12 @@ point: the ranks start, answer as the tp-1 engine does, and are gone afterwards.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from test_cli_build import kiln
@@ -12,15 +18,17 @@ from kiln.builder import build_engine
 
 
 def _workers_of(engine: Path) -> list[str]:
-    """Command lines of live processes running a rank of ``engine``."""
+    """``PID COMMAND-LINE`` of live processes running a rank of ``engine`` (zombies, exited
+    and not yet reaped, are not)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd:
-            found.append(cmd)
+        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd and state != "Z":
+            found.append(f"{proc.name} {cmd}")
     return found
 
 
@@ -50,3 +58,56 @@ def test_build_error_names_the_heads_and_the_tp_values_that_work(tmp_path):
     assert r.stderr.startswith("error: --tp 2: num_attention_heads=9 is not divisible by tp=2")
     assert "splits with --tp 1, 3" in r.stderr
     assert not (tmp_path / "e").exists()
+
+
+def test_generate_exits_1_naming_a_rank_that_stops_mid_generation(tmp_path):
+    """`kiln generate` streams; the follower is stopped (SIGSTOP) once text arrives. With a
+    2 s heartbeat timeout the command ends within seconds: exit code 1, one error line
+    naming the rank, no traceback, no rank left."""
+    engine = tmp_path / "tp2"
+    build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=512, tp=2,
+                 progress=False)
+    env = {**os.environ, "KILN_TP_HEARTBEAT_TIMEOUT_S": "2",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "generate", str(engine), "kilns", "--raw", "--device",
+         "cpu", "--temperature", "0", "--max-tokens", "480", "--ignore-eos"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.read(1)  # generation is under way
+        (worker,) = _workers_of(engine)
+        os.kill(int(worker.split()[0]), signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert proc.wait(20) == 1
+        assert time.monotonic() - t0 < 15
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err, err
+        assert re.search(r"^error: tensor-parallel engine \(tp=2\) stopped: rank 1 sent no "
+                         r"heartbeat for 2\.\d s", err, re.MULTILINE), err
+        assert _workers_of(engine) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_bench_reports_tp_and_every_ranks_peak_memory(tmp_path):
+    """`kiln bench latency` and `throughput` on a tp-2 engine: tp 2 and a peak-memory row
+    per rank in the table and in --json (the follower's numbers come over the control
+    channel: its own process, not rank 0's), and no rank left afterwards."""
+    engine = tmp_path / "tp2"
+    build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=128, tp=2,
+                 progress=False)
+    for bench, args in (("latency", ("--batch-size", "2", "--input-len", "8", "--output-len",
+                                     "4", "--num-iters", "1", "--warmup", "0")),
+                        ("throughput", ("--num-prompts", "3", "--input-len", "8",
+                                        "--output-len", "4"))):
+        path = tmp_path / f"{bench}.json"
+        r = kiln("bench", bench, str(engine), *args, "--device", "cpu", "--json", str(path))
+        assert r.returncode == 0, r.stderr
+        assert "Peak memory by rank (tp 2)" in r.stdout, r.stdout
+        got = json.loads(path.read_text())
+        assert got["tp"] == 2 and len(got["memory_by_rank"]) == 2
+        for m in got["memory_by_rank"]:
+            assert m["device"] == "cpu" and m["device_peak_bytes"] is None
+            assert m["peak_rss_bytes"] > 50 * 2**20  # a process with torch loaded
+        assert _workers_of(engine) == []

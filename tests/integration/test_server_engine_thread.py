@@ -109,3 +109,58 @@ def test_queue_full_then_death():
             await et.add("c", [1], None)
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+class WatchedEngine(FakeEngine):
+    """A FakeEngine that reports failures from another thread (``engine.on_failure``), as a
+    tensor-parallel engine's supervisor does."""
+
+    def __init__(self, steps: int = 3):
+        super().__init__(steps)
+        self.listeners = []
+
+    def on_failure(self, callback):
+        self.listeners.append(callback)
+
+    def fail_from_outside(self, exc):
+        for callback in self.listeners:
+            threading.Thread(target=callback, args=(exc,)).start()
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "blocked-in-step"])
+def test_a_failure_reported_from_outside_kills_the_engine_at_once(busy):
+    """Idle (sleeping on its condition) or blocked in a step that never returns, the engine
+    thread is dead as soon as the engine reports a failure: streams get EngineDeadError,
+    on_dead runs once, new requests are refused."""
+    async def main():
+        dead = []
+        eng = WatchedEngine(steps=1000)
+        et = EngineThread(eng, max_queue=2, on_dead=dead.append)
+        et.start(asyncio.get_running_loop())
+        q = None
+        if busy:
+            eng.gate.clear()  # the step never returns
+            q = await et.add("a", [1], None)
+            await asyncio.sleep(0.1)
+        else:
+            await asyncio.sleep(0.1)
+        assert et.alive
+        eng.fail_from_outside(RuntimeError("rank 1 sent no heartbeat"))
+        for _ in range(100):
+            if dead:
+                break
+            await asyncio.sleep(0.02)
+        assert len(dead) == 1 and "heartbeat" in str(dead[0]) and not et.alive
+        if q is not None:
+            (err,) = await _drain(q)
+            assert isinstance(err, EngineDeadError) and "rank 1 sent no heartbeat" in str(err)
+        with pytest.raises(EngineDeadError, match="heartbeat"):
+            await et.add("b", [1], None)
+        if not busy:
+            et._thread.join(2)
+            assert not et._thread.is_alive()  # the idle thread left its loop
+        eng.gate.set()
+        et.stop()
+        assert len(dead) == 1
+
+    asyncio.run(asyncio.wait_for(main(), 20))

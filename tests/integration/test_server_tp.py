@@ -1,9 +1,11 @@
-"""`kiln serve` of a tp-2 engine on the CPU: one endpoint over two ranks, and a rank killed
-while the server idles takes the server down (the request that finds it out gets the
-engine's error naming the rank) with a non-zero exit, leaving no rank behind."""
+"""`kiln serve` of a tp-2 engine on the CPU when a rank fails: the server notices at once
+(a killed rank) or within the heartbeat timeout (a stopped one, even while it idles), the
+requests in flight end with the engine's error naming the rank, /health answers 503, and
+the process exits non-zero within a bound, leaving no rank behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -22,32 +24,104 @@ def _worker_pids(engine: Path) -> list[int]:
     for proc in Path("/proc").iterdir():
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd:
+        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd and state != "Z":
             pids.append(int(proc.name))
     return pids
 
 
-def test_a_killed_rank_takes_the_server_down_with_an_error(tmp_path):
+@pytest.fixture(scope="module")
+def tp2_engine(tmp_path_factory) -> Path:
     from kiln.builder import build_engine
 
-    engine = tmp_path / "tp2"
-    build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=256, tp=2,
+    engine = tmp_path_factory.mktemp("tp2") / "engine"
+    build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=512, tp=2,
                  progress=False)
-    body = {"prompt": "kilns", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    with ServerProcess(engine, "--device", "cpu") as s:
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 8
-        (pid,) = _worker_pids(engine)
-        os.kill(pid, signal.SIGKILL)
+    return engine
+
+
+def test_a_rank_killed_mid_request_ends_the_request_and_the_server(tp2_engine):
+    """SIGKILL on the follower while a stream runs: the stream's last chunk is the engine's
+    error (engine_dead, naming rank 1 and the signal) before [DONE], and the server exits
+    with code 1 within seconds."""
+    body = {"prompt": "kilns", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with ServerProcess(tp2_engine, "--device", "cpu") as s:
+        (pid,) = _worker_pids(tp2_engine)
+        events = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:
+                    os.kill(pid, signal.SIGKILL)
+                    t0 = time.monotonic()
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_dead", error
+        assert "tensor-parallel engine (tp=2) stopped: rank 1" in error["message"], error
+        assert "SIGKILL" in error["message"], error
+        assert len(events) < 480  # it did not finish
+        assert s.proc.wait(15) == 1
+        assert time.monotonic() - t0 < 15
+        log = "\n".join(s.log)
+        assert "error: the engine stopped: TensorParallelError" in log, log
+    assert _worker_pids(tp2_engine) == []
+
+
+def test_a_rank_stopped_while_idle_ends_the_server_within_the_heartbeat_timeout(tp2_engine):
+    """SIGSTOP on the follower of an idle server, heartbeat timeout 2 s: no request is
+    needed for the server to notice; it exits with code 1 naming the rank, and the stopped
+    follower is ended too."""
+    env = {"KILN_TP_HEARTBEAT_TIMEOUT_S": "2"}
+    with ServerProcess(tp2_engine, "--device", "cpu", env=env) as s:
+        r = httpx.get(s.url + "/health", timeout=10)
+        assert r.status_code == 200
+        (pid,) = _worker_pids(tp2_engine)
+        os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
-        # the request in flight when the engine stops: 500 engine_dead (the server's rule for
-        # any engine failure; /health answers 503 until the process exits)
-        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead", r.text
-        assert "rank 1" in r.text and "SIGKILL" in r.text, r.text
-        assert s.proc.wait(30) != 0
-        assert time.monotonic() - t0 < 30
-    assert _worker_pids(engine) == []
+        assert s.proc.wait(20) == 1
+        took = time.monotonic() - t0
+        assert 1.5 < took < 15, took
+        log = "\n".join(s.log)
+        assert "rank 1 sent no heartbeat" in log and "every rank was ended" in log, log
+    assert _worker_pids(tp2_engine) == []
+
+
+def test_health_is_503_naming_the_rank_once_the_supervisor_finds_it(tp2_engine, monkeypatch):
+    """The app in this process (so that its answers can be read after the failure, which
+    `kiln serve` follows with its exit): a stopped follower of an idle engine makes /health
+    and new requests 503 engine_dead naming the rank, and on_dead runs once."""
+    from fastapi.testclient import TestClient
+
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.server.app import ServerConfig, create_app
+
+    monkeypatch.setenv("KILN_TP_HEARTBEAT_TIMEOUT_S", "2")
+    engine = LLMEngine.from_engine_dir(tp2_engine, RuntimeConfig(device="cpu"))
+    (proc,) = engine.tp.procs
+    dead: list[BaseException] = []
+    try:
+        app = create_app(engine, ServerConfig("tp2"), on_dead=dead.append)
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            os.kill(proc.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+            r = client.get("/health")
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "engine_dead"
+            assert "rank 1 sent no heartbeat" in r.json()["error"]["message"]
+            r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503 and "rank 1 sent no heartbeat" in r.text, r.text
+        assert len(dead) == 1 and "rank 1 sent no heartbeat" in str(dead[0])
+        assert proc.poll() == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        engine.close()

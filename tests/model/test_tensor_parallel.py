@@ -11,6 +11,7 @@ ties, where the all-reduce's different summation order (float32, ~1e-7) could fl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -125,6 +126,123 @@ def test_a_hung_rank_times_out_instead_of_hanging(tiny_reference, monkeypatch):
     finally:
         if proc.poll() is None:
             proc.kill()
+        eng.close()
+
+
+def _wait(cond, timeout_s: float) -> float:
+    """Seconds until ``cond()`` held; AssertionError after ``timeout_s``."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_heartbeats_find_a_rank_stopped_while_idle_and_no_healthy_one(tiny_reference,
+                                                                      monkeypatch):
+    """Heartbeat timeout 2 s: a healthy engine idles 4 s and then generates without a
+    false alarm; a follower stopped (SIGSTOP) while the engine idles is found by its
+    missing beats within the timeout (no step runs), the listeners hear it from the
+    supervisor's thread, the follower is ended, and the next step raises the same error."""
+    monkeypatch.setenv("KILN_TP_HEARTBEAT_TIMEOUT_S", "2")
+    _, engine_dir = tiny_reference("llama", tp=2)
+    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cpu"))
+    (proc,) = eng.tp.procs
+    heard: list[BaseException] = []
+    eng.on_failure(heard.append)
+    try:
+        time.sleep(4)
+        assert eng.generate([mixed_prompts()[0]], GREEDY)[0].token_ids
+        assert heard == [] and eng.tp.failed is None and proc.poll() is None
+        os.kill(proc.pid, signal.SIGSTOP)
+        took = _wait(lambda: heard, 6)
+        assert 1.5 < took < 4, took
+        (err,) = heard
+        assert isinstance(err, TensorParallelError)
+        assert re.search(r"rank 1 sent no heartbeat for 2\.\d s \(hung or stopped; "
+                         r"KILN_TP_HEARTBEAT_TIMEOUT_S=2\); every rank was ended", str(err))
+        assert proc.poll() == -signal.SIGKILL
+        eng.add_request(mixed_prompts()[0], GREEDY)
+        with pytest.raises(TensorParallelError, match="rank 1 sent no heartbeat"):
+            eng.step()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        eng.close()
+
+
+def test_a_rank_stopped_mid_step_is_ended_while_rank0_waits_in_a_collective(tiny_reference,
+                                                                            monkeypatch):
+    """The follower stops (SIGSTOP) and rank 0's next step blocks in the collective that
+    hands it the forward (its own timeout is 30 s): the supervisor, on its own thread,
+    finds the missing beats and ends the follower, which unblocks rank 0's collective, and
+    the step raises the supervisor's error well before the collective timeout."""
+    monkeypatch.setenv("KILN_TP_HEARTBEAT_TIMEOUT_S", "2")
+    _, engine_dir = tiny_reference("llama", tp=2)
+    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cpu"))
+    (proc,) = eng.tp.procs
+    try:
+        eng.add_request(mixed_prompts()[0], GREEDY)
+        eng.step()
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1 sent no heartbeat"):
+            while eng.has_unfinished_requests():
+                eng.step()
+        assert time.monotonic() - t0 < 6
+        assert proc.poll() == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        eng.close()
+
+
+def test_exit_on_failure_ends_a_rank0_that_cannot_stop(tiny_reference):
+    """A process that armed ``exit_on_failure`` (the CLI does) and whose main thread never
+    returns after a rank died (as one blocked in a collective inside a CUDA graph would
+    not): the supervisor ends it with exit code 1 after the grace, naming the rank, and
+    no follower is left."""
+    _, engine_dir = tiny_reference("llama", tp=2)
+    code = ("import threading; from kiln.runtime.engine import LLMEngine, RuntimeConfig; "
+            f"e = LLMEngine.from_engine_dir({str(engine_dir)!r}, RuntimeConfig(device='cpu')); "
+            "e.tp.exit_on_failure(1.0); print(*[p.pid for p in e.tp.procs], flush=True); "
+            "threading.Event().wait()")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        (pid,) = [int(p) for p in leader.stdout.readline().split()]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert leader.wait(10) == 1
+        assert 0.9 < time.monotonic() - t0 < 5
+        err = leader.stderr.read()
+        assert re.search(r"error: tensor-parallel engine \(tp=2\) stopped: rank 1 \(pid \d+\) "
+                         r"was killed by signal SIGKILL; rank 0 did not stop within 1 s", err), err
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_memory_by_rank_is_each_rank_process_own(tiny_reference):
+    """``memory_by_rank``: the follower's entry is its own process's peak RSS (its VmHWM),
+    sent over the control channel, and the engine goes on afterwards."""
+    _, engine_dir = tiny_reference("llama", tp=2)
+    eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(device="cpu"))
+    try:
+        zero, one = eng.memory_by_rank()
+
+        def hwm(pid: int) -> int:  # the process's peak RSS as the kernel reports it
+            status = Path(f"/proc/{pid}/status").read_text()
+            return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+        # rank 0 is this test process (its peak is the test run's history); the
+        # follower's is its own process's
+        assert zero["peak_rss_bytes"] > 50 * 2**20
+        assert 0.95 * hwm(eng.tp.procs[0].pid) <= one["peak_rss_bytes"] <= hwm(
+            eng.tp.procs[0].pid), one
+        assert eng.generate([mixed_prompts()[0]], GREEDY)[0].token_ids
+    finally:
         eng.close()
 
 

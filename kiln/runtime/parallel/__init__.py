@@ -2,6 +2,7 @@
 
     ranks.py    Ranks: a process's rank; rank 0 starts the followers, watches and ends them
     worker.py   a follower process (python -m kiln.runtime.parallel.worker)
+    supervisor.py  heartbeats over the rendezvous store; rank 0's watch that ends every rank
     group.py    TPGroup: the model's collectives and rank 0's command channel (gloo)
     layers.py   row-parallel o_proj / down, vocab-parallel embedding and head
     control.py  rank 0's model and cache send each forward's inputs and each KV move

@@ -24,6 +24,7 @@ import torch
 
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionMetadata
+from kiln.runtime.memory import peak_memory
 from kiln.runtime.parallel.group import TPGroup
 
 
@@ -49,6 +50,11 @@ class MoveSlots:
 
     def run(self, model: Any, cache: KVCache) -> None:
         cache.move_slots(self.src, self.dst)
+
+
+@dataclass(frozen=True)
+class ReportMemory:
+    """Every rank's peak memory (kiln.runtime.memory), gathered on rank 0 (``Ranks.memory``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,9 @@ def follow(model: Any, cache: KVCache, group: TPGroup) -> None:
         command = group.recv()
         if isinstance(command, Stop):
             return
+        if isinstance(command, ReportMemory):
+            group.gather_object(peak_memory(cache.k.device))
+            continue
         if not isinstance(command, (Forward, MoveSlots)):
             raise TypeError(f"unknown command {type(command).__name__} from rank 0")
         command.run(model, cache)

@@ -65,6 +65,13 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def gather_object(self, obj: object) -> list[object] | None:
+        """Every rank's ``obj`` (picklable) on rank 0 in rank order, over the control
+        group; elsewhere None. Rank 0 sends the command that makes the others call it."""
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
     def publish(self, key: str, value: str) -> None:
         self.store.set(f"kiln/{key}/{self.rank}", value)
 

@@ -3,10 +3,17 @@
 Rank 0 is the process that loads the engine (``LLMEngine.from_engine_dir``): it hosts the
 rendezvous store on a free loopback port, starts ranks 1..N-1 as ``python -m
 kiln.runtime.parallel.worker`` processes, and runs the engine. It ends them (``close``) and
-watches them: a follower that exits or hangs makes rank 0's next collective raise, and
-rank 0 then ends every follower and raises ``TensorParallelError`` naming the rank and why
-(the error the follower published in the store, or its exit code). A follower ends itself
-when rank 0 goes away (``worker.py``), so no rank outlives the engine.
+watches them (``supervisor.py``): a follower that exits is noticed at once, one that hangs
+within the heartbeat timeout, whether the engine idles or waits in a collective. Rank 0
+then ends every follower, tells the engine's listeners (the server's engine thread) and
+raises ``TensorParallelError`` naming the rank and why (the error the follower published
+in the store, its exit code, or its missing heartbeats) from the step that finds out.
+A follower ends itself when rank 0 goes away, so no rank outlives the engine.
+
+A process that must not outlive a failure (`kiln serve`, `generate`, `bench`) also calls
+``exit_on_failure``: rank 0 may be blocked inside a collective that nothing in Python can
+interrupt, so the supervisor then ends the process itself once the caller had
+``EXIT_GRACE_S`` to report the failure and exit on its own.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +38,17 @@ import torch.distributed as dist
 from kiln.artifact.parallel import ParallelConfig
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.parallel.control import LeaderCache, LeaderModel, Stop
+from kiln.runtime.memory import peak_memory
+from kiln.runtime.parallel.control import LeaderCache, LeaderModel, ReportMemory, Stop
 from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
 from kiln.runtime.parallel.layers import parallelize
+from kiln.runtime.parallel.supervisor import Supervisor
 
 STOP_TIMEOUT_S = 10  # a follower leaves its loop and exits within this after Stop
+# After a failure, how long a process that called exit_on_failure gets to report it and
+# exit before the supervisor ends it: the server's own shutdown takes at most ~7 s (the
+# 2 s answer grace, a 5 s engine-thread join).
+EXIT_GRACE_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
@@ -50,8 +65,13 @@ class Ranks:
         self.parallel, self.model_config, self.group = parallel, model_config, group
         self.procs = procs or []
         self.failed: str | None = None
+        self.supervisor: Supervisor | None = None  # rank 0's, once started
         self._closed = False
         self._threads: int | None = None  # rank 0's torch threads before the engine
+        self._lock = threading.Lock()  # failed is set once (engine thread or supervisor)
+        self._listeners: list[Callable[[TensorParallelError], None]] = []
+        self._ended = threading.Event()  # every follower ended after the failure
+        self._exit_grace_s: float | None = None
 
     @property
     def rank(self) -> int:
@@ -67,11 +87,17 @@ class Ranks:
                 f"this engine is tensor-parallel (tp={parallel.tp}); kiln runs tensor "
                 f"parallelism on the CPU (gloo) so far, not on {device.type}: pass --device "
                 "cpu (device='cpu'), or build the engine without --tp")
+        from kiln.runtime import env
+
+        heartbeat_timeout_s = env.tp_heartbeat_timeout_s()
         store = dist.TCPStore("127.0.0.1", 0, parallel.tp, is_master=True,
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
         settings = json.dumps(dataclasses.asdict(config))
         procs: list[subprocess.Popen] = []
+        failed: list[str] = []  # the supervisor's reason, while start-up polls
+        supervisor = Supervisor("127.0.0.1", store.port, parallel.tp, heartbeat_timeout_s,
+                                lambda s: _exited(procs, s), failed.append)
         try:
             for rank in range(1, parallel.tp):
                 procs.append(subprocess.Popen(
@@ -81,7 +107,7 @@ class Ranks:
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
 
             def check() -> None:
-                reasons = _exited(procs, store)
+                reasons = _exited(procs, store) or failed
                 if reasons:
                     raise TensorParallelError(
                         f"tensor-parallel engine (tp={parallel.tp}) did not start: "
@@ -90,9 +116,13 @@ class Ranks:
             wait_for(store, [f"kiln/up/{r}" for r in range(1, parallel.tp)], check)
             ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store), procs)
         except BaseException:
+            supervisor.stop()
             for p in procs:
                 _end(p)
             raise
+        # from here on a failure the supervisor finds ends every rank at once
+        ranks.supervisor = supervisor
+        supervisor.hand_over(ranks._stop_all)
         atexit.register(ranks.kill)
         # the ranks share the cores (worker.py): rank 0 takes its share too while the
         # engine runs (smollm2 tp 3 on 2 cores: 2.7 -> 4.0 tokens/s)
@@ -120,26 +150,94 @@ class Ranks:
         return LeaderModel(model, self.group, self.fail), LeaderCache(cache, self.group,
                                                                       self.fail)
 
+    def memory(self, device: torch.device) -> list[dict]:
+        """Rank 0: every rank's peak memory (kiln.runtime.memory), in rank order."""
+        try:
+            self.group.send(ReportMemory())
+            return self.group.gather_object(peak_memory(device))
+        except Exception as e:
+            raise self.fail(e) from e
+
     def ready(self) -> None:
         """Wait until every rank has built its model and cache."""
         self.group.publish("ready", "1")
         self.group.gather_published("ready", self._check)
 
     # -- failure and shutdown (rank 0) -----------------------------------------------------
+    def on_failure(self, callback: Callable[[TensorParallelError], None]) -> None:
+        """Call ``callback(error)`` once the engine failed (from the supervisor's thread, or
+        from the thread whose collective failed); at once if it already did."""
+        with self._lock:
+            self._listeners.append(callback)
+            failed = self.failed
+        if failed is not None:
+            callback(self._error())
+
+    def exit_on_failure(self, grace_s: float = EXIT_GRACE_S) -> None:
+        """This process must not outlive a failure: ``grace_s`` after one, if it still runs
+        (rank 0 blocked in a collective), the supervisor prints the reason and ends it with
+        exit code 1; at interpreter exit after one, it skips the teardown of the groups."""
+        if self._exit_grace_s is None:
+            atexit.register(self._exit_if_failed)  # runs before kill (atexit is LIFO)
+        self._exit_grace_s = grace_s
+
     def fail(self, cause: BaseException) -> TensorParallelError:
         """Rank 0 after a collective or a command failed: end every follower; the error
         names the ranks that exited and why."""
-        deadline = time.monotonic() + 2  # a follower that failed is exiting now
-        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
-            time.sleep(0.05)
-        why = "; ".join(_exited(self.procs, self.group.store)) or (
-            f"a collective failed ({type(cause).__name__}: {cause})")
-        self.failed = f"tensor-parallel engine (tp={self.parallel.tp}) stopped: {why}"
-        self.kill()
+        if self.failed is None:
+            deadline = time.monotonic() + 2  # a follower that failed is exiting now
+            while (self.failed is None and time.monotonic() < deadline
+                   and all(p.poll() is None for p in self.procs)):
+                time.sleep(0.05)
+            why = "; ".join(_exited(self.procs, self.group.store)) or (
+                f"a collective failed ({type(cause).__name__}: {cause})")
+            self._stop_all(why)
+        self._ended.wait()  # the supervisor may be ending the followers right now
+        return self._error()
+
+    def _error(self) -> TensorParallelError:
         return TensorParallelError(f"{self.failed}; every rank was ended")
 
+    def _stop_all(self, why: str) -> None:
+        """The engine failed (``why``): record it, end every rank, tell the listeners. The
+        first caller (supervisor or engine thread) does it; later ones find it done."""
+        with self._lock:
+            if self.failed is not None:
+                return
+            self.failed = f"tensor-parallel engine (tp={self.parallel.tp}) stopped: {why}"
+            listeners = list(self._listeners)
+        if self.supervisor is not None:
+            self.supervisor.stop(wait=False)  # this may be its thread
+            self.supervisor.abort(self.failed)
+        for p in self.procs:
+            _end(p)
+        self._ended.set()
+        if self._exit_grace_s is not None:
+            threading.Thread(target=self._exit_later, name="kiln-tp-exit", daemon=True).start()
+        error = self._error()
+        for callback in listeners:
+            callback(error)
+
+    def _exit_later(self) -> None:
+        time.sleep(self._exit_grace_s)
+        print(f"error: {self.failed}; rank 0 did not stop within {self._exit_grace_s:g} s "
+              "(a collective it waits in cannot be interrupted): exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    def _exit_if_failed(self) -> None:
+        """At interpreter exit after a failure: skip the groups' teardown (it may wait on
+        peers that are gone); the exit code is 1 whatever the caller's was."""
+        if self.failed is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
     def _check(self) -> None:
-        """Rank 0 while it waits on the followers at start-up: raise if one exited."""
+        """Rank 0 while it waits on the followers at start-up: raise if one failed."""
+        if self.failed is not None:
+            self._ended.wait()
+            raise self._error()
         if any(p.poll() is not None for p in self.procs):
             raise self.fail(RuntimeError("a follower exited during start-up"))
 
@@ -149,6 +247,8 @@ class Ranks:
         if self._closed:
             return
         self._closed = True
+        if self.supervisor is not None:  # followers exiting on Stop are no failure
+            self.supervisor.stop()
         if self.rank == 0 and self.failed is None:
             try:
                 self.group.send(Stop())
@@ -166,6 +266,8 @@ class Ranks:
     def kill(self) -> None:
         """End every follower now (rank 0; also at interpreter exit) and give rank 0 its
         threads back."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for p in self.procs:
             _end(p)
         atexit.unregister(self.kill)

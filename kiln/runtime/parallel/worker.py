@@ -2,8 +2,9 @@
 --leader-pid PID --config JSON`` (started by rank 0, ``Ranks.start``).
 
 It loads its shard, builds its model and KV cache with rank 0's RuntimeConfig, then runs
-rank 0's commands until told to stop. It never outlives rank 0: a thread ends the process
-when its parent is no longer ``--leader-pid``. On any error it publishes the message in the
+rank 0's commands until told to stop. It never outlives rank 0: its heartbeat thread
+(``supervisor.Heartbeat``) ends the process when its parent is no longer ``--leader-pid``,
+when rank 0's store or beat is gone, or when rank 0 ends the engine. On any error it publishes the message in the
 rendezvous store (rank 0 reports it), prints one line on stderr (the traceback with
 KILN_DEBUG=1) and exits 1.
 """
@@ -15,23 +16,10 @@ import datetime
 import json
 import os
 import sys
-import threading
-import time
 import traceback
 
-PARENT_POLL_S = 0.5
 
-
-def _watch_parent(leader_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == leader_pid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)  # rank 0 is gone: nothing can drive this rank any more
-
-    threading.Thread(target=watch, name="kiln-tp-parent-watch", daemon=True).start()
-
-
-def run(engine_dir: str, rank: int, store, config) -> None:
+def run(engine_dir: str, rank: int, store, config, heartbeat) -> None:
     """Load rank ``rank``'s shard of ``engine_dir``, build its parts, follow rank 0."""
     import torch
 
@@ -39,7 +27,7 @@ def run(engine_dir: str, rank: int, store, config) -> None:
     from kiln.dtypes import TORCH_DTYPES
     from kiln.runtime.config import EngineLimits
     from kiln.runtime.parallel.control import follow
-    from kiln.runtime.parallel.group import TPGroup
+    from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup
     from kiln.runtime.parallel.ranks import Ranks, cpu_share
     from kiln.runtime.startup import assemble
 
@@ -47,6 +35,8 @@ def run(engine_dir: str, rank: int, store, config) -> None:
     spec = art.spec
     if config.device == "cpu":
         torch.set_num_threads(cpu_share(spec.tp))
+    if not heartbeat.started.wait(START_TIMEOUT_S):  # rank 0 holds every rank up to its beat
+        raise TimeoutError(f"rank {rank}'s heartbeat did not start within {START_TIMEOUT_S} s")
     store.set(f"kiln/up/{rank}", "1")
     ranks = Ranks(spec.parallel, spec.model, TPGroup(rank, spec.tp, store))
     dtype = TORCH_DTYPES[spec.dtype]
@@ -56,6 +46,7 @@ def run(engine_dir: str, rank: int, store, config) -> None:
     weights = art.load_weights(torch.device(config.device), dtype, rank=rank)
     parts = assemble(spec.model, weights, limits, dtype, config, spec.speculative, tp=ranks)
     follow(parts.model, parts.cache, ranks.group)
+    heartbeat.stop()  # rank 0 said Stop: its store may go any moment now
     ranks.close()
 
 
@@ -67,19 +58,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--leader-pid", type=int, required=True)
     parser.add_argument("--config", required=True, help="RuntimeConfig as JSON")
     args = parser.parse_args(argv)
-    _watch_parent(args.leader_pid)
 
     import torch.distributed as dist
 
     from kiln import env
     from kiln.runtime.config import RuntimeConfig
     from kiln.runtime.parallel.group import START_TIMEOUT_S
+    from kiln.runtime.parallel.supervisor import Heartbeat
+
+    heartbeat = Heartbeat("127.0.0.1", args.port, args.rank, leader_pid=args.leader_pid)
 
     store = None
     try:
         store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        run(args.engine, args.rank, store, RuntimeConfig(**json.loads(args.config)))
+        run(args.engine, args.rank, store, RuntimeConfig(**json.loads(args.config)), heartbeat)
     except BaseException as e:
         message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if store is not None:
