@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -26,6 +27,29 @@ class ParsedMessage:
 
     content: str | None
     tool_calls: tuple[ToolCall, ...] = ()
+
+
+def split_marked(text: str, marker: str,
+                 read: Callable[[str, int], tuple[list[ToolCall], int] | None]
+                 ) -> ParsedMessage:
+    """The ``ParsedMessage`` of an output whose calls follow ``marker``: ``read(text, i)``
+    reads the call group whose marker starts at ``i`` (its calls and the index after it, or
+    None when the marker starts no well-formed group: the marker is then text). Content is
+    the text outside the groups, stripped."""
+    outside: list[str] = []
+    calls: list[ToolCall] = []
+    pos = 0
+    while (i := text.find(marker, pos)) >= 0:
+        outside.append(text[pos:i])
+        group = read(text, i)
+        if group is None:  # the marker is text; look for calls after it
+            outside.append(marker)
+            pos = i + len(marker)
+            continue
+        calls.extend(group[0])
+        pos = group[1]
+    outside.append(text[pos:])
+    return ParsedMessage("".join(outside).strip() or None, tuple(calls))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.tools import tags as st
-from kiln.tools.base import ParsedMessage, ToolCall, ToolMode, ToolParser, ToolStreamer
+from kiln.tools.base import (
+    ParsedMessage,
+    ToolCall,
+    ToolMode,
+    ToolParser,
+    ToolStreamer,
+    split_marked,
+)
 from kiln.tools.json_scan import (
     CallScan,
     ValueEnd,
@@ -42,23 +49,11 @@ class HermesParser(ToolParser):
         lenient = self.lenient_calls(text)
         if lenient is not None:
             return ParsedMessage(None, tuple(lenient))
-        outside: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        while True:
-            i = text.find(START, pos)
-            if i < 0:
-                outside.append(text[pos:])
-                break
-            outside.append(text[pos:i])
+        def read(text: str, i: int) -> tuple[list[ToolCall], int] | None:
             block = _block(text, i)
-            if block is None:  # the marker is text; look for calls after it
-                outside.append(START)
-                pos = i + len(START)
-                continue
-            calls.append(block[0])
-            pos = block[1]
-        return ParsedMessage("".join(outside).strip() or None, tuple(calls))
+            return None if block is None else ([block[0]], block[1])
+
+        return split_marked(text, START, read)
 
     def lenient_calls(self, text: str) -> list[ToolCall] | None:
         """The calls when the whole output is a fenced (```` ``` ```` or ```` ```json ````)

@@ -16,7 +16,14 @@ import string
 from typing import Any
 
 from kiln.tools import tags as st
-from kiln.tools.base import ParsedMessage, ToolCall, ToolMode, ToolParser, ToolStreamer
+from kiln.tools.base import (
+    ParsedMessage,
+    ToolCall,
+    ToolMode,
+    ToolParser,
+    ToolStreamer,
+    split_marked,
+)
 from kiln.tools.json_scan import (
     ArgsScan,
     decode_value,
@@ -47,23 +54,7 @@ class MistralParser(ToolParser):
 
     def parse(self, text: str) -> ParsedMessage:
         """Content (the text outside well-formed call groups, stripped) and the calls."""
-        outside: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        while True:
-            i = text.find(MARKER, pos)
-            if i < 0:
-                outside.append(text[pos:])
-                break
-            outside.append(text[pos:i])
-            group = _group(text, i + len(MARKER))
-            if group is None:  # the marker is text; look for calls after it
-                outside.append(MARKER)
-                pos = i + len(MARKER)
-                continue
-            calls.extend(group[0])
-            pos = group[1]
-        return ParsedMessage("".join(outside).strip() or None, tuple(calls))
+        return split_marked(text, MARKER, lambda text, i: _group(text, i + len(MARKER)))
 
     def streamer(self) -> ToolStreamer:
         """A fresh incremental parser for one output."""
