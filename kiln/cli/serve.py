@@ -121,6 +121,7 @@ def serve(
 
     from kiln.cli.generate import exit_on_rank_failure, runtime_config
     from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.parallel.launch import launched
     from kiln.server.app import ServerConfig, create_app, record_startup
     from kiln.server.lifecycle import END_GRACE_S, DrainingServer, Timeouts, http_protocol
 
@@ -131,7 +132,10 @@ def serve(
     except ValueError as e:
         raise KilnError(str(e)) from None
     timeouts = Timeouts(header_timeout, body_timeout, shutdown_timeout)
-    sock = bind(host, port)  # before loading: a busy port fails now, not after the load
+    # before loading: a busy port fails now, not after the load; a follower rank torchrun
+    # started (kiln.runtime.parallel.launch) serves nothing and leaves in from_engine_dir
+    launch = launched()
+    sock = bind(host, port) if launch is None or launch.rank == 0 else None
     engine_dir, _ = engine_dir_for(engine_or_source, device)
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(

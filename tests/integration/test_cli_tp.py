@@ -111,3 +111,52 @@ def test_bench_reports_tp_and_every_ranks_peak_memory(tmp_path):
             assert m["device"] == "cpu" and m["device_peak_bytes"] is None
             assert m["peak_rss_bytes"] > 50 * 2**20  # a process with torch loaded
         assert _workers_of(engine) == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_generate_across_two_torchrun_nodes_matches_tp1_and_leaves_no_rank(tmp_path):
+    """The README's two-host commands on loopback: two torchrun "nodes" of one rank each
+    (c10d rendezvous), both running the same `kiln generate` of a tp-2 engine. torchrun's
+    rank 0 prints the tp-1 engine's greedy tokens, the other follows and prints nothing,
+    both exit 0 and no rank is left."""
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    for out, tp in ((one, 1), (two, 2)):
+        build_engine("random:tiny-llama", out, dtype="float32", max_seq_len=128, tp=tp,
+                     progress=False)
+    args = ("generate", str(two), "hello there", "--raw", "--device", "cpu", "--temperature",
+            "0", "--max-tokens", "8", "--ignore-eos", "--json")
+    want = kiln(*args[:1], str(one), *args[2:])
+    assert want.returncode == 0, want.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+           "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--max-restarts", "0", "-m", "kiln", *args]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              text=True) for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+    for node, (_, err) in zip(nodes, outs):
+        assert node.returncode == 0, err
+    printed = [out for out, _ in outs if out.strip()]
+    assert len(printed) == 1, outs  # rank 0's node; the follower runs no command
+    assert json.loads(printed[0])["token_ids"] == json.loads(want.stdout)["token_ids"]
+    assert _workers_of(two) == []
+    for proc in Path("/proc").iterdir():  # no torchrun worker of this engine either
+        try:
+            cmd_line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        assert not (str(two) in cmd_line and "-m kiln" in cmd_line
+                    and proc.name != str(os.getpid())), cmd_line

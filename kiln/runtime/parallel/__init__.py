@@ -2,6 +2,7 @@
 
     ranks.py    Ranks: a process's rank; rank 0 starts the followers, watches and ends them
     worker.py   a follower process (python -m kiln.runtime.parallel.worker)
+    launch.py   across hosts: under torchrun, torchrun's workers are the ranks
     supervisor.py  heartbeats over the rendezvous store; rank 0's watch that ends every rank
     group.py    TPGroup: the model's collectives and rank 0's command channel (gloo)
     layers.py   row-parallel o_proj / down, vocab-parallel embedding and head

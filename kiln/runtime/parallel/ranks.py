@@ -61,9 +61,10 @@ class Ranks:
     processes."""
 
     def __init__(self, parallel: ParallelConfig, model_config: ModelConfig, group: TPGroup,
-                 procs: list[subprocess.Popen] | None = None):
+                 procs: list[subprocess.Popen] | None = None, launched: bool = False):
         self.parallel, self.model_config, self.group = parallel, model_config, group
         self.procs = procs or []
+        self.launched = launched  # torchrun started every rank (launch.py), not rank 0
         self.failed: str | None = None
         self.supervisor: Supervisor | None = None  # rank 0's, once started
         self._closed = False
@@ -81,7 +82,18 @@ class Ranks:
     def start(cls, engine_dir: Path, parallel: ParallelConfig, model_config: ModelConfig,
               device: torch.device, config: Any) -> Ranks:
         """Rank 0: start the followers of the engine at ``engine_dir`` (each loads its shard
-        with ``config``, a RuntimeConfig) and form the group with them."""
+        with ``config``, a RuntimeConfig) and form the group with them. Under torchrun
+        (launch.py) start none: torchrun's rank 0 forms the group with the ranks torchrun
+        started, and any other rank follows it here and then exits the process."""
+        from kiln.runtime.parallel.launch import CONFIG_KEY, launched
+
+        launch = launched()
+        if launch is not None:
+            launch.check(parallel.tp)
+            if launch.rank != 0:
+                from kiln.runtime.parallel.worker import follow_launched
+
+                follow_launched(str(engine_dir), launch)  # exits the process
         if device.type != "cpu":
             raise ValueError(
                 f"this engine is tensor-parallel (tp={parallel.tp}); kiln runs tensor "
@@ -90,16 +102,28 @@ class Ranks:
         from kiln.runtime import env
 
         heartbeat_timeout_s = env.tp_heartbeat_timeout_s()
-        store = dist.TCPStore("127.0.0.1", 0, parallel.tp, is_master=True,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-                              wait_for_workers=False)
         settings = json.dumps(dataclasses.asdict(config))
         procs: list[subprocess.Popen] = []
+        if launch is not None:
+            store = launch.store(START_TIMEOUT_S)
+            store.set(CONFIG_KEY, settings)
+            host, port = launch.host, launch.port
+
+            def exited(s: dist.Store) -> list[str]:
+                return _published(s, parallel.tp)
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, parallel.tp, is_master=True,
+                                  timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                                  wait_for_workers=False)
+            host, port = "127.0.0.1", store.port
+
+            def exited(s: dist.Store) -> list[str]:
+                return _exited(procs, s)
         failed: list[str] = []  # the supervisor's reason, while start-up polls
-        supervisor = Supervisor("127.0.0.1", store.port, parallel.tp, heartbeat_timeout_s,
-                                lambda s: _exited(procs, s), failed.append)
+        supervisor = Supervisor(host, port, parallel.tp, heartbeat_timeout_s, exited,
+                                failed.append)
         try:
-            for rank in range(1, parallel.tp):
+            for rank in range(1, parallel.tp if launch is None else 1):
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "kiln.runtime.parallel.worker", str(engine_dir),
                      "--rank", str(rank), "--port", str(store.port), "--leader-pid",
@@ -107,14 +131,15 @@ class Ranks:
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
 
             def check() -> None:
-                reasons = _exited(procs, store) or failed
+                reasons = exited(store) or failed
                 if reasons:
                     raise TensorParallelError(
                         f"tensor-parallel engine (tp={parallel.tp}) did not start: "
                         f"{'; '.join(reasons)}; every rank was ended")
 
             wait_for(store, [f"kiln/up/{r}" for r in range(1, parallel.tp)], check)
-            ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store), procs)
+            ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store), procs,
+                        launched=launch is not None)
         except BaseException:
             supervisor.stop()
             for p in procs:
@@ -127,7 +152,7 @@ class Ranks:
         # the ranks share the cores (worker.py): rank 0 takes its share too while the
         # engine runs (smollm2 tp 3 on 2 cores: 2.7 -> 4.0 tokens/s)
         ranks._threads = torch.get_num_threads()
-        torch.set_num_threads(cpu_share(parallel.tp))
+        torch.set_num_threads(cpu_share(parallel.tp if launch is None else launch.local_world))
         return ranks
 
     # -- what the model and the engine parts ask of a rank ----------------------------------
@@ -187,9 +212,10 @@ class Ranks:
         if self.failed is None:
             deadline = time.monotonic() + 2  # a follower that failed is exiting now
             while (self.failed is None and time.monotonic() < deadline
-                   and all(p.poll() is None for p in self.procs)):
+                   and all(p.poll() is None for p in self.procs)
+                   and not (self.launched and self._exited())):
                 time.sleep(0.05)
-            why = "; ".join(_exited(self.procs, self.group.store)) or (
+            why = "; ".join(self._exited()) or (
                 f"a collective failed ({type(cause).__name__}: {cause})")
             self._stop_all(why)
         self._ended.wait()  # the supervisor may be ending the followers right now
@@ -238,8 +264,14 @@ class Ranks:
         if self.failed is not None:
             self._ended.wait()
             raise self._error()
-        if any(p.poll() is not None for p in self.procs):
+        if any(p.poll() is not None for p in self.procs) or (self.launched and self._exited()):
             raise self.fail(RuntimeError("a follower exited during start-up"))
+
+    def _exited(self) -> list[str]:
+        """Why each follower that failed did (rank 0)."""
+        if self.launched:
+            return _published(self.group.store, self.parallel.tp)
+        return _exited(self.procs, self.group.store)
 
     def close(self) -> None:
         """End the followers (``Stop``, then a kill after ``STOP_TIMEOUT_S``) and leave
@@ -298,6 +330,13 @@ def _exited(procs: list[subprocess.Popen], store: dist.Store) -> list[str]:
                else f"exited with code {rc}")
         reasons.append(f"rank {rank} (pid {proc.pid}) {how}")
     return reasons
+
+
+def _published(store: dist.Store, world: int) -> list[str]:
+    """The errors that followers rank 0 did not start (launch.py) published in the store."""
+    keys = [f"kiln/error/{rank}" for rank in range(1, world)]
+    return [f"rank {k.rsplit('/', 1)[1]} failed: {store.get(k).decode()}" for k in keys
+            if store.check([k])]
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -17,10 +17,13 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 
-def run(engine_dir: str, rank: int, store, config, heartbeat) -> None:
-    """Load rank ``rank``'s shard of ``engine_dir``, build its parts, follow rank 0."""
+def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None = None) -> None:
+    """Load rank ``rank``'s shard of ``engine_dir``, build its parts, follow rank 0.
+    ``share``: the ranks on this host (default: all of the engine's)."""
     import torch
 
     from kiln.artifact.loader import load_engine
@@ -34,7 +37,7 @@ def run(engine_dir: str, rank: int, store, config, heartbeat) -> None:
     art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
     spec = art.spec
     if config.device == "cpu":
-        torch.set_num_threads(cpu_share(spec.tp))
+        torch.set_num_threads(cpu_share(share or spec.tp))
     if not heartbeat.started.wait(START_TIMEOUT_S):  # rank 0 holds every rank up to its beat
         raise TimeoutError(f"rank {rank}'s heartbeat did not start within {START_TIMEOUT_S} s")
     store.set(f"kiln/up/{rank}", "1")
@@ -61,28 +64,60 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from kiln import env
     from kiln.runtime.config import RuntimeConfig
     from kiln.runtime.parallel.group import START_TIMEOUT_S
     from kiln.runtime.parallel.supervisor import Heartbeat
 
     heartbeat = Heartbeat("127.0.0.1", args.port, args.rank, leader_pid=args.leader_pid)
 
+    def body(store) -> None:
+        run(args.engine, args.rank, store, RuntimeConfig(**json.loads(args.config)), heartbeat)
+
+    _guarded(args.rank, lambda: dist.TCPStore(
+        "127.0.0.1", args.port, is_master=False,
+        timeout=datetime.timedelta(seconds=START_TIMEOUT_S)), body)
+
+
+def follow_launched(engine_dir: str, launch) -> NoReturn:
+    """A rank torchrun started (``launch``, kiln.runtime.parallel.launch), not rank 0: the
+    same as a follower rank 0 starts, with rank 0's RuntimeConfig from the store and no
+    parent to watch; then exit the process (0 once rank 0 said Stop)."""
+    from kiln.runtime.config import RuntimeConfig
+    from kiln.runtime.parallel.group import START_TIMEOUT_S
+    from kiln.runtime.parallel.launch import CONFIG_KEY
+    from kiln.runtime.parallel.supervisor import Heartbeat
+
+    heartbeat = Heartbeat(launch.host, launch.port, launch.rank)
+
+    def body(store) -> None:
+        config = RuntimeConfig(**json.loads(store.get(CONFIG_KEY).decode()))
+        run(engine_dir, launch.rank, store, config, heartbeat, share=launch.local_world)
+
+    _guarded(launch.rank, lambda: launch.store(START_TIMEOUT_S), body)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not back into the command rank 0 runs
+
+
+def _guarded(rank: int, connect: Callable[[], Any], body: Callable[[Any], None]) -> None:
+    """``body(store)`` on the store ``connect()`` returns; on any error publish it in the
+    store (rank 0 reports it), print one line on stderr and exit 1."""
+    from kiln import env
+
     store = None
     try:
-        store = dist.TCPStore("127.0.0.1", args.port, is_master=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        run(args.engine, args.rank, store, RuntimeConfig(**json.loads(args.config)), heartbeat)
-    except BaseException as e:
+        store = connect()
+        body(store)
+    except BaseException as e:  # noqa: BLE001 - published, then exit 1
         message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if store is not None:
             try:
-                store.set(f"kiln/error/{args.rank}", message)
+                store.set(f"kiln/error/{rank}", message)
             except RuntimeError:  # rank 0 (the store's host) is gone
                 pass
         if env.debug_enabled():
             traceback.print_exc()
-        print(f"kiln tensor-parallel rank {args.rank}: error: {message}", file=sys.stderr,
+        print(f"kiln tensor-parallel rank {rank}: error: {message}", file=sys.stderr,
               flush=True)
         os._exit(1)  # no gloo teardown: the peers may be gone
 
