@@ -158,3 +158,18 @@ def exact_three_token_distribution(last: int, p_one: float = 2 / 3) -> dict:
                     p *= p_one if step == 1 else 1 - p_one
                 out[(t1, t2, t3)] = out.get((t1, t2, t3), 0) + p
     return out
+
+
+def rank_workers(engine: Path) -> dict[int, str]:
+    """{pid: command line} of the live processes running a follower rank of ``engine``
+    (kiln.runtime.parallel.worker); zombies (exited, not yet reaped) are not."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd and state != "Z":
+            found[int(proc.name)] = cmd
+    return found

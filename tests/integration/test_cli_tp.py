@@ -12,24 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import rank_workers
 from test_cli_build import kiln
 
 from kiln.builder import build_engine
 
 
 def _workers_of(engine: Path) -> list[str]:
-    """``PID COMMAND-LINE`` of live processes running a rank of ``engine`` (zombies, exited
-    and not yet reaped, are not)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd and state != "Z":
-            found.append(f"{proc.name} {cmd}")
-    return found
+    """``PID COMMAND-LINE`` of live processes running a rank of ``engine``."""
+    return [f"{pid} {cmd}" for pid, cmd in rank_workers(engine).items()]
 
 
 def test_generate_on_a_tp2_engine_matches_tp1_and_leaves_no_rank(tiny_hf_model, tmp_path):

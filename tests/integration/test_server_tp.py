@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import rank_workers
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -20,16 +21,7 @@ from kiln.server.testing import ServerProcess  # noqa: E402
 
 
 def _worker_pids(engine: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd and state != "Z":
-            pids.append(int(proc.name))
-    return pids
+    return list(rank_workers(engine))
 
 
 @pytest.fixture(scope="module")
