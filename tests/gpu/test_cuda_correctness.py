@@ -254,7 +254,8 @@ def test_lookahead_engine_measures_its_break_even_on_cuda(tiny_reference):
     assert be is not None and [b for b, _ in be.points] == [1, 8]
     assert all(r > 0 for _, r in be.points)
     assert eng.startup_times["spec_break_even_s"] > 0
-    assert eng.spec_stats == {"steps": 0, "accepted_tokens": 0, "engine_steps": 0}
+    assert eng.spec_stats == {"steps": 0, "accepted_tokens": 0, "engine_steps": 0,
+                              "sync_engine_steps": 0}
     assert eng.num_steps == 0
     assert not eng.has_unfinished_requests()
     eng.blocks.check_all_free()
