@@ -50,8 +50,10 @@ class RequestEndedError(RuntimeError):
 
 
 class EngineDeadError(RequestEndedError):
-    """The engine thread stopped after an exception; nothing more will be served."""
+    """The engine thread stopped after an exception (a CUDA fault, a lost tensor-parallel
+    rank); nothing more will be served: 503, for the requests in flight as for new ones."""
 
+    status = 503
     code = "engine_dead"
 
 

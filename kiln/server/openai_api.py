@@ -336,7 +336,7 @@ async def respond(request: Request, gen: Generation, stream: bool):
                                        "param": None, "code": None}}, status_code=499)
     try:
         return JSONResponse(collect.result())
-    except RequestEndedError as e:  # engine dead (500), a choice failed (500), shutdown (503)
+    except RequestEndedError as e:  # engine dead (503), a choice failed (500), shutdown (503)
         gen.abort()  # a failed choice fails the request: its other choices stop too
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 

@@ -220,6 +220,6 @@ def test_engine_death_exits_nonzero(engine_dir):
         assert ok.status_code == 200
         r = httpx.post(proc.url + "/v1/completions", timeout=30,
                        json={"prompt": "boom", "max_tokens": 4})
-        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert proc.proc.wait(30) == 1
         assert any("injected step failure" in line for line in proc.log)
