@@ -163,13 +163,14 @@ class CudaGraphRunner:
                                                  self.cache)
         return logits
 
-    def capture(self, progress=None) -> float:
+    def capture(self, progress=None, strict: bool = False) -> float:
         """Capture every bucket (largest first, one shared memory pool; the decode and masked
         buckets before the prefill ones, so that running out of memory on a large prefill
         bucket never costs a decode graph); returns seconds.
 
         Off CUDA (tests under TRITON_INTERPRET) nothing is captured: ``replay`` runs the
         same static-buffer forward eagerly, so the staging logic is tested everywhere.
+        ``strict``: a failed capture raises (RuntimeError naming the bucket) instead.
         """
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
@@ -182,6 +183,11 @@ class CudaGraphRunner:
                 self._capture_one(b, stream)
             except Exception as e:
                 self.failed[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if strict:
+                    raise RuntimeError(
+                        f"CUDA graph capture of the {b.num_seqs} seqs x {b.num_tokens} tokens "
+                        f"bucket failed ({self.failed[b]}); set KILN_PREFILL_GRAPHS=0 (decode graphs "
+                        "only) or KILN_CUDA_GRAPHS=0 (none)") from e
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     # smaller buckets would fail the same way; keep what was captured (the
                     # decode and masked buckets come first: a prefill bucket that runs out

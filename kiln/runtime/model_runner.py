@@ -60,6 +60,10 @@ class ModelRunner:
         # lookup): plans of its slots are proposed and verified around the forward (in
         # masked buckets' graphs, captured).
         self.spec_step: DeviceSpecStep | None = None
+        # Rank 0 of a tensor-parallel engine (kiln.runtime.parallel.control.LeaderModel): what
+        # this runner runs, the other ranks run too (an eager forward's inputs, or a staged
+        # step's buffers and which graph it replays), sent first. None: one rank.
+        self.leader = None
         self._moved: dict[tuple[int, int], SpecEntries] = {}  # execute(counts=)'s entries
 
     def use_staging(self, max_seqs: int, max_num_tokens: int, max_seq_len: int,
@@ -73,12 +77,14 @@ class ModelRunner:
             max_seqs * tokens_per_step ** 2 if tokens_per_step > 1 else 0, self.device)
 
     def capture_graphs(self, max_seqs: int, max_num_tokens: int, tokens_per_step: int,
-                       max_graph_tokens: int, prefill: bool) -> float:
-        """Capture the CUDA graphs of the staged path (``use_staging`` first); seconds."""
+                       max_graph_tokens: int, prefill: bool, strict: bool = False) -> float:
+        """Capture the CUDA graphs of the staged path (``use_staging`` first); seconds.
+        ``strict``: a bucket that fails to capture raises (tensor-parallel ranks must hold
+        the same graphs) instead of running eagerly."""
         self.graphs = CudaGraphRunner(self.model, self.cache, self.stager, max_seqs,
                                       max_num_tokens, tokens_per_step, max_graph_tokens,
                                       prefill=prefill, spec_step=self.spec_step)
-        seconds = self.graphs.capture()
+        seconds = self.graphs.capture(strict=strict)
         report_capture_failures(self)
         return seconds
 
@@ -171,7 +177,7 @@ class ModelRunner:
                                warp=to_device(sampling[2], torch.float32, dev).view(-1, 3))
                    if out.spec_entries else None)
         proposal = self.spec_step.prologue(entries, ids) if entries is not None else None
-        out.logits = self.model.forward(
+        out.logits = (self.leader or self.model).forward(
             ids,
             torch.cat(positions).to(dev),
             self.cache, meta,
@@ -214,25 +220,32 @@ class ModelRunner:
             n = batch.items[0][1]
             shift_rows(self.moved_entries(len(batch.items), n), stager.staged_rows(), counts,
                        n, self.device.type == "cuda")
-        if bucket is not None:  # a masked bucket's graph runs the device plans' steps too
-            out.logits = self.graphs.replay(bucket, st.num_rows)
-            if out.spec_entries:
-                out.spec = self.graphs.spec_outputs[bucket]
-        else:
-            d = stager.d
-            t = st.num_tokens
-            meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len,
-                                   st.masked)
-            entries = stager.spec_entries(len(out.spec_entries)) if out.spec_entries else None
-            if entries is not None:
-                proposal = self.spec_step.prologue(entries, d["input_ids"], stager.staged_rows())
-            out.logits = self.model.forward(d["input_ids"][:t], d["positions"][:t],
-                                            self.cache, meta, d["logit_rows"][: st.num_rows])
-            if entries is not None:
-                out.spec = self.spec_step.epilogue(entries, proposal, out.logits,
-                                                   meta.slot_mapping, self.cache)
+        if self.leader is not None:  # the staged buffers as they are now, to every rank
+            self.leader.send_staged(bucket, st, stager)
+        out.logits, out.spec = self.forward_staged(bucket, st, len(out.spec_entries))
         stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out
+
+    def forward_staged(self, bucket, st, num_entries: int = 0):
+        """The staged step's forward: bucket ``bucket``'s graph replay (None: eagerly, at
+        the step's own sizes ``st``); (float32 logits [st.num_rows, vocab], the device
+        plans' SpecOutput or None). ``num_entries``: device plans staged (a masked bucket's
+        graph runs their steps too). A follower rank runs what rank 0 ran through here."""
+        if bucket is not None:
+            logits = self.graphs.replay(bucket, st.num_rows)
+            return logits, self.graphs.spec_outputs[bucket] if num_entries else None
+        stager, d, t = self.stager, self.stager.d, st.num_tokens
+        meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len, st.masked)
+        entries = stager.spec_entries(num_entries) if num_entries else None
+        if entries is not None:
+            proposal = self.spec_step.prologue(entries, d["input_ids"], stager.staged_rows())
+        logits = self.model.forward(d["input_ids"][:t], d["positions"][:t], self.cache, meta,
+                                    d["logit_rows"][: st.num_rows])
+        spec = None
+        if entries is not None:
+            spec = self.spec_step.epilogue(entries, proposal, logits, meta.slot_mapping,
+                                           self.cache)
+        return logits, spec
 
     def moved_entries(self, num_seqs: int, n: int) -> SpecEntries:
         """``shift_rows``' entries for ``execute(counts=)``: sequence i's ``n`` rows from

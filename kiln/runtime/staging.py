@@ -37,6 +37,7 @@ class Staged:
     max_query_len: int
     max_context_len: int
     masked: bool
+    mask_bytes: int = 0  # the used part of the tree masks (``mask_dev``)
 
 
 class StepStager:
@@ -226,7 +227,7 @@ class StepStager:
             slots[q0:t] = -1
             rows[nrows:t] = 0
         self.upload(mask_used)
-        return Staged(b, q0, nrows, max_q, max_ctx, mask_used > 0)
+        return Staged(b, q0, nrows, max_q, max_ctx, mask_used > 0, mask_used)
 
     def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int,
                  max_context_len: int, masked: bool) -> TritonAttentionMetadata:

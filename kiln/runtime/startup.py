@@ -104,8 +104,6 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     scheduler = Scheduler(blocks, max_num_seqs=config.max_num_seqs or limits.max_batch_size,
                           max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
     t_cache = time.perf_counter()
-    if tp is not None:
-        model, cache = tp.lead(model, cache)
     runner = ModelRunner(model, cache, device)
     device_state = (make_device_state(speculative, scheduler.max_num_seqs, limits.max_seq_len,
                                       device)
@@ -118,21 +116,26 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     max_seqs, max_tokens = scheduler.max_num_seqs, scheduler.max_num_tokens
     if fused:  # the Triton path: staged inputs (and CUDA graphs on CUDA)
         runner.use_staging(max_seqs, max_tokens, limits.max_seq_len, tokens_per_step)
-        if config.cuda_graphs:
+        if config.cuda_graphs and (tp is None or tp.graphs_possible(device)):
+            # every rank captures the same buckets in the same order (their warm-up forwards'
+            # collectives pair up); a rank whose capture fails stops the engine
             graphs_s = runner.capture_graphs(max_seqs, max_tokens, tokens_per_step,
-                                             config.max_graph_tokens, config.prefill_graphs)
+                                             config.max_graph_tokens, config.prefill_graphs,
+                                             strict=tp is not None)
     draft_model = (_assemble_draft(*draft, num_blocks, limits, dtype, config, device, backend,
                                    max_seqs, max_tokens, model_config.vocab_size)
                    if draft is not None else None)
     sampler = Sampler()
-    if tp is not None:
-        tp.ready()
     t_warm = time.perf_counter()
-    if fused and device.type == "cuda":  # what the graphs did not compile
+    if fused and device.type == "cuda":  # what the graphs did not compile (every rank)
         warm_eager_forward(model, cache, runner.stager, tokens_per_step)
         warm_sampler(sampler, model_config.vocab_size, device)
         if device_state is not None:
             warm_device_state(device_state)
+    if tp is not None:  # from here on rank 0 sends what it runs to the other ranks
+        tp.ready()
+        model, cache = tp.lead(model, cache)
+        runner.leader, runner.cache = (model, cache) if tp.rank == 0 else (None, cache)
     times = {"place_weights_s": t_model - t_start, "kv_cache_s": t_cache - t_model,
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
              "total_s": time.perf_counter() - t_start}

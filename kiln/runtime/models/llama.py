@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
-from kiln.runtime.layers.linear import Linear, linear_residual_norm_linear
+from kiln.runtime.layers.linear import (
+    Linear,
+    linear_add_rms_norm,
+    linear_residual_norm_linear,
+)
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
@@ -44,9 +48,6 @@ class LlamaModel:
     ):
         """``tp``: this process's rank of a tensor-parallel engine
         (kiln.runtime.parallel.Ranks); ``cfg`` and ``weights`` are then the rank's shard."""
-        if tp is not None and fused:
-            raise ValueError("tensor parallelism runs the reference layers (attention "
-                             "backend 'torch'); the fused Triton path has no collectives yet")
         self.cfg = cfg
         self.attention = attention
         self.rotary = Rotary(cfg, device)
@@ -68,6 +69,7 @@ class LlamaModel:
         # each projection's kernel path, chosen once for its weight
         self.linears = {p: Linear.from_weights(weights, p) for p in self.linear_prefixes()}
         self.embed = functools.partial(F.embedding, weight=weights["embed_tokens.weight"])
+        self.parallel = tp is not None
         if tp is not None:  # o_proj, down all-reduced; embedding and head vocab-parallel
             self.embed, self.linears = tp.parallelize(
                 self.linears, weights["embed_tokens.weight"], self.lm_head)
@@ -142,10 +144,14 @@ class LlamaModel:
 
         cfg, w, lin, eps = self.cfg, self.w, self.linears, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
-        # the embedding rows (h, the residual) and layer 0's norm: one kernel
-        x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
-                              w["layers.0.input_norm.weight"], eps)
+        if self.parallel:  # the embedding is a sum over the ranks, then the norm
+            h = self.embed(input_ids)
+            x = rms_norm(h, w["layers.0.input_norm.weight"], eps)
+        else:  # the embedding rows (h, the residual) and layer 0's norm: one kernel
+            x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
+                                  w["layers.0.input_norm.weight"], eps)
         qkv = lin["layers.0.qkv"](x)
+        project = self._project_parallel if self.parallel else linear_residual_norm_linear
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             q, k, v = self._split_qkv(qkv, p, n)
@@ -154,12 +160,12 @@ class LlamaModel:
                                             meta, self.scale)
             # each projection, its residual add, the RMSNorm and the next projection: two
             # GEMVs at batch 1 (the add and the statistics in the first one's epilogue)
-            gate_up, h = linear_residual_norm_linear(
+            gate_up, h = project(
                 o.reshape(n, cfg.q_size), h, lin[p + "o_proj"], w[p + "post_norm.weight"], eps,
                 lin[p + "gate_up"])
             if i + 1 < cfg.num_layers:
                 nxt = f"layers.{i + 1}."
-                qkv, h = linear_residual_norm_linear(
+                qkv, h = project(
                     gate_up, h, lin[p + "down"], w[nxt + "input_norm.weight"], eps,
                     lin[nxt + "qkv"], silu_and_mul=True)
             else:
@@ -168,3 +174,11 @@ class LlamaModel:
                 h = gather_add_rms_norm(y, h, logit_rows, w["norm.weight"], eps)
         # float_out: the GEMV stores the float32 logits; .float() is then a no-op
         return lin[self.lm_head](h, float_out=True).float()
+
+    @staticmethod
+    def _project_parallel(x, residual, a, norm_weight, eps, b, silu_and_mul=False):
+        """``linear_residual_norm_linear`` of a tensor-parallel rank: ``a`` (row-parallel)
+        ends in an all-reduce, so the residual add and the norm follow it (no GEMV fusion
+        across the collective)."""
+        return linear_add_rms_norm(a(x, silu_and_mul=silu_and_mul), residual, norm_weight,
+                                   eps, b)

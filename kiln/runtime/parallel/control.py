@@ -10,13 +10,19 @@ tables, the prefix cache and preemption stay rank 0's business.
 
 The commands are pickled over the gloo control group (``broadcast_object_list``: two
 broadcasts, the size then the bytes; a gloo send returns once every follower has taken
-it). Measured on a 2-core CPU machine, smollm2-135m tp 3, batch 8 decode: 2.9 ms median
-per step against a 340 ms forward. A CUDA engine will want a preallocated tensor broadcast
-instead, and the plan sent ahead of the step it serves.
+it), their tensors on the host. Measured on a 2-core CPU machine, smollm2-135m tp 3,
+batch 8 decode: 2.9 ms median per step against a 340 ms forward.
+
+A staged step (the Triton path, kiln/runtime/staging.py; every step of a CUDA engine) sends
+less: ``StagedStep`` carries only the step's sizes and which CUDA graph it replays; the
+staged input buffers follow on the model group (one NCCL broadcast of rank 0's device
+buffer, after any on-device patch of its token ids), and every rank replays the same graph
+(``ModelRunner.forward_staged``), whose collectives pair up inside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +44,23 @@ class Forward:
     logit_rows: torch.Tensor
 
     def run(self, model: Any, cache: KVCache) -> None:
-        model.forward(self.input_ids, self.positions, cache, self.meta, self.logit_rows)
+        f = moved(self, cache.k.device)
+        model.forward(f.input_ids, f.positions, cache, f.meta, f.logit_rows)
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """A staged step: its sizes (``Staged``) and the graph bucket it replays (None: an
+    eager forward); rank 0's staged buffers follow on the model group."""
+
+    bucket: Any
+    staged: Any
+
+    def receive(self, group: TPGroup, stager: Any) -> None:
+        """Rank 0's staged buffers into this rank's (``LeaderModel.send_staged``)."""
+        group.broadcast(stager.dev)
+        if self.staged.mask_bytes:
+            group.broadcast(stager.mask_dev[: self.staged.mask_bytes])
 
 
 @dataclass(frozen=True)
@@ -49,7 +71,8 @@ class MoveSlots:
     dst: torch.Tensor
 
     def run(self, model: Any, cache: KVCache) -> None:
-        cache.move_slots(self.src, self.dst)
+        device = cache.k.device
+        cache.move_slots(self.src.to(device), self.dst.to(device))
 
 
 @dataclass(frozen=True)
@@ -72,9 +95,19 @@ class LeaderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any,
                 meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
         try:
-            self.group.send(Forward(input_ids, positions, meta, logit_rows))
+            self.group.send(moved(Forward(input_ids, positions, meta, logit_rows), "cpu"))
             return self.model.forward(input_ids, positions, cache, meta, logit_rows)
         except Exception as e:  # the ranks may be out of step now: the engine is done
+            raise self._on_error(e) from e
+
+    def send_staged(self, bucket: Any, staged: Any, stager: Any) -> None:
+        """Before the staged step's forward (``ModelRunner._execute_staged``): its sizes
+        and bucket, then the staged buffers, to the other ranks."""
+        try:
+            step = StagedStep(bucket, staged)
+            self.group.send(step)
+            step.receive(self.group, stager)  # rank 0 sends
+        except Exception as e:
             raise self._on_error(e) from e
 
     def __getattr__(self, name: str) -> Any:
@@ -90,7 +123,7 @@ class LeaderCache:
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         try:
-            self.group.send(MoveSlots(src, dst))
+            self.group.send(MoveSlots(src.cpu(), dst.cpu()))
         except Exception as e:
             raise self._on_error(e) from e
         self.cache.move_slots(src, dst)
@@ -99,8 +132,10 @@ class LeaderCache:
         return getattr(self.cache, name)
 
 
-def follow(model: Any, cache: KVCache, group: TPGroup) -> None:
-    """A follower's loop: run rank 0's commands until ``Stop``."""
+def follow(runner: Any, group: TPGroup) -> None:
+    """A follower's loop: run rank 0's commands on ``runner``'s model and cache (a
+    ModelRunner) until ``Stop``."""
+    model, cache = runner.model, runner.cache
     while True:
         command = group.recv()
         if isinstance(command, Stop):
@@ -108,6 +143,23 @@ def follow(model: Any, cache: KVCache, group: TPGroup) -> None:
         if isinstance(command, ReportMemory):
             group.gather_object(peak_memory(cache.k.device))
             continue
+        if isinstance(command, StagedStep):
+            command.receive(group, runner.stager)
+            runner.forward_staged(command.bucket, command.staged)
+            continue
         if not isinstance(command, (Forward, MoveSlots)):
             raise TypeError(f"unknown command {type(command).__name__} from rank 0")
         command.run(model, cache)
+
+
+def moved(obj: Any, device: Any) -> Any:
+    """``obj`` with every tensor in it (dataclass fields, lists, tuples) on ``device``:
+    commands travel with host tensors, each rank runs them on its own device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(moved(x, device) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: moved(getattr(obj, f.name), device)
+                                          for f in dataclasses.fields(obj) if f.init})
+    return obj

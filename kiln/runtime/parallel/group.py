@@ -2,8 +2,12 @@
 rendezvous store.
 
 Two process groups over the same ranks:
-- the model group (gloo on the CPU), for the forward's collectives: the all-reduce after
-  o_proj, down and the embedding, the logits gather. Every rank runs the same forward, so
+- the model group (NCCL on CUDA, gloo on the CPU), for the forward's collectives: the
+  all-reduce after o_proj, down and the embedding, the logits gather, and each staged step's
+  input buffers (``broadcast``). On CUDA its collectives are captured in the CUDA graphs;
+  NCCL's communicator is made at once (``device_id``) and used once before any capture.
+  NVLink multicast (NVLS) stays off in every rank (``NO_MULTICAST``): on a host whose GPUs
+  are shared, a program that uses it can put them out of service. Every rank runs the same forward, so
   its ranks meet within milliseconds; one that has not joined after
   ``COLLECTIVE_TIMEOUT_S`` is dead or hung, and the collective raises instead of waiting.
 - the control group (gloo), for rank 0's commands (``control.py``). Timeouts are each
@@ -20,6 +24,7 @@ that rank 0 can notice a follower that exited and say why (``Ranks``).
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Callable
 
@@ -29,32 +34,89 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 30
 START_TIMEOUT_S = 600  # every rank loads its shard and builds its model within this
 _IDLE = datetime.timedelta(days=365)
+# set in every rank before NCCL starts (also in the followers' environment, ranks.py)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+BACKEND_ENV = "KILN_TP_BACKEND"  # the model group's backend on CUDA: nccl (default) or gloo
+
+
+def model_backend(device: torch.device) -> str:
+    """The model group's backend for ranks on ``device``: gloo on the CPU; NCCL on CUDA
+    unless ``KILN_TP_BACKEND=gloo`` (several ranks on one GPU, which NCCL refuses: for
+    tests; no CUDA graphs then, gloo's collectives cannot be captured)."""
+    if device.type != "cuda":
+        return "gloo"
+    name = os.environ.get(BACKEND_ENV, "nccl").strip().lower() or "nccl"
+    if name not in ("nccl", "gloo"):
+        raise ValueError(f"{BACKEND_ENV}={name!r}: expected nccl or gloo")
+    return name
 
 
 class TPGroup:
     """This process's rank among ``world`` ranks (``store``: the rendezvous store rank 0
-    hosts). Shapes: ``all_reduce`` in place, any shape; ``gather_columns`` [rows, cols] →
-    on rank 0 [rows, world * cols] (rank order), elsewhere None."""
+    hosts) whose model tensors live on ``device``. Shapes: ``all_reduce`` in place, any
+    shape; ``gather_columns`` [rows, cols] → on rank 0 [rows, world * cols] (rank order),
+    elsewhere None (with NCCL every rank gets them: an all-gather, which graphs capture);
+    ``broadcast`` in place, rank 0's tensor to every rank."""
 
-    def __init__(self, rank: int, world: int, store: dist.Store):
+    def __init__(self, rank: int, world: int, store: dist.Store,
+                 device: torch.device | None = None):
+        device = device or torch.device("cpu")
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel engine (one "
                                "torch.distributed group per process); close() it first")
         self.rank, self.world, self.store = rank, world, store
+        self.backend = model_backend(device)
+        # a gloo group moves CUDA tensors through the host for what it cannot do on them
+        self._via_host = self.backend == "gloo" and device.type == "cuda"
         bounded = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=bounded)
+        if self.backend == "nccl":
+            os.environ.update(NO_MULTICAST)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
+                                    timeout=bounded, device_id=device)
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=bounded)
         self.control = dist.new_group(backend="gloo", timeout=bounded if rank == 0 else _IDLE)
+        if self.backend == "nccl":  # the communicator's first use, never inside a capture
+            self.all_reduce(torch.ones(1, device=device))
+            torch.cuda.synchronize(device)
+
+    @property
+    def capturable(self) -> bool:
+        """CUDA graphs can capture the model group's collectives (NCCL)."""
+        return self.backend == "nccl"
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self._via_host:
+            host = t.cpu()
+            dist.all_reduce(host)
+            return t.copy_(host)
         dist.all_reduce(t)
+        return t
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` into every rank's ``t`` (in place, contiguous)."""
+        if self._via_host:
+            host = t.cpu()
+            dist.broadcast(host, src=0)
+            return t.copy_(host)
+        dist.broadcast(t, src=0)
         return t
 
     def gather_columns(self, local: torch.Tensor) -> torch.Tensor | None:
         local = local.contiguous()
+        if self.backend == "nccl":
+            rows, cols = local.shape
+            out = torch.empty((self.world * rows, cols), dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(out, local)
+            return out.view(self.world, rows, cols).transpose(0, 1).reshape(rows, -1)
+        device = local.device
+        if self._via_host:
+            local = local.cpu()
         parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(local, parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        return torch.cat(parts, dim=-1).to(device) if parts is not None else None
 
     def send(self, command: object) -> None:
         """Rank 0: pickle ``command`` to every other rank (``recv``)."""

@@ -39,6 +39,7 @@ class Launch:
     port: int
     agent_store: bool  # torchrun's agent hosts the store (else rank 0 does)
     restart: int
+    local_rank: int = 0  # this rank's place on its host (its GPU: cuda:<local_rank>)
 
     def check(self, tp: int) -> None:
         """ValueError unless torchrun's workers are this engine's ranks."""
@@ -69,7 +70,8 @@ def launched(environ: Mapping[str, str] = os.environ) -> Launch | None:
                       int(environ.get("LOCAL_WORLD_SIZE", "1")), environ["MASTER_ADDR"],
                       int(environ["MASTER_PORT"]),
                       environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                      int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                      int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                      int(environ.get("LOCAL_RANK", "0")))
     except (KeyError, ValueError) as e:
         raise ValueError(f"torchrun's environment is incomplete or malformed ({e!r}): run "
                          "kiln under torchrun (python -m torch.distributed.run)") from None

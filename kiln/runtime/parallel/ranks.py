@@ -40,7 +40,7 @@ from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.memory import peak_memory
 from kiln.runtime.parallel.control import LeaderCache, LeaderModel, ReportMemory, Stop
-from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
+from kiln.runtime.parallel.group import NO_MULTICAST, START_TIMEOUT_S, TPGroup, wait_for
 from kiln.runtime.parallel.layers import parallelize
 from kiln.runtime.parallel.supervisor import Supervisor
 
@@ -94,11 +94,11 @@ class Ranks:
                 from kiln.runtime.parallel.worker import follow_launched
 
                 follow_launched(str(engine_dir), launch)  # exits the process
-        if device.type != "cpu":
-            raise ValueError(
-                f"this engine is tensor-parallel (tp={parallel.tp}); kiln runs tensor "
-                f"parallelism on the CPU (gloo) so far, not on {device.type}: pass --device "
-                "cpu (device='cpu'), or build the engine without --tp")
+        local_world = parallel.tp if launch is None else launch.local_world
+        device = rank_device(device, 0, local_world)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            os.environ.update(NO_MULTICAST)  # the followers inherit it
         from kiln.runtime import env
 
         heartbeat_timeout_s = env.tp_heartbeat_timeout_s()
@@ -138,7 +138,7 @@ class Ranks:
                         f"{'; '.join(reasons)}; every rank was ended")
 
             wait_for(store, [f"kiln/up/{r}" for r in range(1, parallel.tp)], check)
-            ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store), procs,
+            ranks = cls(parallel, model_config, TPGroup(0, parallel.tp, store, device), procs,
                         launched=launch is not None)
         except BaseException:
             supervisor.stop()
@@ -151,8 +151,9 @@ class Ranks:
         atexit.register(ranks.kill)
         # the ranks share the cores (worker.py): rank 0 takes its share too while the
         # engine runs (smollm2 tp 3 on 2 cores: 2.7 -> 4.0 tokens/s)
-        ranks._threads = torch.get_num_threads()
-        torch.set_num_threads(cpu_share(parallel.tp if launch is None else launch.local_world))
+        if device.type == "cpu":
+            ranks._threads = torch.get_num_threads()
+            torch.set_num_threads(cpu_share(local_world))
         return ranks
 
     # -- what the model and the engine parts ask of a rank ----------------------------------
@@ -162,6 +163,11 @@ class Ranks:
     def parallelize(self, linears: dict, embedding: torch.Tensor, head: str):
         """``LlamaModel``'s layers of this rank (kiln.runtime.parallel.layers)."""
         return parallelize(linears, embedding, head, self.group, self.model_config.vocab_size)
+
+    def graphs_possible(self, device: torch.device) -> bool:
+        """CUDA graphs can hold this engine's steps: their collectives can be captured
+        (NCCL; not with ``KILN_TP_BACKEND=gloo``, which then runs every step eagerly)."""
+        return device.type != "cuda" or self.group.capturable
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The KV blocks every rank allocates: the fewest any rank can hold."""
@@ -306,6 +312,30 @@ class Ranks:
         if self._threads is not None:
             torch.set_num_threads(self._threads)
             self._threads = None
+
+
+def rank_device(device: torch.device, local_rank: int, local_world: int) -> torch.device:
+    """The device of this host's rank ``local_rank`` of ``local_world`` on an engine run on
+    ``device``: the CPU, or one GPU per rank, cuda:<local rank> (choose which GPUs with
+    CUDA_VISIBLE_DEVICES). With ``KILN_TP_BACKEND=gloo`` ranks may share GPUs (tests)."""
+    if device.type != "cuda":
+        return device
+    from kiln.runtime.parallel.group import model_backend
+
+    count = torch.cuda.device_count()
+    if local_rank == 0 and device.index not in (None, 0):
+        raise ValueError(
+            f"a tensor-parallel engine puts rank r on cuda:r, so rank 0 runs on cuda:0, not "
+            f"{device}: choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. "
+            f"CUDA_VISIBLE_DEVICES={device.index},{device.index + 1}) and pass --device cuda")
+    if count >= local_world:
+        return torch.device("cuda", local_rank)
+    if model_backend(device) == "gloo" and count:
+        return torch.device("cuda", local_rank % count)
+    raise ValueError(
+        f"this host runs {local_world} ranks of a tensor-parallel engine, one GPU each, but "
+        f"sees {count} GPU(s): run it on a host with {local_world} GPUs (CUDA_VISIBLE_DEVICES "
+        "lists them), across hosts with torchrun, or build the engine with a smaller --tp")
 
 
 def cpu_share(tp: int) -> int:

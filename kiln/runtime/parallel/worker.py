@@ -18,12 +18,17 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 
-def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None = None) -> None:
+def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None = None,
+        local_rank: int | None = None) -> None:
     """Load rank ``rank``'s shard of ``engine_dir``, build its parts, follow rank 0.
-    ``share``: the ranks on this host (default: all of the engine's)."""
+    ``share``: the ranks on this host (default: all of the engine's); ``local_rank``: this
+    rank's place among them (default ``rank``), its GPU on a CUDA engine."""
+    import dataclasses
+
     import torch
 
     from kiln.artifact.loader import load_engine
@@ -31,24 +36,35 @@ def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None 
     from kiln.runtime.config import EngineLimits
     from kiln.runtime.parallel.control import follow
     from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup
-    from kiln.runtime.parallel.ranks import Ranks, cpu_share
+    from kiln.runtime.parallel.ranks import Ranks, cpu_share, rank_device
     from kiln.runtime.startup import assemble
 
     art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
     spec = art.spec
-    if config.device == "cpu":
+    device = rank_device(torch.device(config.device), rank if local_rank is None else local_rank,
+                         share or spec.tp)
+    config = dataclasses.replace(config, device=str(device))
+    if device.type == "cpu":
         torch.set_num_threads(cpu_share(share or spec.tp))
+    else:  # as rank 0 did (LLMEngine.from_engine_dir): the build's kernels and configs
+        from kiln.runtime.kernel_cache import install_for_engine
+        from kiln.runtime.kernels import tuning
+
+        torch.cuda.set_device(device)
+        tuning.install(spec.kernel_configs, str(device))
+        install_for_engine(Path(engine_dir), str(device))
     if not heartbeat.started.wait(START_TIMEOUT_S):  # rank 0 holds every rank up to its beat
         raise TimeoutError(f"rank {rank}'s heartbeat did not start within {START_TIMEOUT_S} s")
     store.set(f"kiln/up/{rank}", "1")
-    ranks = Ranks(spec.parallel, spec.model, TPGroup(rank, spec.tp, store))
+    ranks = Ranks(spec.parallel, spec.model, TPGroup(rank, spec.tp, store, device))
     dtype = TORCH_DTYPES[spec.dtype]
     lim = spec.limits
     limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
                           lim.max_num_tokens)
-    weights = art.load_weights(torch.device(config.device), dtype, rank=rank)
-    parts = assemble(spec.model, weights, limits, dtype, config, spec.speculative, tp=ranks)
-    follow(parts.model, parts.cache, ranks.group)
+    weights = art.load_weights(device, dtype, rank=rank)
+    parts = assemble(spec.model, weights, limits, dtype, config, spec.speculative,
+                     attention=getattr(spec, "attention", None), tp=ranks)
+    follow(parts.runner, ranks.group)
     heartbeat.stop()  # rank 0 said Stop: its store may go any moment now
     ranks.close()
 
@@ -91,7 +107,8 @@ def follow_launched(engine_dir: str, launch) -> NoReturn:
 
     def body(store) -> None:
         config = RuntimeConfig(**json.loads(store.get(CONFIG_KEY).decode()))
-        run(engine_dir, launch.rank, store, config, heartbeat, share=launch.local_world)
+        run(engine_dir, launch.rank, store, config, heartbeat, share=launch.local_world,
+            local_rank=launch.local_rank)
 
     _guarded(launch.rank, lambda: launch.store(START_TIMEOUT_S), body)
     sys.stdout.flush()
