@@ -1,10 +1,16 @@
-"""`kiln serve` of a tp-2 engine on the CPU when a rank fails: the server notices at once
-(a killed rank) or within the heartbeat timeout (a stopped one, even while it idles), the
-requests in flight end with the engine's error naming the rank, /health answers 503, and
-the process exits non-zero within a bound, leaving no rank behind."""
+"""`kiln serve` of a tp-2 engine on the CPU.
+
+It answers the official openai client, survives a storm of 32 streams of which half
+disconnect (every KV block freed, the follower still serving), and Ctrl-C (SIGINT to every
+process, as a terminal sends it) drains and exits 0 with the follower. When a rank fails
+the server notices at once (a killed rank) or within the heartbeat timeout (a stopped one,
+even while it idles), the requests in flight end with the engine's error naming the rank,
+/health answers 503, and the process exits non-zero within a bound, leaving no rank
+behind."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -32,6 +38,85 @@ def tp2_engine(tmp_path_factory) -> Path:
     build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=512, tp=2,
                  progress=False)
     return engine
+
+
+def _wait_all_free(url: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = httpx.get(url + "/debug/kv").json()
+        if kv["all_free"] and not kv["has_unfinished"]:
+            return kv
+        assert time.monotonic() < deadline, f"KV blocks not freed: {kv}"
+        time.sleep(0.1)
+
+
+async def _stream(c: httpx.AsyncClient, i: int, leave: bool) -> str:
+    body = {"prompt": f"client {i}", "max_tokens": 40 + i, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return "done"
+            assert "error" not in json.loads(line[6:]), line
+            if leave:
+                return "left"  # leaving the `stream` block closes the connection
+    return "eof"
+
+
+def test_openai_client_and_a_disconnect_storm(tp2_engine):
+    openai = pytest.importorskip("openai")
+    with ServerProcess(tp2_engine, "--device", "cpu", "--max-queue", "256") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        (model,) = [m.id for m in client.models.list().data]
+        done = client.completions.create(model=model, prompt="kilns", max_tokens=8,
+                                         temperature=0)
+        assert done.usage.completion_tokens == 8 and done.choices[0].text
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+            temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+        async def storm():
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=limits) as c:
+                return await asyncio.gather(*(_stream(c, i, leave=i % 2 == 1)
+                                              for i in range(32)))
+
+        outcomes = asyncio.run(asyncio.wait_for(storm(), 240))
+        assert outcomes.count("done") == 16 and outcomes.count("left") == 16, outcomes
+        kv = _wait_all_free(s.url)
+        assert kv["free_blocks"] == kv["total_blocks"]
+        assert httpx.get(s.url + "/health").status_code == 200
+        (pid,) = _worker_pids(tp2_engine)  # the follower still serves
+        again = client.completions.create(model=model, prompt="kilns", max_tokens=8,
+                                          temperature=0)
+        assert again.choices[0].text == done.choices[0].text  # greedy, same answer
+
+
+def test_ctrl_c_drains_and_exits_0_with_the_follower(tp2_engine):
+    """SIGINT to the server and its follower at once (a terminal's Ctrl-C reaches the
+    whole foreground group): the follower ignores it, the stream in flight finishes, the
+    server exits 0 and the follower with it."""
+    body = {"prompt": "kilns", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with ServerProcess(tp2_engine, "--device", "cpu") as s:
+        (pid,) = _worker_pids(tp2_engine)
+        events = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:
+                    os.kill(s.proc.pid, signal.SIGINT)
+                    os.kill(pid, signal.SIGINT)
+        assert events[-1] == "[DONE]"
+        assert all("error" not in e for e in events[:-1]), events[-2]
+        assert s.proc.wait(30) == 0, "\n".join(s.log)
+    assert _worker_pids(tp2_engine) == []
 
 
 def test_a_rank_killed_mid_request_ends_the_request_and_the_server(tp2_engine):

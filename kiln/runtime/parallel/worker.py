@@ -7,6 +7,10 @@ rank 0's commands until told to stop. It never outlives rank 0: its heartbeat th
 when rank 0's store or beat is gone, or when rank 0 ends the engine. On any error it publishes the message in the
 rendezvous store (rank 0 reports it), prints one line on stderr (the traceback with
 KILN_DEBUG=1) and exits 1.
+
+A follower ignores SIGINT: Ctrl-C in a terminal reaches every process of the foreground
+group, and rank 0 handles it (the server drains, then says Stop); a follower that died of it
+would fail the engine under the requests being drained.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -118,9 +123,11 @@ def follow_launched(engine_dir: str, launch) -> NoReturn:
 
 def _guarded(rank: int, connect: Callable[[], Any], body: Callable[[Any], None]) -> None:
     """``body(store)`` on the store ``connect()`` returns; on any error publish it in the
-    store (rank 0 reports it), print one line on stderr and exit 1."""
+    store (rank 0 reports it), print one line on stderr and exit 1. SIGINT is ignored
+    meanwhile (rank 0's to handle)."""
     from kiln import env
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = None
     try:
         store = connect()
