@@ -151,3 +151,32 @@ def test_generate_across_two_torchrun_nodes_matches_tp1_and_leaves_no_rank(tmp_p
             continue
         assert not (str(two) in cmd_line and "-m kiln" in cmd_line
                     and proc.name != str(os.getpid())), cmd_line
+
+
+def test_a_host_with_another_engine_is_one_clear_error(tmp_path):
+    """Two torchrun nodes (static rendezvous: node 0 is rank 0) whose engine directories
+    differ (another build of the model, as a stale copy on one host would be): the follower
+    refuses before loading weights, rank 0 exits 1 naming why, and so does the follower."""
+    engines = [tmp_path / "a", tmp_path / "b"]
+    for out, seq in zip(engines, (128, 256)):
+        build_engine("random:tiny-llama", out, dtype="float32", max_seq_len=seq, tp=2,
+                     progress=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    port = _free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--max-restarts", "0", "-m", "kiln", "generate", str(engine), "hello", "--raw",
+         "--device", "cpu", "--max-tokens", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        for rank, engine in enumerate(engines)]
+    try:
+        outs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+    assert all(node.returncode != 0 for node in nodes), outs
+    err = outs[0][1]
+    assert "rank 1 failed: ValueError: the engine at" in err and "is not rank 0's" in err, err
+    assert "copy the same engine directory to every host" in err, err

@@ -14,7 +14,8 @@ it), their tensors on the host. Measured on a 2-core CPU machine, smollm2-135m t
 batch 8 decode: 2.9 ms median per step against a 340 ms forward.
 
 A staged step (the Triton path, kiln/runtime/staging.py; every step of a CUDA engine) sends
-less: ``StagedStep`` carries only the step's sizes and which CUDA graph it replays; the
+less: ``StagedStep`` carries only the step's sizes and which CUDA graph it replays, as a
+few integers (``TPGroup.send_words``, not pickled); the
 staged input buffers follow on the model group (one NCCL broadcast of rank 0's device
 buffer, after any on-device patch of its token ids), and every rank replays the same graph
 (``ModelRunner.forward_staged``), whose collectives pair up inside.
@@ -55,6 +56,25 @@ class StagedStep:
 
     bucket: Any
     staged: Any
+
+    KIND = 1  # its first word (``TPGroup.send_words``)
+
+    def words(self) -> list[int]:
+        st, b = self.staged, self.bucket
+        out = [self.KIND, st.num_seqs, st.num_tokens, st.num_rows, st.max_query_len,
+               st.max_context_len, int(st.masked), st.mask_bytes]
+        if b is not None:
+            out += [1, b.num_seqs, b.num_tokens, int(b.masked), b.max_query_len, b.num_rows]
+        return out
+
+    @classmethod
+    def from_words(cls, w: list[int]) -> StagedStep:
+        from kiln.runtime.cuda_graph import Bucket
+        from kiln.runtime.staging import Staged
+
+        staged = Staged(w[1], w[2], w[3], w[4], w[5], bool(w[6]), w[7])
+        bucket = Bucket(w[9], w[10], bool(w[11]), w[12], w[13]) if w[8] else None
+        return cls(bucket, staged)
 
     def receive(self, group: TPGroup, stager: Any) -> None:
         """Rank 0's staged buffers into this rank's (``LeaderModel.send_staged``)."""
@@ -105,7 +125,7 @@ class LeaderModel:
         and bucket, then the staged buffers, to the other ranks."""
         try:
             step = StagedStep(bucket, staged)
-            self.group.send(step)
+            self.group.send_words(step.words())
             step.receive(self.group, stager)  # rank 0 sends
         except Exception as e:
             raise self._on_error(e) from e
@@ -143,7 +163,8 @@ def follow(runner: Any, group: TPGroup) -> None:
         if isinstance(command, ReportMemory):
             group.gather_object(peak_memory(cache.k.device))
             continue
-        if isinstance(command, StagedStep):
+        if isinstance(command, list) and command[0] == StagedStep.KIND:
+            command = StagedStep.from_words(command)
             command.receive(group, runner.stager)
             runner.forward_staged(command.bucket, command.staged)
             continue

@@ -19,13 +19,34 @@ heartbeats; rank 0 ends them through the store's abort key (``supervisor.py``).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
 CONFIG_KEY = "kiln/config"  # rank 0's RuntimeConfig as JSON, for the followers
+ENGINE_KEY = "kiln/engine"  # rank 0's engine.json sha256: every rank must load that engine
+
+
+def engine_digest(engine_dir: str | Path) -> str:
+    """The sha256 of an engine's engine.json, which holds every weight file's checksum: two
+    hosts' copies of one engine agree on it, any other engine does not."""
+    return hashlib.sha256((Path(engine_dir) / "engine.json").read_bytes()).hexdigest()
+
+
+def check_same_engine(store: dist.Store, engine_dir: str | Path) -> None:
+    """A follower: ValueError unless its engine is rank 0's (a host with another build, or
+    an older copy, would compute with other weights)."""
+    want = store.get(ENGINE_KEY).decode()
+    have = engine_digest(engine_dir)
+    if have != want:
+        raise ValueError(
+            f"the engine at {engine_dir} on this host is not rank 0's (engine.json sha256 "
+            f"{have[:12]}… here, {want[:12]}… on rank 0): copy the same engine directory to "
+            "every host")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class Ranks:
         with ``config``, a RuntimeConfig) and form the group with them. Under torchrun
         (launch.py) start none: torchrun's rank 0 forms the group with the ranks torchrun
         started, and any other rank follows it here and then exits the process."""
-        from kiln.runtime.parallel.launch import CONFIG_KEY, launched
+        from kiln.runtime.parallel.launch import CONFIG_KEY, ENGINE_KEY, engine_digest, launched
 
         launch = launched()
         if launch is not None:
@@ -123,6 +123,7 @@ class Ranks:
         supervisor = Supervisor(host, port, parallel.tp, heartbeat_timeout_s, exited,
                                 failed.append)
         try:
+            store.set(ENGINE_KEY, engine_digest(engine_dir))
             for rank in range(1, parallel.tp if launch is None else 1):
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "kiln.runtime.parallel.worker", str(engine_dir),

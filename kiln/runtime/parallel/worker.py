@@ -40,12 +40,17 @@ def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None 
     from kiln.dtypes import TORCH_DTYPES
     from kiln.runtime.config import EngineLimits
     from kiln.runtime.parallel.control import follow
-    from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup
+    from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
+    from kiln.runtime.parallel.launch import ENGINE_KEY
     from kiln.runtime.parallel.ranks import Ranks, cpu_share, rank_device
     from kiln.runtime.startup import assemble
 
+    from kiln.runtime.parallel.launch import check_same_engine
+
     art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
     spec = art.spec
+    wait_for(store, [ENGINE_KEY], lambda: None)
+    check_same_engine(store, engine_dir)  # and this host holds the same files
     device = rank_device(torch.device(config.device), rank if local_rank is None else local_rank,
                          share or spec.tp)
     config = dataclasses.replace(config, device=str(device))
