@@ -98,7 +98,7 @@ def synthetic_requests(
     return reqs
 
 
-def _params(output_len: int, temperature: float = 1.0):
+def sampling_params(output_len: int, temperature: float = 1.0):
     from kiln.runtime.sampling_params import SamplingParams
 
     # vLLM's benchmark settings: sample at temperature 1, no truncation, run to max_tokens.
@@ -110,7 +110,7 @@ def _warmup(engine: Any, input_len: int) -> None:
     """One short request so one-time costs (kernel compilation, graph capture) are not timed."""
     vocab = _vocab_size(engine)
     ids = [random.Random(1234).randrange(vocab) for _ in range(max(1, min(input_len, 16)))]
-    engine.add_request(ids, _params(4))
+    engine.add_request(ids, sampling_params(4))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -124,7 +124,8 @@ def run_requests(
     measured from the moment all requests were queued).
     """
     start = time.perf_counter()
-    ids = [engine.add_request(list(r.prompt_token_ids), _params(r.output_len)) for r in requests]
+    ids = [engine.add_request(list(r.prompt_token_ids), sampling_params(r.output_len))
+           for r in requests]
     index = {rid: i for i, rid in enumerate(ids)}
     first: list[float | None] = [None] * len(ids)
     done: list[float | None] = [None] * len(ids)

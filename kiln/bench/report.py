@@ -185,10 +185,25 @@ def render_latency(result: dict, console: Console | None = None) -> None:
     console.print(f"output tokens/s: {result['output_tokens_per_s']:.1f}")
     if result.get("speculative"):
         render_speculative(result["speculative"], console)
+    render_collectives(result, console)
     render_memory(result, console)
     render_startup(result, console)
     if result.get("baseline"):
         render_baseline(result["baseline"], console)
+
+
+def render_collectives(result: dict, console: Console) -> None:
+    """A tensor-parallel engine's collectives per decode step (kiln.bench.collectives)."""
+    c = result.get("collectives")
+    if not c:
+        return
+    parts = [f"{kind.replace('_', '-')} {c[f'{kind}_ms_per_step']:.3f} ms "
+             f"({c[f'{kind}_calls_per_step']:g} calls)"
+             for kind in ("all_reduce", "gather", "broadcast")]
+    tpot = (result.get("tpot_s") or {}).get("median")
+    of = f"; TPOT median {tpot * 1e3:.3f} ms" if tpot else ""
+    console.print(f"collectives per decode step, batch {c['batch_size']}, {c['source']}: "
+                  f"{', '.join(parts)}{of}", highlight=False)
 
 
 def _mib(n: int | None) -> str:

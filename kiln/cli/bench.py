@@ -291,6 +291,10 @@ def latency(
                 engine, output_len, spec_prompts, window, progress=advance,
                 repeats=spec_repeats, batch_sizes=sizes, temperature=spec_temperature,
                 top_p=spec_top_p)
+    if getattr(engine, "tp", None) is not None:  # what the ranks' collectives cost a step
+        from kiln.bench.collectives import profile_collectives
+
+        result["collectives"] = profile_collectives(engine, batch_size, input_len, seed=seed)
     result.update(startup)
     result.update(_ranks_record(engine))
     env = environment(engine, engine_dir)

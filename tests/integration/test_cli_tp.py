@@ -84,7 +84,8 @@ def test_generate_exits_1_naming_a_rank_that_stops_mid_generation(tmp_path):
 def test_bench_reports_tp_and_every_ranks_peak_memory(tmp_path):
     """`kiln bench latency` and `throughput` on a tp-2 engine: tp 2 and a peak-memory row
     per rank in the table and in --json (the follower's numbers come over the control
-    channel: its own process, not rank 0's), and no rank left afterwards."""
+    channel: its own process, not rank 0's), latency's collectives per decode step, and no
+    rank left afterwards."""
     engine = tmp_path / "tp2"
     build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=128, tp=2,
                  progress=False)
@@ -101,6 +102,12 @@ def test_bench_reports_tp_and_every_ranks_peak_memory(tmp_path):
         for m in got["memory_by_rank"]:
             assert m["device"] == "cpu" and m["device_peak_bytes"] is None
             assert m["peak_rss_bytes"] > 50 * 2**20  # a process with torch loaded
+        if bench == "latency":  # each decode step's collectives, found by the profiler
+            c = got["collectives"]
+            # tiny-llama's 2 layers: o_proj and down each, and the embedding; the logits
+            assert c["all_reduce_calls_per_step"] == 5 and c["gather_calls_per_step"] == 1, c
+            assert c["all_reduce_ms_per_step"] > 0 and c["source"] == "gloo operations (rank 0)"
+            assert "collectives per decode step, batch 2" in r.stdout, r.stdout
         assert _workers_of(engine) == []
 
 
