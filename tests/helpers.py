@@ -173,3 +173,18 @@ def rank_workers(engine: Path) -> dict[int, str]:
         if "kiln.runtime.parallel.worker" in cmd and str(engine) in cmd and state != "Z":
             found[int(proc.name)] = cmd
     return found
+
+
+def wait_all_free(url: str, timeout: float = 30) -> dict:
+    """A running server's /debug/kv once every KV block is free and no request is left."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = httpx.get(url + "/debug/kv").json()
+        if kv["all_free"] and not kv["has_unfinished"]:
+            return kv
+        assert time.monotonic() < deadline, f"KV blocks not freed: {kv}"
+        time.sleep(0.1)

@@ -43,6 +43,7 @@ def profile_collectives(engine: Any, batch_size: int, input_len: int, steps: int
     ids = [engine.add_request(list(r.prompt_token_ids), sampling_params(r.output_len))
            for r in requests]
     cuda = engine.device.type == "cuda"
+    nccl = engine.tp.group.backend == "nccl"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -59,16 +60,25 @@ def profile_collectives(engine: Any, batch_size: int, input_len: int, steps: int
     finally:
         for rid in ids:
             engine.abort(rid)
+    totals = collective_times(prof.events(), nccl)
+    return {
+        "steps": steps, "batch_size": batch_size,
+        "source": "NCCL kernels (rank 0)" if nccl else "gloo operations (rank 0)",
+        **{f"{kind}_ms_per_step": ms / steps for kind, (_, ms) in totals.items()},
+        **{f"{kind}_calls_per_step": n / steps for kind, (n, _) in totals.items()},
+    }
+
+
+def collective_times(events: Any, nccl: bool) -> dict[str, list]:
+    """kind -> [calls, milliseconds] of the profiler's ``events``: NCCL's kernels
+    (``nccl``) or gloo's operations."""
     totals = {kind: [0, 0.0] for kind, _, _ in _KINDS}
-    for event in prof.events():
+    for event in events:
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device != nccl:
+            continue
         kind = classify(event.name, on_device)
         if kind is not None:
             totals[kind][0] += 1
             totals[kind][1] += event.time_range.elapsed_us() / 1e3
-    return {
-        "steps": steps, "batch_size": batch_size,
-        "source": "NCCL kernels (rank 0)" if cuda else "gloo operations (rank 0)",
-        **{f"{kind}_ms_per_step": ms / steps for kind, (_, ms) in totals.items()},
-        **{f"{kind}_calls_per_step": n / steps for kind, (n, _) in totals.items()},
-    }
+    return totals

@@ -119,6 +119,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_nodes(cmds: list[list[str]], env: dict) -> tuple[list, list[tuple[str, str]]]:
+    """Run each torchrun "node" command at once; (the processes, their (stdout, stderr))."""
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              text=True) for cmd in cmds]
+    try:
+        return nodes, [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+
+
 def test_generate_across_two_torchrun_nodes_matches_tp1_and_leaves_no_rank(tmp_path):
     """The README's two-host commands on loopback: two torchrun "nodes" of one rank each
     (c10d rendezvous), both running the same `kiln generate` of a tp-2 engine. torchrun's
@@ -137,14 +149,7 @@ def test_generate_across_two_torchrun_nodes_matches_tp1_and_leaves_no_rank(tmp_p
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
            "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--max-restarts", "0", "-m", "kiln", *args]
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                              text=True) for _ in range(2)]
-    try:
-        outs = [node.communicate(timeout=240) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-            node.wait()
+    nodes, outs = _run_nodes([cmd, cmd], env)
     for node, (_, err) in zip(nodes, outs):
         assert node.returncode == 0, err
     printed = [out for out, _ in outs if out.strip()]
@@ -170,19 +175,11 @@ def test_a_host_with_another_engine_is_one_clear_error(tmp_path):
                      progress=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     port = _free_port()
-    nodes = [subprocess.Popen(
+    nodes, outs = _run_nodes([
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
          "--max-restarts", "0", "-m", "kiln", "generate", str(engine), "hello", "--raw",
-         "--device", "cpu", "--max-tokens", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-        for rank, engine in enumerate(engines)]
-    try:
-        outs = [node.communicate(timeout=240) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-            node.wait()
+         "--device", "cpu", "--max-tokens", "4"] for rank, engine in enumerate(engines)], env)
     assert all(node.returncode != 0 for node in nodes), outs
     err = outs[0][1]
     assert "rank 1 failed: ValueError: the engine at" in err and "is not rank 0's" in err, err

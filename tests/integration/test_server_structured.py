@@ -11,9 +11,9 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers import wait_all_free
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -60,16 +60,6 @@ async def _post_many(url: str, bodies: list[dict]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         return await asyncio.gather(*(c.post(b.pop("_path", "/v1/completions"), json=b)
                                       for b in bodies))
-
-
-def wait_all_free(url: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        kv = httpx.get(url + "/debug/kv").json()
-        if kv["all_free"] and not kv["has_unfinished"]:
-            return kv
-        assert time.monotonic() < deadline, f"KV blocks not freed: {kv}"
-        time.sleep(0.1)
 
 
 def test_json_schema_50(server):

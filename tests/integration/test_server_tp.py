@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import rank_workers
+from helpers import rank_workers, wait_all_free
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -38,16 +38,6 @@ def tp2_engine(tmp_path_factory) -> Path:
     build_engine("random:tiny-llama", engine, dtype="float32", max_seq_len=512, tp=2,
                  progress=False)
     return engine
-
-
-def _wait_all_free(url: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        kv = httpx.get(url + "/debug/kv").json()
-        if kv["all_free"] and not kv["has_unfinished"]:
-            return kv
-        assert time.monotonic() < deadline, f"KV blocks not freed: {kv}"
-        time.sleep(0.1)
 
 
 async def _stream(c: httpx.AsyncClient, i: int, leave: bool) -> str:
@@ -87,7 +77,7 @@ def test_openai_client_and_a_disconnect_storm(tp2_engine):
 
         outcomes = asyncio.run(asyncio.wait_for(storm(), 240))
         assert outcomes.count("done") == 16 and outcomes.count("left") == 16, outcomes
-        kv = _wait_all_free(s.url)
+        kv = wait_all_free(s.url)
         assert kv["free_blocks"] == kv["total_blocks"]
         assert httpx.get(s.url + "/health").status_code == 200
         (pid,) = _worker_pids(tp2_engine)  # the follower still serves
