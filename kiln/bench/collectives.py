@@ -15,20 +15,20 @@ import torch
 
 from kiln.bench.offline import sampling_params, synthetic_requests
 
-# substrings of the profiler's event names, lower-cased: (kind, NCCL kernel, gloo operation)
-_KINDS = (("all_reduce", "allreduce", "gloo:all_reduce"),
-          ("gather", "allgather", "gloo:gather"),
-          ("broadcast", "broadcast", "gloo:broadcast"))
+# the profiler's event names, lower-cased: (kind, in NCCL's kernel, gloo's operations)
+_KINDS = (("all_reduce", "allreduce", ("gloo:all_reduce",)),
+          ("gather", "allgather", ("gloo:all_gather", "gloo:gather")),
+          ("broadcast", "broadcast", ("gloo:broadcast",)))
 
 
 def classify(name: str, on_device: bool) -> str | None:
     """The collective an event of the profiler is (``all_reduce``, ``gather``,
     ``broadcast``), or None: NCCL kernels on the device, gloo operations on the host."""
     low = name.lower()
-    for kind, kernel, op in _KINDS:
+    for kind, kernel, ops in _KINDS:
         if on_device and low.startswith("nccl") and kernel in low:
             return kind
-        if not on_device and low.startswith(op):
+        if not on_device and low.startswith(ops):
             return kind
     return None
 

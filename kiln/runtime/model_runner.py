@@ -221,7 +221,7 @@ class ModelRunner:
             shift_rows(self.moved_entries(len(batch.items), n), stager.staged_rows(), counts,
                        n, self.device.type == "cuda")
         if self.leader is not None:  # the staged buffers as they are now, to every rank
-            self.leader.send_staged(bucket, st, stager)
+            self.leader.send_staged(bucket, st, stager, len(out.spec_entries))
         out.logits, out.spec = self.forward_staged(bucket, st, len(out.spec_entries))
         stager.mark_consumed()  # the next step's upload may start once this forward has run
         return out

@@ -64,8 +64,8 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     ``attention`` section (the backend measured at build), which "auto" follows on CUDA.
     ``tp``: this process's rank of a tensor-parallel engine (kiln.runtime.parallel.Ranks):
     ``weights`` are its shard, the model and cache its share, as many KV blocks on every
-    rank; on rank 0 the model and the cache send what they do to the other ranks;
-    speculative state stays on the host."""
+    rank; on rank 0 the model, the cache and the device speculation state send what they do
+    to the other ranks."""
     t_start = time.perf_counter()
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     weights = place_weights(weights, device, dtype)  # FP8 + scales keep their dtype
@@ -105,10 +105,10 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                           max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
     t_cache = time.perf_counter()
     runner = ModelRunner(model, cache, device)
+    # under tp every rank holds the same state and runs the same device steps
     device_state = (make_device_state(speculative, scheduler.max_num_seqs, limits.max_seq_len,
                                       device)
-                    if tp is None and device_speculation_on(config, speculative, device)
-                    else None)
+                    if device_speculation_on(config, speculative, device) else None)
     if device_state is not None:
         runner.spec_step = DeviceSpecStep(device_state)  # before the graphs capture it
     graphs_s = 0.0
@@ -134,7 +134,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
             warm_device_state(device_state)
     if tp is not None:  # from here on rank 0 sends what it runs to the other ranks
         tp.ready()
-        model, cache = tp.lead(model, cache)
+        model, cache, device_state = tp.lead(model, cache, device_state)
         runner.leader, runner.cache = (model, cache) if tp.rank == 0 else (None, cache)
     times = {"place_weights_s": t_model - t_start, "kv_cache_s": t_cache - t_model,
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,

@@ -125,6 +125,34 @@ def test_bench_latency_of_a_tp2_engine_on_one_gpu_over_gloo(tiny_reference, monk
     assert all(m["device_peak_bytes"] > 0 for m in memory), memory
 
 
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=NCCL_NEEDS_2)])
+@pytest.mark.parametrize("mode", ["lookahead", "ngram"])
+def test_tp2_device_speculation_equals_tp1_plain(tiny_reference, monkeypatch, mode, backend):
+    """The speculation kernels on every rank (proposal, verification on the all-gathered
+    logits, the accepted rows' KV moved in each rank's cache): greedy equals plain tp 1."""
+    from kiln.artifact.speculative import SpeculativeConfig
+
+    monkeypatch.setenv("KILN_TP_BACKEND", backend)
+    spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
+            else SpeculativeConfig.from_cli("ngram", None, 4, 2))
+    kw = dict(max_seq_len=256, max_num_tokens=256, max_batch_size=8)
+    _, one = tiny_reference("llama", **kw)
+    _, two = tiny_reference("llama", tp=2, speculative=spec, **kw)
+    prompts = [p + p[:6] + p for p in mixed_prompts()[1:4]] + [mixed_prompts()[0]]
+    cfg = dict(attention_backend="triton", block_size=4, num_kv_blocks=128)
+    want, _ = _run(one, prompts, **cfg)
+    eng = LLMEngine.from_engine_dir(two, RuntimeConfig(device="cuda", device_speculation=True,
+                                                       **cfg))
+    try:
+        assert eng.spec_worker.device is not None and eng.runner.spec_step.kernels
+        outs = eng.generate(prompts, GREEDY)
+        eng.blocks.check_all_free()
+    finally:
+        eng.close()
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.spec_tokens - o.metrics.spec_steps for o in outs) > 0
+
+
 @pytest.mark.slow
 def test_qwen25_05b_tp2_over_gloo_equals_tp1(tmp_path, monkeypatch):
     """Issue 30's first check on one GPU: random qwen2.5-0.5b (14 heads, 2 KV heads: one

@@ -25,22 +25,25 @@ from kiln.runtime.sampling_params import SamplingParams
 LOOKAHEAD = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
 
 
-def _tokens(engine_dir, backend, prompts, params, graphs=False):
+def _tokens(engine_dir, backend, prompts, params, graphs=False, device_state=False):
     eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
         device="cpu", block_size=4, num_kv_blocks=96, max_num_tokens=40,
-        attention_backend=backend, cuda_graphs=graphs))
+        attention_backend=backend, cuda_graphs=graphs, device_speculation=device_state))
     sent: list[StagedStep] = []
     if eng.tp is not None:  # count what rank 0 sends on the staged path
         leader = eng.runner.leader
         send = leader.send_staged
-        leader.send_staged = lambda b, st, stager: (sent.append(StagedStep(b, st)),
-                                                    send(b, st, stager))
+        leader.send_staged = lambda b, st, stager, n: (sent.append(StagedStep(b, st, n)),
+                                                       send(b, st, stager, n))
     try:
         outs = eng.generate(prompts, params)
         eng.blocks.check_all_free()
         replays = eng.runner.graphs.num_replays if eng.runner.graphs is not None else 0
+        assert (eng.spec_worker is not None and eng.spec_worker.device is not None) == (
+            device_state and eng.speculative.mode != "none")
     finally:
         eng.close()
+    _tokens.accepted = sum(o.metrics.spec_tokens - o.metrics.spec_steps for o in outs)
     return [o.token_ids for o in outs], sent, replays
 
 
@@ -73,3 +76,25 @@ def test_tp2_triton_lookahead_equals_tp1_plain(tiny_reference):
     got, sent, _ = _tokens(two, "triton", prompts, params, graphs=True)
     assert got == want
     assert any(s.staged.mask_bytes > 0 for s in sent)
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "ngram"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buckets"])
+def test_tp2_device_speculation_equals_tp1_plain(tiny_reference, mode, graphs):
+    """Device speculation under tp: every rank holds the state (rank 0's host writes, admit
+    and fold, are sent as ``StateCall``) and runs the proposal, the verification on the
+    all-gathered logits and the KV move of the accepted rows inside its own steps. Greedy
+    output equals plain tp 1, with drafts accepted on the device."""
+    spec = (LOOKAHEAD if mode == "lookahead"
+            else SpeculativeConfig.from_cli("ngram", None, 4, 2))
+    kw = dict(max_seq_len=128, max_num_tokens=256, max_batch_size=8)
+    _, one = tiny_reference("llama", **kw)
+    _, two = tiny_reference("llama", tp=2, speculative=spec, **kw)
+    # repeats, so that prompt lookup and the n-gram pool find drafts
+    prompts = [p + p[:6] + p for p in mixed_prompts()[1:3]] + [mixed_prompts()[0]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want, _, _ = _tokens(one, "torch", prompts, params)
+    got, sent, _ = _tokens(two, "triton", prompts, params, graphs, device_state=True)
+    assert got == want
+    assert any(s.num_entries > 0 for s in sent)  # steps ran device plans
+    assert _tokens.accepted > 0  # and accepted drafts

@@ -56,13 +56,14 @@ class StagedStep:
 
     bucket: Any
     staged: Any
+    num_entries: int = 0  # device speculation plans staged (their steps run on every rank)
 
     KIND = 1  # its first word (``TPGroup.send_words``)
 
     def words(self) -> list[int]:
         st, b = self.staged, self.bucket
         out = [self.KIND, st.num_seqs, st.num_tokens, st.num_rows, st.max_query_len,
-               st.max_context_len, int(st.masked), st.mask_bytes]
+               st.max_context_len, int(st.masked), st.mask_bytes, self.num_entries]
         if b is not None:
             out += [1, b.num_seqs, b.num_tokens, int(b.masked), b.max_query_len, b.num_rows]
         return out
@@ -73,8 +74,8 @@ class StagedStep:
         from kiln.runtime.staging import Staged
 
         staged = Staged(w[1], w[2], w[3], w[4], w[5], bool(w[6]), w[7])
-        bucket = Bucket(w[9], w[10], bool(w[11]), w[12], w[13]) if w[8] else None
-        return cls(bucket, staged)
+        bucket = Bucket(w[10], w[11], bool(w[12]), w[13], w[14]) if w[9] else None
+        return cls(bucket, staged, w[8])
 
     def receive(self, group: TPGroup, stager: Any) -> None:
         """Rank 0's staged buffers into this rank's (``LeaderModel.send_staged``)."""
@@ -93,6 +94,18 @@ class MoveSlots:
     def run(self, model: Any, cache: KVCache) -> None:
         device = cache.k.device
         cache.move_slots(self.src.to(device), self.dst.to(device))
+
+
+@dataclass(frozen=True)
+class StateCall:
+    """A host write into the device speculation state (``LeaderState``): every rank holds
+    the same state and runs the same proposal and verification inside its steps."""
+
+    method: str
+    args: tuple
+
+    def run(self, state: Any) -> None:
+        getattr(state, self.method)(*moved(self.args, state.device))
 
 
 @dataclass(frozen=True)
@@ -120,11 +133,11 @@ class LeaderModel:
         except Exception as e:  # the ranks may be out of step now: the engine is done
             raise self._on_error(e) from e
 
-    def send_staged(self, bucket: Any, staged: Any, stager: Any) -> None:
-        """Before the staged step's forward (``ModelRunner._execute_staged``): its sizes
-        and bucket, then the staged buffers, to the other ranks."""
+    def send_staged(self, bucket: Any, staged: Any, stager: Any, num_entries: int = 0) -> None:
+        """Before the staged step's forward (``ModelRunner._execute_staged``): its sizes,
+        bucket and device plans, then the staged buffers, to the other ranks."""
         try:
-            step = StagedStep(bucket, staged)
+            step = StagedStep(bucket, staged, num_entries)
             self.group.send_words(step.words())
             step.receive(self.group, stager)  # rank 0 sends
         except Exception as e:
@@ -152,6 +165,33 @@ class LeaderCache:
         return getattr(self.cache, name)
 
 
+class LeaderState:
+    """Rank 0's device speculation state (DeviceLookahead, DeviceNgram): the host's writes
+    into it (``admit`` a request, ``fold`` what plain steps committed) run here, then on
+    every other rank's copy. The steps' proposal, verification and KV moves need nothing
+    sent: every rank runs them on the same staged entries and the same all-gathered logits,
+    so the copies stay equal. Everything else is the wrapped state's."""
+
+    def __init__(self, state: Any, group: TPGroup, on_error: Any):
+        self.state, self.group, self._on_error = state, group, on_error
+
+    def admit(self, *args) -> None:
+        self._call("admit", args)
+
+    def fold(self, *args) -> None:
+        self._call("fold", args)
+
+    def _call(self, method: str, args: tuple) -> None:
+        getattr(self.state, method)(*args)  # raises here first on a bad request
+        try:
+            self.group.send(StateCall(method, moved(args, "cpu")))
+        except Exception as e:
+            raise self._on_error(e) from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.state, name)
+
+
 def follow(runner: Any, group: TPGroup) -> None:
     """A follower's loop: run rank 0's commands on ``runner``'s model and cache (a
     ModelRunner) until ``Stop``."""
@@ -166,7 +206,10 @@ def follow(runner: Any, group: TPGroup) -> None:
         if isinstance(command, list) and command[0] == StagedStep.KIND:
             command = StagedStep.from_words(command)
             command.receive(group, runner.stager)
-            runner.forward_staged(command.bucket, command.staged)
+            runner.forward_staged(command.bucket, command.staged, command.num_entries)
+            continue
+        if isinstance(command, StateCall):
+            command.run(runner.spec_step.state)
             continue
         if not isinstance(command, (Forward, MoveSlots)):
             raise TypeError(f"unknown command {type(command).__name__} from rank 0")

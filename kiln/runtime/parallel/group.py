@@ -57,9 +57,9 @@ def model_backend(device: torch.device) -> str:
 class TPGroup:
     """This process's rank among ``world`` ranks (``store``: the rendezvous store rank 0
     hosts) whose model tensors live on ``device``. Shapes: ``all_reduce`` in place, any
-    shape; ``gather_columns`` [rows, cols] → on rank 0 [rows, world * cols] (rank order),
-    elsewhere None (with NCCL every rank gets them: an all-gather, which graphs capture);
-    ``broadcast`` in place, rank 0's tensor to every rank."""
+    shape; ``gather_columns`` [rows, cols] → [rows, world * cols] (rank order) on every
+    rank (an all-gather, which graphs capture; every rank's device speculation verifies on
+    the same logits); ``broadcast`` in place, rank 0's tensor to every rank."""
 
     def __init__(self, rank: int, world: int, store: dist.Store,
                  device: torch.device | None = None):
@@ -106,7 +106,7 @@ class TPGroup:
         dist.broadcast(t, src=0)
         return t
 
-    def gather_columns(self, local: torch.Tensor) -> torch.Tensor | None:
+    def gather_columns(self, local: torch.Tensor) -> torch.Tensor:
         local = local.contiguous()
         if self.backend == "nccl":
             rows, cols = local.shape
@@ -116,9 +116,9 @@ class TPGroup:
         device = local.device
         if self._via_host:
             local = local.cpu()
-        parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
-        dist.gather(local, parts, dst=0)
-        return torch.cat(parts, dim=-1).to(device) if parts is not None else None
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1).to(device)
 
     def send(self, command: object) -> None:
         """Rank 0: pickle ``command`` to every other rank (``recv``)."""

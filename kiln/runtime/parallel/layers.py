@@ -5,7 +5,8 @@ qkv and gate_up are column-parallel and need nothing: a rank's attention runs on
 query and KV heads, and its MLP on its rows of the intermediate activations. o_proj and
 down are row-parallel: each rank's product is a partial sum, all-reduced. The embedding is
 vocab-parallel: each rank looks up the ids in its rows (zeros elsewhere), all-reduced. The
-head's logits are gathered on rank 0, the one that samples, and its vocabulary pad is dropped.
+head's logits are gathered on every rank (rank 0 samples; each rank's device speculation
+verifies), and its vocabulary pad is dropped.
 """
 
 from __future__ import annotations
@@ -30,17 +31,15 @@ class RowParallel:
 
 
 class VocabParallelHead:
-    """The output projection over this rank's vocabulary rows; on rank 0 the full logits
-    [rows, vocab_size] (the ranks' columns gathered, the pad dropped), elsewhere this rank's
-    [rows, vocab_size_padded / tp] (unused: rank 0 samples)."""
+    """The output projection over this rank's vocabulary rows; the full logits
+    [rows, vocab_size] on every rank (the ranks' columns gathered, the pad dropped): rank 0
+    samples from them, and every rank's device speculation verifies on them."""
 
     def __init__(self, linear: Linear, group: TPGroup, vocab_size: int):
         self.linear, self.group, self.vocab_size = linear, group, vocab_size
 
     def __call__(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        local = self.linear(x, **kwargs)
-        full = self.group.gather_columns(local)
-        return local if full is None else full[:, : self.vocab_size]
+        return self.group.gather_columns(self.linear(x, **kwargs))[:, : self.vocab_size]
 
 
 class VocabParallelEmbedding:

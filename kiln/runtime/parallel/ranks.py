@@ -39,7 +39,13 @@ from kiln.artifact.parallel import ParallelConfig
 from kiln.config import ModelConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.memory import peak_memory
-from kiln.runtime.parallel.control import LeaderCache, LeaderModel, ReportMemory, Stop
+from kiln.runtime.parallel.control import (
+    LeaderCache,
+    LeaderModel,
+    LeaderState,
+    ReportMemory,
+    Stop,
+)
 from kiln.runtime.parallel.group import NO_MULTICAST, START_TIMEOUT_S, TPGroup, wait_for
 from kiln.runtime.parallel.layers import parallelize
 from kiln.runtime.parallel.supervisor import Supervisor
@@ -174,13 +180,14 @@ class Ranks:
         """The KV blocks every rank allocates: the fewest any rank can hold."""
         return self.group.agree_min("num_kv_blocks", num_blocks, self._check)
 
-    def lead(self, model: Any, cache: KVCache) -> tuple[Any, Any]:
-        """Rank 0: the model and cache that send what they do to the followers; a
-        follower: its own, driven by ``control.follow``."""
+    def lead(self, model: Any, cache: KVCache, state: Any = None) -> tuple[Any, Any, Any]:
+        """Rank 0: the model, cache and device speculation state (or None) that send what
+        they do to the followers; a follower: its own, driven by ``control.follow``."""
         if self.rank != 0:
-            return model, cache
-        return LeaderModel(model, self.group, self.fail), LeaderCache(cache, self.group,
-                                                                      self.fail)
+            return model, cache, state
+        return (LeaderModel(model, self.group, self.fail),
+                LeaderCache(cache, self.group, self.fail),
+                LeaderState(state, self.group, self.fail) if state is not None else None)
 
     def memory(self, device: torch.device) -> list[dict]:
         """Rank 0: every rank's peak memory (kiln.runtime.memory), in rank order."""
