@@ -61,12 +61,16 @@ def profile_collectives(engine: Any, batch_size: int, input_len: int, steps: int
         for rid in ids:
             engine.abort(rid)
     totals = collective_times(prof.events(), nccl)
-    return {
+    out = {
         "steps": steps, "batch_size": batch_size,
         "source": "NCCL kernels (rank 0)" if nccl else "gloo operations (rank 0)",
         **{f"{kind}_ms_per_step": ms / steps for kind, (_, ms) in totals.items()},
         **{f"{kind}_calls_per_step": n / steps for kind, (n, _) in totals.items()},
     }
+    if not totals["all_reduce"][0]:  # never a silent 0 ms: say it was not seen
+        out["source"] += (": none found by the profiler (KILN_CUDA_GRAPHS=0 times them "
+                          "eagerly)")
+    return out
 
 
 def collective_times(events: Any, nccl: bool) -> dict[str, list]:

@@ -23,6 +23,8 @@ def peak_memory(device: torch.device | str) -> dict:
     """This process's peak memory (see the module docstring); ``device``: where its engine
     runs."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current one, by number
+        device = torch.device("cuda", torch.cuda.current_device())
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"device": str(device), "peak_rss_bytes": peak_rss_bytes(), "device_peak_bytes": peak}
 
