@@ -35,6 +35,9 @@ Tensor parallelism (read when a tensor-parallel engine starts):
 - ``KILN_TP_HEARTBEAT_TIMEOUT_S``: seconds (a number >= 1) a rank may go without a
   heartbeat before rank 0 declares it hung and ends the engine (default 10;
   kiln/runtime/parallel/supervisor.py). Anything else is a ValueError at load.
+- ``KILN_TP_BACKEND``: the model's collectives on CUDA, ``nccl`` (default) or ``gloo``
+  (several ranks may share a GPU: tests on one GPU; eager, no CUDA graphs). Anything else
+  is a ValueError at load.
 
 Tests that change one of the cached two call ``pdl_mode.cache_clear()`` /
 ``triton_interpret.cache_clear()``.
@@ -99,3 +102,11 @@ def tp_heartbeat_timeout_s() -> float:
                          "(a rank beats every 0.5 s); set it to e.g. "
                          f"{TP_HEARTBEAT_TIMEOUT_S:g}, or unset it")
     return value
+
+
+def tp_backend() -> str:
+    """``KILN_TP_BACKEND`` (``nccl`` or ``gloo``), else ``nccl``; ValueError otherwise."""
+    name = os.environ.get("KILN_TP_BACKEND", "").strip().lower() or "nccl"
+    if name not in ("nccl", "gloo"):
+        raise ValueError(f"KILN_TP_BACKEND={name!r}: expected nccl (the default) or gloo")
+    return name

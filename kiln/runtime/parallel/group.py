@@ -7,8 +7,8 @@ Two process groups over the same ranks:
   input buffers (``broadcast``). On CUDA its collectives are captured in the CUDA graphs;
   NCCL's communicator is made at once (``device_id``) and used once before any capture.
   NVLink multicast (NVLS) stays off in every rank (``NO_MULTICAST``): on a host whose GPUs
-  are shared, a program that uses it can put them out of service. Every rank runs the same forward, so
-  its ranks meet within milliseconds; one that has not joined after
+  are shared, a program that uses it can put them out of service. Every rank runs the same
+  forward, so its ranks meet within milliseconds; one that has not joined after
   ``COLLECTIVE_TIMEOUT_S`` is dead or hung, and the collective raises instead of waiting.
 - the control group (gloo), for rank 0's commands (``control.py``). Timeouts are each
   process's own: a follower waits there between steps for as long as the engine is idle,
@@ -39,19 +39,15 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 HEADER_WORDS = 16  # a command's fixed header on the control group (``send_words``)
 _OBJECT = 0  # the header of a pickled command
-BACKEND_ENV = "KILN_TP_BACKEND"  # the model group's backend on CUDA: nccl (default) or gloo
 
 
 def model_backend(device: torch.device) -> str:
     """The model group's backend for ranks on ``device``: gloo on the CPU; NCCL on CUDA
     unless ``KILN_TP_BACKEND=gloo`` (several ranks on one GPU, which NCCL refuses: for
     tests; no CUDA graphs then, gloo's collectives cannot be captured)."""
-    if device.type != "cuda":
-        return "gloo"
-    name = os.environ.get(BACKEND_ENV, "nccl").strip().lower() or "nccl"
-    if name not in ("nccl", "gloo"):
-        raise ValueError(f"{BACKEND_ENV}={name!r}: expected nccl or gloo")
-    return name
+    from kiln.runtime import env
+
+    return env.tp_backend() if device.type == "cuda" else "gloo"
 
 
 class TPGroup:
