@@ -177,12 +177,10 @@ class ModelRunner:
                                warp=to_device(sampling[2], torch.float32, dev).view(-1, 3))
                    if out.spec_entries else None)
         proposal = self.spec_step.prologue(entries, ids) if entries is not None else None
-        out.logits = (self.leader or self.model).forward(
-            ids,
-            torch.cat(positions).to(dev),
-            self.cache, meta,
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )
+        args = (ids, torch.cat(positions).to(dev), self.cache, meta,
+                torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        out.logits = (self.leader.forward(*args, entries=entries) if self.leader is not None
+                      else self.model.forward(*args))
         if entries is not None:
             out.spec = self.spec_step.epilogue(entries, proposal, out.logits,
                                                meta.slot_mapping, self.cache)

@@ -37,16 +37,25 @@ from kiln.runtime.parallel.group import TPGroup
 
 @dataclass(frozen=True)
 class Forward:
-    """``LlamaModel.forward``'s inputs (its cache is each rank's own)."""
+    """``LlamaModel.forward``'s inputs (its cache is each rank's own); ``entries``: the
+    step's device speculation plans (kiln.runtime.speculative.device_step.SpecEntries),
+    whose proposal and verification every rank runs around the forward, or None."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logit_rows: torch.Tensor
+    entries: Any = None
 
-    def run(self, model: Any, cache: KVCache) -> None:
+    def run(self, runner: Any) -> None:
+        model, cache, spec = runner.model, runner.cache, runner.spec_step
         f = moved(self, cache.k.device)
-        model.forward(f.input_ids, f.positions, cache, f.meta, f.logit_rows)
+        # the ids hold rank 0's proposal already; this rank's (the same) gives the epilogue
+        # its proposal
+        proposal = spec.prologue(f.entries, f.input_ids) if f.entries is not None else None
+        logits = model.forward(f.input_ids, f.positions, cache, f.meta, f.logit_rows)
+        if f.entries is not None:
+            spec.epilogue(f.entries, proposal, logits, f.meta.slot_mapping, cache)
 
 
 @dataclass(frozen=True)
@@ -126,9 +135,13 @@ class LeaderModel:
         self.model, self.group, self._on_error = model, group, on_error
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any,
-                meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logit_rows: torch.Tensor,
+                entries: Any = None) -> torch.Tensor:
+        """``entries``: the device speculation plans of an eager step
+        (``ModelRunner.execute``), which the other ranks verify too."""
         try:
-            self.group.send(moved(Forward(input_ids, positions, meta, logit_rows), "cpu"))
+            self.group.send(moved(Forward(input_ids, positions, meta, logit_rows, entries),
+                                  "cpu"))
             return self.model.forward(input_ids, positions, cache, meta, logit_rows)
         except Exception as e:  # the ranks may be out of step now: the engine is done
             raise self._on_error(e) from e
@@ -211,7 +224,10 @@ def follow(runner: Any, group: TPGroup) -> None:
         if isinstance(command, StateCall):
             command.run(runner.spec_step.state)
             continue
-        if not isinstance(command, (Forward, MoveSlots)):
+        if isinstance(command, Forward):
+            command.run(runner)
+            continue
+        if not isinstance(command, MoveSlots):
             raise TypeError(f"unknown command {type(command).__name__} from rank 0")
         command.run(model, cache)
 
