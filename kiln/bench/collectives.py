@@ -43,9 +43,9 @@ def profile_collectives(engine: Any, batch_size: int, input_len: int, steps: int
     ids = [engine.add_request(list(r.prompt_token_ids), sampling_params(r.output_len))
            for r in requests]
     cuda = engine.device.type == "cuda"
-    nccl = engine.tp.group.backend == "nccl"
+    nccl = engine.tp.group.backend == "nccl"  # NCCL's are kernels; gloo's host operations
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
+    if nccl:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     try:
         for _ in range(warm):

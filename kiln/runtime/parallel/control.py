@@ -100,9 +100,9 @@ class MoveSlots:
     src: torch.Tensor
     dst: torch.Tensor
 
-    def run(self, model: Any, cache: KVCache) -> None:
-        device = cache.k.device
-        cache.move_slots(self.src.to(device), self.dst.to(device))
+    def run(self, runner: Any) -> None:
+        cache = runner.cache
+        cache.move_slots(self.src.to(cache.k.device), self.dst.to(cache.k.device))
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ class StateCall:
     method: str
     args: tuple
 
-    def run(self, state: Any) -> None:
+    def run(self, runner: Any) -> None:
+        state = runner.spec_step.state
         getattr(state, self.method)(*moved(self.args, state.device))
 
 
@@ -206,30 +207,22 @@ class LeaderState:
 
 
 def follow(runner: Any, group: TPGroup) -> None:
-    """A follower's loop: run rank 0's commands on ``runner``'s model and cache (a
-    ModelRunner) until ``Stop``."""
-    model, cache = runner.model, runner.cache
+    """A follower's loop: run rank 0's commands on ``runner`` (its ModelRunner: model,
+    cache, stager, device speculation step) until ``Stop``."""
     while True:
         command = group.recv()
         if isinstance(command, Stop):
             return
         if isinstance(command, ReportMemory):
-            group.gather_object(peak_memory(cache.k.device))
-            continue
-        if isinstance(command, list) and command[0] == StagedStep.KIND:
-            command = StagedStep.from_words(command)
-            command.receive(group, runner.stager)
-            runner.forward_staged(command.bucket, command.staged, command.num_entries)
-            continue
-        if isinstance(command, StateCall):
-            command.run(runner.spec_step.state)
-            continue
-        if isinstance(command, Forward):
+            group.gather_object(peak_memory(runner.cache.k.device))
+        elif isinstance(command, list) and command[0] == StagedStep.KIND:
+            step = StagedStep.from_words(command)
+            step.receive(group, runner.stager)
+            runner.forward_staged(step.bucket, step.staged, step.num_entries)
+        elif isinstance(command, (Forward, MoveSlots, StateCall)):
             command.run(runner)
-            continue
-        if not isinstance(command, MoveSlots):
+        else:
             raise TypeError(f"unknown command {type(command).__name__} from rank 0")
-        command.run(model, cache)
 
 
 def moved(obj: Any, device: Any) -> Any:

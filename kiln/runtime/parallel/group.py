@@ -34,7 +34,7 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 30
 START_TIMEOUT_S = 600  # every rank loads its shard and builds its model within this
 _IDLE = datetime.timedelta(days=365)
-# set in every rank before NCCL starts (also in the followers' environment, ranks.py)
+# set in every rank before NCCL starts (TPGroup)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 HEADER_WORDS = 16  # a command's fixed header on the control group (``send_words``)
@@ -86,21 +86,20 @@ class TPGroup:
         return self.backend == "nccl"
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self._via_host:
-            host = t.cpu()
-            dist.all_reduce(host)
-            return t.copy_(host)
-        dist.all_reduce(t)
-        return t
+        return self._in_place(dist.all_reduce, t)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` into every rank's ``t`` (in place, contiguous)."""
-        if self._via_host:
-            host = t.cpu()
-            dist.broadcast(host, src=0)
-            return t.copy_(host)
-        dist.broadcast(t, src=0)
-        return t
+        return self._in_place(lambda x: dist.broadcast(x, src=0), t)
+
+    def _in_place(self, op: Callable[[torch.Tensor], object], t: torch.Tensor) -> torch.Tensor:
+        """``op`` on ``t`` in place; through a host copy where the group cannot take it."""
+        if not self._via_host:
+            op(t)
+            return t
+        host = t.cpu()
+        op(host)
+        return t.copy_(host)
 
     def gather_columns(self, local: torch.Tensor) -> torch.Tensor:
         local = local.contiguous()

@@ -39,7 +39,7 @@ def engine_digest(engine_dir: str | Path) -> str:
 
 def check_same_engine(store: dist.Store, engine_dir: str | Path) -> None:
     """A follower: ValueError unless its engine is rank 0's (a host with another build, or
-    an older copy, would compute with other weights)."""
+    an older copy, would compute with other weights). ``store.get`` waits for rank 0's."""
     want = store.get(ENGINE_KEY).decode()
     have = engine_digest(engine_dir)
     if have != want:

@@ -46,7 +46,7 @@ from kiln.runtime.parallel.control import (
     ReportMemory,
     Stop,
 )
-from kiln.runtime.parallel.group import NO_MULTICAST, START_TIMEOUT_S, TPGroup, wait_for
+from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
 from kiln.runtime.parallel.layers import parallelize
 from kiln.runtime.parallel.supervisor import Supervisor
 
@@ -104,7 +104,6 @@ class Ranks:
         device = rank_device(device, 0, local_world)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            os.environ.update(NO_MULTICAST)  # the followers inherit it
         from kiln.runtime import env
 
         heartbeat_timeout_s = env.tp_heartbeat_timeout_s()

@@ -13,8 +13,9 @@ exited (at once) and a rank whose count has not moved for the heartbeat timeout
 (``KILN_TP_HEARTBEAT_TIMEOUT_S``, default 10 s, well inside the 30 s collective timeout).
 A rank is held to it from its first beat; before that it is still starting (python and
 torch imports) and the start-up checks bound it. A follower beats once before it reports
-itself up, so every rank is held to it once the group has formed. On a failure it calls ``on_failure`` once
-with the reason (``Ranks`` ends every rank and tells the engine's listeners).
+itself up, so every rank is held to it once the group has formed. On a failure it calls
+``on_failure`` once with the reason (``Ranks`` ends every rank and tells the engine's
+listeners).
 
 Followers, ``Heartbeat``: the same thread ends its process when rank 0 is gone (the store
 unreachable, or the parent process changed), when rank 0's own beat stops for the

@@ -4,9 +4,9 @@
 It loads its shard, builds its model and KV cache with rank 0's RuntimeConfig, then runs
 rank 0's commands until told to stop. It never outlives rank 0: its heartbeat thread
 (``supervisor.Heartbeat``) ends the process when its parent is no longer ``--leader-pid``,
-when rank 0's store or beat is gone, or when rank 0 ends the engine. On any error it publishes the message in the
-rendezvous store (rank 0 reports it), prints one line on stderr (the traceback with
-KILN_DEBUG=1) and exits 1.
+when rank 0's store or beat is gone, or when rank 0 ends the engine. On any error it
+publishes the message in the rendezvous store (rank 0 reports it), prints one line on
+stderr (the traceback with KILN_DEBUG=1) and exits 1.
 
 A follower ignores SIGINT: Ctrl-C in a terminal reaches every process of the foreground
 group, and rank 0 handles it (the server drains, then says Stop); a follower that died of it
@@ -40,16 +40,13 @@ def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None 
     from kiln.dtypes import TORCH_DTYPES
     from kiln.runtime.config import EngineLimits
     from kiln.runtime.parallel.control import follow
-    from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup, wait_for
-    from kiln.runtime.parallel.launch import ENGINE_KEY
+    from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup
+    from kiln.runtime.parallel.launch import check_same_engine
     from kiln.runtime.parallel.ranks import Ranks, cpu_share, rank_device
     from kiln.runtime.startup import assemble
 
-    from kiln.runtime.parallel.launch import check_same_engine
-
     art = load_engine(engine_dir, verify_checksums=False)  # rank 0 checked every file
     spec = art.spec
-    wait_for(store, [ENGINE_KEY], lambda: None)
     check_same_engine(store, engine_dir)  # and this host holds the same files
     device = rank_device(torch.device(config.device), rank if local_rank is None else local_rank,
                          share or spec.tp)
