@@ -16,6 +16,7 @@ from kiln.artifact.weights import (
     FP8,
     is_scale_name,
     quantize_random,
+    random_calibration,
     random_weights,
     runtime_shapes,
     weight_groups,
@@ -62,7 +63,8 @@ class EngineArtifact:
 
         ``dtype`` defaults to the engine dtype. Random engines generate their weights here,
         deterministically from the recorded seed (a tensor-parallel one group by group,
-        keeping the rank's shard of each).
+        keeping the rank's shard of each), FP8 ones with their static activation scales
+        calibrated here (``_random_weights``).
         """
         dtype = dtype or TORCH_DTYPES[self.spec.dtype]
         w = self.spec.weights
@@ -71,20 +73,7 @@ class EngineArtifact:
         if not 0 <= rank < self.spec.tp:
             raise ValueError(f"rank {rank} is not a rank of this tp={self.spec.tp} engine")
         if w.get("format") == "random":
-            cfg = self.spec.model
-            weights = {}
-            # a rank makes one group of full tensors at a time and keeps its shard of it
-            for names in [None] if par is None else weight_groups(cfg):
-                part = random_weights(cfg, int(w["seed"]), device=device, dtype=dtype,
-                                      std=float(w["std"]), names=names)
-                if "fp8" in (q.weights, q.kv_cache, q.lm_head):
-                    part = quantize_random(part, cfg, fp8_weights=q.weights == "fp8",
-                                           kv_fp8=q.kv_cache == "fp8",
-                                           fp8_lm_head=q.lm_head == "fp8")
-                if par is not None:
-                    part = {k: par.shard(cfg, k, part.pop(k), rank) for k in list(part)}
-                weights.update(part)
-            return weights
+            return self._random_weights(device, dtype, rank)
         from safetensors import safe_open
 
         out: dict[str, torch.Tensor] = {}
@@ -106,6 +95,40 @@ class EngineArtifact:
                 f"{missing[:5]}, unexpected {extra[:5]}); rebuild the engine"
             )
         return out
+
+    def _random_weights(self, device: str | torch.device, dtype: torch.dtype,
+                        rank: int) -> dict[str, torch.Tensor]:
+        """A random engine's weights, made from its seed one group at a time (the embedding
+        with the head, then each layer; ``weight_groups``) where a group's full tensors are
+        needed before the group is converted: a tensor-parallel rank keeps its shard of
+        each, and static FP8 activation scales are calibrated on each layer's unquantized
+        weights before they are quantized (kiln/runtime/models/calibration.py)."""
+        cfg, q, par = self.spec.model, self.spec.quantization, self.spec.parallel
+        w = self.spec.weights
+        seed = int(w["seed"])
+        calibrator = None
+        calibration = random_calibration(q.scales) if q.weights == "fp8" else None
+        if calibration is not None:
+            # the runtime's model runs the calibration forward (imported only here: the
+            # artifact package itself needs no model)
+            from kiln.runtime.models.calibration import ActivationCalibrator
+
+            calibrator = ActivationCalibrator(cfg, calibration, device, dtype)
+        weights = {}
+        grouped = par is not None or calibrator is not None
+        for names in weight_groups(cfg) if grouped else [None]:
+            part = random_weights(cfg, seed, device=device, dtype=dtype, std=float(w["std"]),
+                                  names=names)
+            if calibrator is not None:
+                part.update(calibrator.observe(part))
+            if "fp8" in (q.weights, q.kv_cache, q.lm_head):
+                part = quantize_random(part, cfg, fp8_weights=q.weights == "fp8",
+                                       kv_fp8=q.kv_cache == "fp8",
+                                       fp8_lm_head=q.lm_head == "fp8")
+            if par is not None:
+                part = {k: par.shard(cfg, k, part.pop(k), rank) for k in list(part)}
+            weights.update(part)
+        return weights
 
     def _check_lm_head(self, weights: dict[str, torch.Tensor]) -> None:
         """engine.json's ``quantization.lm_head`` is "fp8" exactly when the weights have an

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -119,9 +121,9 @@ def quantize_lm_head(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
                     fp8_weights: bool, kv_fp8: bool,
                     fp8_lm_head: bool = False) -> dict[str, torch.Tensor]:
-    """Random engine weights → FP8 linears with per-tensor scales (dynamic activations),
-    with ``kv_fp8`` KV scales of 1.0, with ``fp8_lm_head`` the FP8 lm_head
-    (``quantize_lm_head``). Converts in place of the dict, one tensor at a time. ``weights``
+    """Random engine weights → FP8 linears with per-tensor weight scales (any
+    ``{name}.input_scale`` in ``weights`` is kept: static activations), with ``kv_fp8`` KV
+    scales of 1.0, with ``fp8_lm_head`` the FP8 lm_head (``quantize_lm_head``). Converts in place of the dict, one tensor at a time. ``weights``
     may be a part (``random_weights(names=)``): the layers it has, the head where it has the
     embedding."""
     if fp8_lm_head and "embed_tokens.weight" in weights:
@@ -140,6 +142,54 @@ def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
             weights[f"layers.{i}.k_scale"] = torch.ones((), device=dev)
             weights[f"layers.{i}.v_scale"] = torch.ones((), device=dev)
     return weights
+
+
+@dataclass(frozen=True)
+class RandomCalibration:
+    """How a random FP8 engine's static activation scales are made at load: the unquantized
+    model runs over ``num_seqs`` sequences of ``seq_len`` token ids drawn uniformly from the
+    vocabulary by a CPU generator seeded with ``seed`` (the same tokens on every device),
+    and each FP8 linear's ``input_scale`` is its input's amax / 448 over them
+    (kiln/runtime/models/calibration.py). Recorded in engine.json
+    ``quantization.scales.calibration``."""
+
+    num_seqs: int = 4
+    seq_len: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_seqs", "seq_len", "seed"):
+            v = getattr(self, name)
+            least = 0 if name == "seed" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ValueError(f"random calibration {name} must be an integer >= {least}, "
+                                 f"got {v!r}")
+
+    def tokens(self, vocab_size: int) -> torch.Tensor:
+        """[num_seqs, seq_len] int64 token ids on the CPU."""
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randint(vocab_size, (self.num_seqs, self.seq_len), generator=g)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "description": f"per-tensor input amax / 448, calibrated at load on {self.num_seqs} "
+                           f"random-token sequences of {self.seq_len} tokens (seed {self.seed})",
+            "calib_size": self.num_seqs, "calib_seq_len": self.seq_len, "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RandomCalibration:
+        return cls(int(d["calib_size"]), int(d["calib_seq_len"]), int(d["seed"]))
+
+
+def random_calibration(scales: dict[str, Any] | None) -> RandomCalibration | None:
+    """The load-time calibration engine.json ``quantization.scales`` asks of a random FP8
+    engine; None where its activations are dynamic (random engines built before
+    calibration, or built with ``scales={"activations": "dynamic"}``)."""
+    scales = scales or {}
+    if scales.get("activations") != "static" or "calibration" not in scales:
+        return None
+    return RandomCalibration.from_dict(scales["calibration"])
 
 
 def _is_norm(name: str) -> bool:

@@ -31,7 +31,12 @@ from kiln.artifact.spec import (
     format_version_for,
 )
 from kiln.artifact.speculative import SpeculativeConfig
-from kiln.artifact.weights import RANDOM_STD, quantize_lm_head, runtime_shapes
+from kiln.artifact.weights import (
+    RANDOM_STD,
+    RandomCalibration,
+    quantize_lm_head,
+    runtime_shapes,
+)
 from kiln.builder import fp8
 from kiln.builder.draft import DRAFT_DIR, check_draft, source_name
 from kiln.builder.generation import GENERATION_CONFIG_MODES, resolve_generation_defaults
@@ -429,9 +434,7 @@ def _resolve_quantization(
     if model.is_random:
         if not wants_fp8:
             return requested.resolved(dtype), None
-        scales = {"source": "random", "weights": "per-tensor amax/448, quantized at load",
-                  "activations": "dynamic"}
-        return QuantConfig("fp8", "fp8", requested.kv_cache, scales,
+        return QuantConfig("fp8", "fp8", requested.kv_cache, _random_scales(model, requested),
                            requested.lm_head).resolved(dtype), None
     ckpt = fp8.detect_fp8_checkpoint(model)
     if ckpt is None:
@@ -454,6 +457,23 @@ def _resolve_quantization(
     if ckpt.calibration:
         scales["calibration"] = ckpt.calibration
     return QuantConfig("fp8", "fp8", kv, scales, requested.lm_head), ckpt
+
+
+def _random_scales(model: SourceModel, requested: QuantConfig) -> dict[str, Any]:
+    """engine.json ``quantization.scales`` of a random FP8 engine: weights quantized at load
+    and static activation scales calibrated at load from the engine's seed, the scheme of a
+    `kiln quantize` checkpoint (kiln.artifact.weights.RandomCalibration); dynamic
+    activations where ``requested.scales`` asks for them ({"activations": "dynamic"})."""
+    scales: dict[str, Any] = {"source": "random",
+                              "weights": "per-tensor amax/448, quantized at load"}
+    asked = (requested.scales or {}).get("activations", "static")
+    if asked == "dynamic":
+        return {**scales, "activations": "dynamic"}
+    if asked != "static":
+        raise ValueError(f"random FP8 activation scales {asked!r}: use 'static' (calibrated "
+                         "at load) or 'dynamic'")
+    calibration = RandomCalibration(seed=model.random_seed or 0)
+    return {**scales, "activations": "static", "calibration": calibration.to_dict()}
 
 
 def _record_kv_scales(spec: EngineSpec, report: dict[str, Any]) -> EngineSpec:

@@ -18,6 +18,7 @@ contraction.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,44 @@ from kiln.runtime.layers.rotary import Rotary
 
 if TYPE_CHECKING:
     from kiln.runtime.parallel import Ranks
+
+# (layer, q, k, v) -> attention output [num_tokens, num_heads, head_dim]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_qkv(cfg: ModelConfig, w: Mapping[str, torch.Tensor], qkv: torch.Tensor, p: str,
+              n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [n, heads, head_dim] of layer ``p``'s qkv projection (per-head q/k norms
+    applied)."""
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    q = q.view(n, cfg.num_heads, cfg.head_dim)
+    k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+    v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+    return q, k, v
+
+
+def reference_layer(
+    cfg: ModelConfig, w: Mapping[str, torch.Tensor],
+    lin: Mapping[str, Callable[[torch.Tensor], torch.Tensor]], i: int, h: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+) -> torch.Tensor:
+    """Decoder layer ``i`` in the reference formulation: h [T, hidden] -> h [T, hidden].
+
+    ``lin`` maps each projection's prefix (``layers.{i}.qkv`` ...) to the layer that runs
+    it; ``attend`` is the attention over q, k, v (the backend over the paged cache in
+    ``LlamaModel.forward``, plain causal attention in the random engines' activation
+    calibration, kiln/runtime/models/calibration.py)."""
+    p, n, eps = f"layers.{i}.", h.shape[0], cfg.rms_norm_eps
+    x = rms_norm(h, w[p + "input_norm.weight"], eps)
+    q, k, v = split_qkv(cfg, w, lin[p + "qkv"](x), p, n)
+    o = attend(i, Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v)
+    h = h + lin[p + "o_proj"](o.reshape(n, cfg.q_size))
+    x = rms_norm(h, w[p + "post_norm.weight"], eps)
+    gate, up = lin[p + "gate_up"](x).chunk(2, dim=-1)
+    return h + lin[p + "down"](F.silu(gate) * up)
 
 
 class LlamaModel:
@@ -105,38 +144,20 @@ class LlamaModel:
         """
         if self.fused:
             return self._forward_fused(input_ids, positions, cache, meta, logit_rows)
-        cfg, w, lin = self.cfg, self.w, self.linears
+        cfg, w = self.cfg, self.w
         h = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        n = len(input_ids)
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            x = rms_norm(h, w[p + "input_norm.weight"], cfg.rms_norm_eps)
-            q, k, v = self._qkv(x, p, n)
-            q = Rotary.apply(q, cos, sin)
-            k = Rotary.apply(k, cos, sin)
-            o = self.attention.forward(i, q, k, v, cache, meta, self.scale)
-            h = h + lin[p + "o_proj"](o.reshape(n, cfg.q_size))
-            x = rms_norm(h, w[p + "post_norm.weight"], cfg.rms_norm_eps)
-            gate, up = lin[p + "gate_up"](x).chunk(2, dim=-1)
-            h = h + lin[p + "down"](F.silu(gate) * up)
-        h = rms_norm(h.index_select(0, logit_rows), w["norm.weight"], cfg.rms_norm_eps)
-        return lin[self.lm_head](h).float()
 
-    def _qkv(self, x: torch.Tensor, p: str, n: int):
-        return self._split_qkv(self.linears[p + "qkv"](x), p, n)
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.attention.forward(i, q, k, v, cache, meta, self.scale)
+
+        for i in range(cfg.num_layers):
+            h = reference_layer(cfg, w, self.linears, i, h, cos, sin, attend)
+        h = rms_norm(h.index_select(0, logit_rows), w["norm.weight"], cfg.rms_norm_eps)
+        return self.linears[self.lm_head](h).float()
 
     def _split_qkv(self, qkv: torch.Tensor, p: str, n: int):
-        """q, k, v [n, heads, head_dim] of the qkv projection (per-head q/k norms applied)."""
-        cfg, w = self.cfg, self.w
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(n, cfg.num_heads, cfg.head_dim)
-        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
-            k = rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
-        return q, k, v
+        return split_qkv(self.cfg, self.w, qkv, p, n)
 
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
