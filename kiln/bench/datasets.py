@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,41 +69,56 @@ def _prompt_and_reply(rec: Any) -> tuple[str | None, str | None, int | None]:
     return prompt, reply, int(out_len) if out_len else None
 
 
-def load_requests(
+@dataclass(frozen=True)
+class PromptFile:
+    """The requests taken from a prompt file, and how many of its records were read to get
+    them: ``num_records`` in the file, ``num_skipped`` of those passed over (no prompt, under
+    4 prompt or output tokens, or over the engine's limits)."""
+
+    requests: list[BenchRequest]
+    num_records: int
+    num_skipped: int
+
+
+def load_dataset(
     path: str | Path,
     tokenizer: Any,
-    num_prompts: int,
+    num_prompts: int | None = None,
     *,
     output_len: int | None = None,
     max_seq_len: int | None = None,
     max_input_len: int | None = None,
     seed: int = 0,
-) -> list[BenchRequest]:
-    """Up to ``num_prompts`` requests sampled (seeded) from a prompt file.
+) -> PromptFile:
+    """Every usable record of a prompt file as a request, or the first ``num_prompts`` of
+    them after a seeded shuffle.
 
     Prompts are tokenized as plain text. Records with no usable prompt, fewer than 4 prompt
     or output tokens (vLLM's filter), or that do not fit the engine's limits are skipped.
     """
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts} must be >= 1 (or None: every record)")
     path = Path(path)
     records = _read_records(path)
     random.Random(seed).shuffle(records)
     reqs: list[BenchRequest] = []
+    skipped = 0
     for rec in records:
-        if len(reqs) >= num_prompts:
+        if num_prompts is not None and len(reqs) >= num_prompts:
             break
         prompt, reply, n_out = _prompt_and_reply(rec)
         if not prompt:
+            skipped += 1
             continue
         ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         if output_len is not None:
             n_out = output_len
         elif n_out is None and reply:
             n_out = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
-        if n_out is None or len(ids) < 4 or n_out < 4:
-            continue
-        if max_input_len is not None and len(ids) > max_input_len:
-            continue
-        if max_seq_len is not None and len(ids) + n_out > max_seq_len:
+        if (n_out is None or len(ids) < 4 or n_out < 4
+                or (max_input_len is not None and len(ids) > max_input_len)
+                or (max_seq_len is not None and len(ids) + n_out > max_seq_len)):
+            skipped += 1
             continue
         reqs.append(BenchRequest(ids, n_out))
     if not reqs:
@@ -110,4 +126,20 @@ def load_requests(
             f"prompt file {path} has no usable prompts (need a prompt and an output length of "
             ">= 4 tokens that fit the engine's limits); pass --output-len to set the length"
         )
-    return reqs
+    return PromptFile(reqs, len(records), skipped)
+
+
+def load_requests(
+    path: str | Path,
+    tokenizer: Any,
+    num_prompts: int | None = None,
+    *,
+    output_len: int | None = None,
+    max_seq_len: int | None = None,
+    max_input_len: int | None = None,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """``load_dataset(...).requests``: the requests alone."""
+    return load_dataset(path, tokenizer, num_prompts, output_len=output_len,
+                        max_seq_len=max_seq_len, max_input_len=max_input_len,
+                        seed=seed).requests

@@ -157,7 +157,9 @@ def render_throughput(result: dict, console: Console | None = None) -> None:
     t = Table(title="Offline throughput", title_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_row("requests", str(result["num_requests"]))
+    records = (result.get("config") or {}).get("dataset_records")
+    t.add_row("requests", str(result["num_requests"])
+              + ("" if records is None else f" (of {records} records)"))
     t.add_row("prompt tokens", str(result["prompt_tokens"]))
     t.add_row("output tokens", str(result["output_tokens"]))
     t.add_row("elapsed (s)", f"{result['elapsed_s']:.3f}")
@@ -171,6 +173,39 @@ def render_throughput(result: dict, console: Console | None = None) -> None:
     render_startup(result, console)
     if result.get("baseline"):
         render_baseline(result["baseline"], console)
+
+
+def render_workloads(result: dict, console: Console | None = None) -> None:
+    """Print TensorRT-LLM's workloads as run by kiln: one row per workload, with the request
+    count that ran and TensorRT-LLM's published output tokens/s beside kiln's."""
+    console = console or Console()
+    console.print(_header(result))
+    ref = result["reference"]
+    t = Table(title="TensorRT-LLM workloads (random prompts, EOS ignored, all queued at once)",
+              title_justify="left")
+    cols = ["I/O", "requests", "output\ntok/s", "mean TTFT\nms", "mean TPOT\nms",
+            f"TRT-LLM\n{ref['card']} tok/s", "kiln /\nTRT-LLM"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "I/O" else "right")
+    scaled = []
+    for w in result["workloads"]:
+        if w["num_requests"] != w["published_num_requests"]:
+            scaled.append(f"{w['workload']} {w['published_num_requests']}")
+        t.add_row(w["workload"], str(w["num_requests"]), f"{w['output_tokens_per_s']:.1f}",
+                  _ms(w["ttft_s"]["mean"]), _ms(w["tpot_s"]["mean"]),
+                  f"{w['trtllm_output_tokens_per_s'][ref['card']]:,.0f}",
+                  "-" if w["ratio"] is None else f"{w['ratio']:.2f}x")
+    console.print(t)
+    notes = [f"TRT-LLM: {ref['model']}, one {ref['card']}, {ref['tool']} (perf-overview.md)"]
+    if scaled:
+        notes.append(f"requests: --num-prompts in place of TensorRT-LLM's counts "
+                     f"({', '.join(scaled)})")
+    if not ref["ratio_shown"]:
+        notes.append("no ratio: this engine is not Llama-3-8B's shape at tp 1")
+    for note in notes:
+        console.print(f"  {note}", style="dim", highlight=False)
+    render_memory(result, console)
+    render_startup(result, console)
 
 
 def render_latency(result: dict, console: Console | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +80,17 @@ def _check_top_p(value: float) -> float:
 
 
 def _load(source: str, device: str | None, enforce_eager: bool = False,
-          no_async: bool = False,
-          adaptive_spec: bool | None = None) -> tuple[Any, dict, Path]:
+          no_async: bool = False, adaptive_spec: bool | None = None,
+          check: Callable[[Path], None] | None = None) -> tuple[Any, dict, Path]:
     """Load the engine (a source is built into the cache first); returns (engine, start-up
-    record, engine dir). Imports and the build are not start-up time."""
+    record, engine dir). ``check(engine_dir)`` runs before the engine loads. Imports and the
+    build are not start-up time."""
     from kiln.cli.engine_source import engine_dir_for
     from kiln.cli.generate import load_engine
 
     engine_dir, _ = engine_dir_for(source, device)
+    if check is not None:
+        check(engine_dir)
     import kiln.runtime.engine
 
     t0 = time.perf_counter()
@@ -127,11 +130,32 @@ def _finish(result: dict, env: dict, json_file: Path | None, render) -> None:
         Console(stderr=True).print(f"wrote {path}", style="dim", highlight=False)
 
 
+_WORKLOAD_HELP = (
+    "Run TensorRT-LLM's published workload I/O (input/output tokens) by name (repeat the "
+    "flag, or comma separate; 'all' runs every one): 128/128, 128/2048, 128/4096, 500/2000, "
+    "1000/1000, 1000/2000, 2048/128, 2048/2048, 5000/500. Each runs TensorRT-LLM's request "
+    "count (30000 for 128/128, 3000 or 1500 for the others) unless --num-prompts says "
+    "otherwise, with random prompts of exactly I tokens and exactly O tokens generated (EOS "
+    "ignored), all queued at once, and prints output tokens/s, mean TTFT and mean TPOT beside "
+    "TensorRT-LLM's output tokens/s for Llama-3.1-8B FP8 on one H100 (one H200 when run on an "
+    "H200). The ratio kiln / TensorRT-LLM is printed only for an engine of Llama-3-8B's shape "
+    "at tp 1; the published number is printed for every engine. Each workload must fit the "
+    "engine's max_seq_len ('all' needs 5500). --json writes one record per workload."
+)
+
+
 def throughput(
     engine_or_source: str = _ENGINE,
-    num_prompts: int = typer.Option(64, "--num-prompts", min=1, help="Number of requests."),
-    input_len: int = typer.Option(128, "--input-len", min=1,
-                                  help="Prompt length in tokens (synthetic prompts)."),
+    num_prompts: int | None = typer.Option(
+        None, "--num-prompts", min=1,
+        help="Number of requests. Default: 64 random prompts; with --dataset every record of "
+        "the file; with --workload TensorRT-LLM's count for each workload. With --workload it "
+        "must be at least 4x the engine's max_batch_size (engine.json).",
+    ),
+    input_len: int | None = typer.Option(
+        None, "--input-len", min=1,
+        help="Prompt length in tokens (synthetic prompts). Default 128.",
+    ),
     output_len: int | None = typer.Option(
         None, "--output-len", min=1,
         help="Tokens to generate per request (EOS ignored). Default 64; with --dataset the "
@@ -140,6 +164,8 @@ def throughput(
     dataset: Path | None = typer.Option(
         None, "--dataset", help="Prompt file (ShareGPT JSON or JSONL) instead of random tokens.",
     ),
+    workload: list[str] | None = typer.Option(None, "--workload", metavar="I/O",
+                                              help=_WORKLOAD_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed for the synthetic prompts / sampling."),
     json_file: Path | None = typer.Option(None, "--json", help=_JSON_HELP),
     device: str | None = typer.Option(None, "--device", help=_DEVICE_HELP),
@@ -156,6 +182,10 @@ def throughput(
 ) -> None:
     """Offline throughput: all requests queued at once, continuous batching to the end.
 
+    Requests are random prompts of --input-len tokens, every record of a --dataset file, or
+    TensorRT-LLM's published workloads by name (--workload 1000/1000, --workload all); the
+    number of requests that ran is printed and written to --json.
+
     With --baseline hf the same requests (prompts, output lengths, EOS ignored) then run
     through transformers' continuous batching (generate_batch), greedy.
     """
@@ -163,18 +193,29 @@ def throughput(
     from kiln.bench.report import environment, render_throughput
 
     _check_baseline(baseline)
+    if workload:
+        _throughput_workloads(engine_or_source, workload, num_prompts, seed, json_file,
+                              device, (enforce_eager, no_async, adaptive_spec),
+                              conflicts={"--input-len": input_len, "--output-len": output_len,
+                                         "--dataset": dataset,
+                                         "--baseline": None if baseline == "none" else baseline,
+                                         "--baseline-num-prompts": baseline_num_prompts})
+        return
     engine, startup, engine_dir = _load(engine_or_source, device, enforce_eager, no_async,
                                         adaptive_spec)
+    input_len = input_len or 128
     if dataset is not None:
-        from kiln.bench.datasets import load_requests
+        from kiln.bench.datasets import load_dataset
 
-        requests = load_requests(
+        prompt_file = load_dataset(
             dataset, engine.tokenizer, num_prompts, output_len=output_len, seed=seed,
             max_seq_len=_limit(engine, "max_seq_len"),
             max_input_len=_limit(engine, "max_input_len"),
         )
+        requests = prompt_file.requests
     else:
-        requests = synthetic_requests(engine, num_prompts, input_len, output_len or 64, seed)
+        requests = synthetic_requests(engine, num_prompts or 64, input_len, output_len or 64,
+                                      seed)
     total = sum(r.output_len for r in requests)
     with _progress("throughput", total) as advance:
         result = run_throughput(engine, len(requests), input_len, output_len or 64, seed,
@@ -185,7 +226,9 @@ def throughput(
         result["config"]["input_len"] = input_len
         result["config"]["output_len"] = output_len or 64
     else:
-        result["config"]["dataset"] = str(dataset)
+        # how many of the file's records ran: all usable ones unless --num-prompts
+        result["config"].update(dataset=str(dataset), dataset_records=prompt_file.num_records,
+                                dataset_skipped=prompt_file.num_skipped)
     result.update(startup)
     env = environment(engine, engine_dir)
     if baseline == "hf":
@@ -205,6 +248,31 @@ def throughput(
             kiln_num_requests=result["num_requests"],
             subset=len(hf_requests) < len(requests))
     _finish(result, env, json_file, render_throughput)
+
+
+def _throughput_workloads(source: str, names: list[str], num_prompts: int | None, seed: int,
+                          json_file: Path | None, device: str | None, runtime: tuple,
+                          conflicts: dict[str, Any]) -> None:
+    """`bench throughput --workload ...`: TensorRT-LLM's workloads, checked against the
+    engine's limits before it loads."""
+    from kiln.bench.report import environment, render_workloads
+    from kiln.bench.workloads import check_engine, engine_limits, parse_workloads, run_workloads
+
+    given = [flag for flag, value in conflicts.items() if value is not None]
+    if given:
+        raise KilnError(f"--workload runs TensorRT-LLM's fixed random-prompt workloads, so "
+                        f"{', '.join(given)} cannot go with it; drop {', '.join(given)}, or "
+                        "drop --workload to run your own prompts and lengths")
+    workloads = parse_workloads(names)
+    engine, startup, engine_dir = _load(
+        source, device, *runtime,
+        check=lambda d: check_engine(workloads, num_prompts, engine_limits(d)))
+    env = environment(engine, engine_dir)
+    result = run_workloads(engine, workloads, num_prompts, seed,
+                           device_name=env["device_name"], progress=_progress)
+    result.update(_ranks_record(engine))
+    result.update(startup)
+    _finish(result, env, json_file, render_workloads)
 
 
 def latency(

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kiln.bench.datasets import load_requests
+from kiln.bench.datasets import load_dataset, load_requests
 
 
 class WordTokenizer:
@@ -49,3 +49,18 @@ def test_bad_files(tmp_path):
     empty.write_text(json.dumps({"prompt": "a b c d"}) + "\n")
     with pytest.raises(ValueError, match="no usable prompts"):
         load_requests(empty, WordTokenizer(), 1)
+
+
+def test_every_record_runs_unless_num_prompts_says_otherwise(tmp_path):
+    """No request count: every usable record of the file (5 here, no default's number); the
+    file's record count and the skipped ones are reported."""
+    p = tmp_path / "p.jsonl"
+    lines = [json.dumps({"prompt": "w " * (4 + i), "output_len": 4 + i}) for i in range(5)]
+    p.write_text("\n".join([*lines, json.dumps({"prompt": "too short", "output_len": 8})]))
+    f = load_dataset(p, WordTokenizer())
+    assert len(f.requests) == 5 and f.num_records == 6 and f.num_skipped == 1
+    assert sorted(r.output_len for r in f.requests) == [4, 5, 6, 7, 8]
+    assert len(load_requests(p, WordTokenizer())) == 5
+    assert len(load_dataset(p, WordTokenizer(), 3).requests) == 3
+    with pytest.raises(ValueError, match="num_prompts=0"):
+        load_dataset(p, WordTokenizer(), 0)
