@@ -70,10 +70,17 @@ class ModelRunner:
                     tokens_per_step: int) -> None:
         """Stage every step through fixed host/device buffers (the Triton path) sized for
         ``max_seqs`` sequences of up to ``tokens_per_step`` tokens (speculative steps) or
-        ``max_num_tokens`` in all, with room for a full request plus one speculative step."""
+        ``max_num_tokens`` in all, with room for a full request plus one speculative step.
+
+        A block-table row covers that request, and at least ``max_seqs`` tokens: a CUDA
+        graph's padding sequence takes a bucket's leftover tokens as its context (staging.py)
+        and reads its row that far; decode buckets hold up to ``max_seqs`` tokens (the other
+        buckets are capped at the row's capacity, cuda_graph.plan_buckets), which is more
+        than one request when max_batch_size exceeds max_seq_len."""
+        tokens = max(max_seq_len + tokens_per_step, max_seqs)
         self.stager = StepStager(
             max_seqs, max(max_num_tokens, max_seqs * tokens_per_step),
-            -(-(max_seq_len + tokens_per_step) // self.block_size), self.block_size,
+            -(-tokens // self.block_size), self.block_size,
             max_seqs * tokens_per_step ** 2 if tokens_per_step > 1 else 0, self.device)
 
     def capture_graphs(self, max_seqs: int, max_num_tokens: int, tokens_per_step: int,
