@@ -37,9 +37,15 @@ def format_version_for(
 
 
 DTYPES = ("bfloat16", "float16", "float32")
+# Defaults of limits the user leaves out (as vLLM and TensorRT-LLM size them): max_seq_len is
+# the model's context (``Limits.for_model``; DEFAULT_MAX_SEQ_LEN only where there is no model,
+# ``Limits()``); a token budget of 8192 a step; a batch of 256, which serve lowers to what the
+# KV memory holds (kiln/runtime/sizing.py).
 DEFAULT_MAX_SEQ_LEN = 2048
-DEFAULT_MAX_BATCH_SIZE = 64
-DEFAULT_MAX_NUM_TOKENS = 2048
+DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_MAX_NUM_TOKENS = 8192
+LIMIT_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
+               "max_input_len": "--max-input-len", "max_num_tokens": "--max-num-tokens"}
 
 
 @dataclass(frozen=True)
@@ -85,21 +91,41 @@ class Limits:
         max_num_tokens: int | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> Limits:
-        """Fill unset limits with defaults that fit ``model`` (max_seq_len <= its context)
-        and leave room for ``speculative`` draft tokens."""
+        """Fill unset limits with defaults that fit ``model``: max_seq_len its context (at
+        most its sliding window), a token budget of DEFAULT_MAX_NUM_TOKENS (at least one
+        speculative step), DEFAULT_MAX_BATCH_SIZE sequences; max_input_len leaves room for
+        ``speculative`` draft tokens."""
         draft = speculative.max_draft_len if speculative else 0
         if max_seq_len is None:
-            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, model.max_position_embeddings)
+            max_seq_len = model.max_position_embeddings
             if model.sliding_window:
                 max_seq_len = min(max_seq_len, model.sliding_window)
         if max_input_len is None and draft:
             max_input_len = max_seq_len - 1 - draft
+        if max_num_tokens is None:
+            max_num_tokens = max(DEFAULT_MAX_NUM_TOKENS, 1 + draft)
         return cls(
             max_batch_size=DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size,
             max_seq_len=max_seq_len,
             max_input_len=max_input_len,
-            max_num_tokens=DEFAULT_MAX_NUM_TOKENS if max_num_tokens is None else max_num_tokens,
+            max_num_tokens=max_num_tokens,
         )
+
+    def describe(self, model: ModelConfig, given: set[str] | frozenset[str] = frozenset()
+                 ) -> str:
+        """One line: each limit and where it came from; ``given``: the names the user set
+        (``LIMIT_FLAGS`` keys), the others were ``for_model``'s defaults for ``model``."""
+        window = model.sliding_window and model.sliding_window < model.max_position_embeddings
+        why = {"max_seq_len": "the model's sliding window" if window else "the model's context",
+               "max_num_tokens": "default",
+               "max_batch_size": "default; serve runs fewer when the KV memory holds fewer",
+               "max_input_len": "max_seq_len - 1" + (
+                   f" - {self.max_seq_len - self.max_input_len - 1} draft tokens"
+                   if self.max_seq_len - self.max_input_len > 1 else "")}
+        parts = [f"{name} {getattr(self, name):,} "
+                 f"({LIMIT_FLAGS[name] if name in given else why[name]})"
+                 for name in ("max_seq_len", "max_num_tokens", "max_batch_size", "max_input_len")]
+        return ", ".join(parts) + "; KV cache: sized by serve from the device's free memory"
 
     def validate_for(self, model: ModelConfig, speculative: SpeculativeConfig) -> list[str]:
         """Raise ValueError when these limits cannot work; return warnings for the user."""

@@ -34,18 +34,22 @@ def build(
     output: Path = typer.Option(..., "-o", "--output", help="Engine directory to write."),
     dtype: Dtype = typer.Option(Dtype.bfloat16, "--dtype", help="Weight and activation dtype."),
     max_batch_size: int | None = typer.Option(
-        None, "--max-batch-size", help="Most sequences in one step (default 64)."
+        None, "--max-batch-size",
+        help="Most sequences in one step (default 256; serve runs fewer when the KV memory "
+        "left after the weights holds fewer).",
     ),
     max_seq_len: int | None = typer.Option(
         None,
         "--max-seq-len",
-        help="Most tokens per sequence, prompt + output (default min(2048, model context)).",
+        help="Most tokens per sequence, prompt + output (default: the model's context, at "
+        "most its sliding window). On CUDA the KV cache must hold one such sequence.",
     ),
     max_input_len: int | None = typer.Option(
         None, "--max-input-len", help="Most prompt tokens (default max_seq_len - 1 - draft)."
     ),
     max_num_tokens: int | None = typer.Option(
-        None, "--max-num-tokens", help="Token budget of one scheduling step (default 2048)."
+        None, "--max-num-tokens",
+        help="Token budget of one scheduling step (default 8192, at least 1 + max_draft_len).",
     ),
     speculative_decoding_mode: str = typer.Option(
         "none",
@@ -183,6 +187,11 @@ def build(
         attention_backend=attention_backend,
         tp=tp,
     )
+    given = {name for name, value in (("max_batch_size", max_batch_size),
+                                      ("max_seq_len", max_seq_len),
+                                      ("max_input_len", max_input_len),
+                                      ("max_num_tokens", max_num_tokens)) if value is not None}
+    typer.echo(f"kiln build: {spec.limits.describe(spec.model, given)}", err=True)
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))
 

@@ -142,6 +142,7 @@ def serve(
         engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
     exit_on_rank_failure(engine)  # after a rank's failure: 503s, then exit 1, whatever blocks
     t_engine = time.perf_counter()
+    print(f"kiln serve: {engine.sizing.line()}", file=sys.stderr, flush=True)
     # A source (smollm2-135m, a HF dir) is served under its own name, an engine under its dir's.
     from_source = engine_dir != Path(engine_or_source).expanduser()
     name = served_model_name or (Path(engine_or_source).name if from_source else engine_dir.name)

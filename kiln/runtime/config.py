@@ -12,9 +12,11 @@ from kiln.runtime.env import env_flag, env_flag_or_none, env_str
 class RuntimeConfig:
     """Knobs of one running engine (the engine's limits come from engine.json).
 
-    ``num_kv_blocks=None`` sizes the cache from free memory (CUDA) or from
-    max_batch_size x max_seq_len capped at 1 GiB (CPU). ``max_num_tokens``/``max_num_seqs``
-    of None take the engine's limits. Fields that default from an environment variable
+    ``num_kv_blocks=None`` sizes the cache from free memory (CUDA: ``gpu_memory_utilization``
+    of what the weights leave, less 1 GiB) or on the CPU at most 64 full sequences and 1 GiB,
+    and the running batch from that cache (kiln/runtime/sizing.py); given, it must hold one
+    max_seq_len sequence and the batch is max_batch_size. ``max_num_tokens``/``max_num_seqs``
+    of None take those. Fields that default from an environment variable
     read it when the config is made (kiln/runtime/env.py lists them); a field given
     explicitly wins.
     """

@@ -71,6 +71,8 @@ class LLMEngine:
         self.speculative = spec.speculative if spec is not None else SpeculativeConfig()
         parts = assemble(model_config, weights, limits, dtype, config, self.speculative, draft,
                          attention=getattr(spec, "attention", None), tp=tp)
+        # the limits it serves (a CPU pool may hold less than the recorded max_seq_len)
+        self.limits, self.sizing = parts.sizing.limits, parts.sizing
         self.device, self.attention_backend = parts.device, parts.attention_backend
         self.attention_classes = parts.attention_classes
         self.model, self.cache, self.blocks = parts.model, parts.cache, parts.blocks

@@ -195,26 +195,6 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
-# KV cache budget on CPU when the size is not given (CPU memory is shared with everything).
-CPU_KV_BYTES = 1 << 30
-
-
-def auto_num_blocks(bytes_per_block: int, block_size: int, max_batch_size: int,
-                    max_seq_len: int, device: torch.device,
-                    gpu_memory_utilization: float) -> int:
-    """KV blocks for ``max_batch_size`` full sequences, capped by memory: on CUDA the
-    ``gpu_memory_utilization`` share of free memory less 1 GiB of headroom, on CPU 1 GiB;
-    never fewer than one ``max_seq_len`` sequence needs."""
-    want = -(-max_batch_size * max_seq_len // block_size)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * gpu_memory_utilization) - (1 << 30)
-    else:
-        budget = CPU_KV_BYTES
-    need_one = -(-max_seq_len // block_size)
-    return max(min(want, budget // bytes_per_block), need_one)
-
-
 def fp8_kv_scales(
     weights: dict[str, torch.Tensor], num_layers: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -4,6 +4,7 @@ the seconds each phase took. ``LLMEngine`` runs them; this module only assembles
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,13 +14,14 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.config import ModelConfig
 from kiln.runtime.config import EngineLimits, RuntimeConfig
-from kiln.runtime.kv_cache import BlockManager, KVCache, auto_num_blocks, fp8_kv_scales
+from kiln.runtime.kv_cache import BlockManager, KVCache, fp8_kv_scales
 from kiln.runtime.layers.attention_registry import BACKENDS, TRITON_BACKENDS, get_backend
 from kiln.runtime.layers.linear import place_weights
 from kiln.runtime.layers.sampler import Sampler
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.sizing import Sizing, kv_pool, size_engine
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.device_step import DeviceSpecStep
@@ -44,6 +46,7 @@ class EngineParts:
     runner: ModelRunner
     sampler: Sampler
     startup_times: dict[str, float]
+    sizing: Sizing  # the limits it serves, the KV pool and running batch, and why
     # speculative state on the device (lookahead or prompt lookup), or None
     device_state: DeviceLookahead | DeviceNgram | None = None
     draft: DraftModel | None = None  # a draft-model engine's draft
@@ -57,11 +60,13 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              draft: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
              attention: dict | None = None, tp: Ranks | None = None) -> EngineParts:
     """Place the weights, build the model and the KV cache (sized from free memory unless
-    ``config.num_kv_blocks``), the scheduler and the runner; on the Triton path stage the
-    steps and capture CUDA graphs, then compile what the graphs did not. ``draft``: the
-    draft model's config and weights (a draft-model engine): its own model, runner and KV
-    cache of as many blocks as the target's (``DraftModel``). ``attention``: engine.json's
-    ``attention`` section (the backend measured at build), which "auto" follows on CUDA.
+    ``config.num_kv_blocks``, and the running batch with it: kiln/runtime/sizing.py; the
+    limits the engine serves are ``EngineParts.sizing.limits``), the scheduler and the
+    runner; on the Triton path stage the steps and capture CUDA graphs, then compile what
+    the graphs did not. ``draft``: the draft model's config and weights (a draft-model
+    engine): its own model, runner and KV cache of as many blocks as the target's
+    (``DraftModel``). ``attention``: engine.json's ``attention`` section (the backend
+    measured at build), which "auto" follows on CUDA.
     ``tp``: this process's rank of a tensor-parallel engine (kiln.runtime.parallel.Ranks):
     ``weights`` are its shard, the model and cache its share, as many KV blocks on every
     rank; on rank 0 the model, the cache and the device speculation state send what they do
@@ -86,23 +91,18 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
         dc = draft[0]
         block_bytes += KVCache.bytes_per_block(dc.num_layers, bs, dc.num_kv_heads, dc.head_dim,
                                                dtype)
-    num_blocks = config.num_kv_blocks or auto_num_blocks(
-        block_bytes, bs, limits.max_batch_size, limits.max_seq_len, device,
-        config.gpu_memory_utilization)
+    pool = kv_pool(block_bytes, limits, config, device)
     if tp is not None:
-        num_blocks = tp.agree_num_blocks(num_blocks)
-    if num_blocks * bs < limits.max_seq_len:
-        raise ValueError(
-            f"num_kv_blocks={num_blocks} x block_size={bs} holds fewer tokens than "
-            f"max_seq_len={limits.max_seq_len}; one request must always fit: use at least "
-            f"{-(-limits.max_seq_len // bs)} blocks")
+        pool = dataclasses.replace(pool, num_blocks=tp.agree_num_blocks(pool.num_blocks))
+    sizing = size_engine(limits, pool, config)
+    limits, num_blocks = sizing.limits, pool.num_blocks  # the limits it serves
     kv_scales = fp8_kv_scales(weights, c.num_layers)  # None: KV in `dtype`
     cache = KVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim,
                     dtype if kv_scales is None else torch.float8_e4m3fn, device,
                     *(kv_scales or ()))
     blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-    scheduler = Scheduler(blocks, max_num_seqs=config.max_num_seqs or limits.max_batch_size,
-                          max_num_tokens=config.max_num_tokens or limits.max_num_tokens)
+    scheduler = Scheduler(blocks, max_num_seqs=sizing.max_num_seqs,
+                          max_num_tokens=sizing.max_num_tokens)
     t_cache = time.perf_counter()
     runner = ModelRunner(model, cache, device)
     # under tp every rank holds the same state and runs the same device steps
@@ -140,7 +140,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
              "cuda_graphs_s": graphs_s, "warmup_s": time.perf_counter() - t_warm,
              "total_s": time.perf_counter() - t_start}
     return EngineParts(device, backend, model, cache, blocks, scheduler, runner, sampler, times,
-                       device_state, draft_model, classes)
+                       sizing, device_state, draft_model, classes)
 
 
 def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,

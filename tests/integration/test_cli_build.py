@@ -26,6 +26,11 @@ def test_build_and_inspect_random(tmp_path):
     assert r.returncode == 0, r.stderr
     spec = json.loads(r.stdout)
     assert spec["limits"]["max_seq_len"] == 256 and spec["speculative"]["max_draft_len"] == 15
+    # one line: what the build chose for each limit and where it came from
+    assert ("kiln build: max_seq_len 256 (--max-seq-len), max_num_tokens 8,192 (default), "
+            "max_batch_size 256 (default; serve runs fewer when the KV memory holds fewer), "
+            "max_input_len 240 (max_seq_len - 1 - 15 draft tokens); KV cache: sized by serve "
+            "from the device's free memory") in r.stderr.splitlines()
     r = kiln("inspect", str(out), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == spec

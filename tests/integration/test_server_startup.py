@@ -24,6 +24,12 @@ def test_ready_line_health_and_metrics(tmp_path):
         m = re.fullmatch(r"kiln serve: ready in (\d+\.\d) s \((.+ \d+\.\d s)\)", lines[0])
         assert m, lines[0]
         assert m.group(2).endswith(" s") and "server " in m.group(2)
+        # one line: the limits it serves, its running batch and KV cache, and where from
+        sizing = [ln for ln in s.log if ln.startswith("kiln serve: max_seq_len ")]
+        assert len(sizing) == 1 and re.fullmatch(
+            r"kiln serve: max_seq_len 128 \(engine\), max_num_tokens 8,192 \(engine\), "
+            r"running batch 2 \(engine max_batch_size; the KV pool holds [\d,]+ sequences of "
+            r"128 tokens\), KV cache [\d,]+ blocks x 16 = [\d,]+ tokens \(.+\)", sizing[0]), s.log
         health = httpx.get(s.url + "/health", timeout=30).json()
         assert health["status"] == "ok" and health["startup_s"] >= float(m.group(1)) - 0.06
         assert "server_s" in health["startup"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -38,9 +39,9 @@ def built(tiny_hf_model, tmp_path_factory):
 
 
 def test_limits_defaults_and_validation():
-    lim = Limits()
+    lim = Limits()  # no model: DEFAULT_MAX_SEQ_LEN
     assert (lim.max_batch_size, lim.max_seq_len, lim.max_input_len, lim.max_num_tokens) == (
-        64, 2048, 2047, 2048)
+        256, 2048, 2047, 8192)
     with pytest.raises(ValueError, match="max_batch_size must be a positive"):
         Limits(max_batch_size=0)
     with pytest.raises(ValueError, match="max_input_len 100 must be < max_seq_len 100"):
@@ -49,6 +50,27 @@ def test_limits_defaults_and_validation():
     assert Limits.for_model(tiny).max_seq_len == 512  # capped at max_position_embeddings
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
         Limits(max_seq_len=1024).validate_for(tiny, SpeculativeConfig())
+
+
+def test_limits_default_to_the_model_context():
+    """Without limit flags: the model's context (at most its sliding window), a budget of
+    8192 tokens a step, 256 sequences (serve lowers it to what the KV memory holds)."""
+    lim = Limits.for_model(PRESETS["llama-3-8b"])
+    assert (lim.max_batch_size, lim.max_seq_len, lim.max_input_len, lim.max_num_tokens) == (
+        256, 131072, 131071, 8192)
+    windowed = dataclasses.replace(PRESETS["qwen2.5-7b"], sliding_window=4096)
+    assert Limits.for_model(windowed).max_seq_len == 4096
+    assert Limits.for_model(PRESETS["tiny-llama"], max_seq_len=100,
+                            max_num_tokens=64).max_num_tokens == 64
+    assert lim.describe(PRESETS["llama-3-8b"], {"max_batch_size"}) == (
+        "max_seq_len 131,072 (the model's context), max_num_tokens 8,192 (default), "
+        "max_batch_size 256 (--max-batch-size), max_input_len 131,071 (max_seq_len - 1); "
+        "KV cache: sized by serve from the device's free memory")
+    spec = SpeculativeConfig.from_cli("lookahead", lookahead_config="5,5,5")  # draft 39
+    lim = Limits.for_model(windowed, speculative=spec)
+    assert (lim.max_input_len, lim.max_num_tokens) == (4096 - 40, 8192)
+    assert "max_seq_len 4,096 (the model's sliding window)" in lim.describe(windowed)
+    assert "max_input_len 4,056 (max_seq_len - 1 - 39 draft tokens)" in lim.describe(windowed)
 
 
 def test_limits_with_speculative():
@@ -141,6 +163,7 @@ def test_random_engine_deterministic(tmp_path):
 def test_random_8b_builds_fast(tmp_path):
     spec = build_engine("random:llama-3-8b", tmp_path / "e", progress=False)
     assert spec.model.num_params > 8e9
+    assert spec.limits == Limits(256, 131072, 131071, 8192)  # no limit flags: the model's
     assert load_engine(tmp_path / "e").spec == spec
 
 

@@ -200,7 +200,7 @@ def test_build_writes_the_draft_engine_inside_the_target(engine):
     draft = json.loads(draft_json.read_text())
     assert draft["model"]["architecture"] == "qwen2" and draft["dtype"] == "float32"
     assert draft["limits"] == raw["limits"] == {
-        "max_batch_size": 64, "max_seq_len": 128, "max_input_len": 123, "max_num_tokens": 2048}
+        "max_batch_size": 256, "max_seq_len": 128, "max_input_len": 123, "max_num_tokens": 8192}
     assert draft["speculative"] == SpeculativeConfig().to_dict()
     assert draft["quantization"]["weights"] == "none"
     assert draft["quantization"]["kv_cache"] == "float32"
@@ -397,7 +397,7 @@ def test_a_changed_draft_engine_json_is_refused(copy):
     f = copy / "draft" / "engine.json"
     want = json.loads((copy / "engine.json").read_text())["speculative"]["draft_sha256"]
     data = bytearray(f.read_bytes())
-    i = data.index(b'"max_batch_size": 64') + len('"max_batch_size": 6')
+    i = data.index(b'"max_batch_size": 256') + len('"max_batch_size": 25')
     data[i:i + 1] = b"5"  # still valid JSON, one byte changed
     f.write_bytes(bytes(data))
     got = hashlib.sha256(bytes(data)).hexdigest()
