@@ -240,7 +240,8 @@ class ModelRunner:
             logits = self.graphs.replay(bucket, st.num_rows)
             return logits, self.graphs.spec_outputs[bucket] if num_entries else None
         stager, d, t = self.stager, self.stager.d, st.num_tokens
-        meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len, st.masked)
+        meta = stager.metadata(st.num_seqs, t, st.max_query_len, st.max_context_len, st.masked,
+                               st.single_rows)
         entries = stager.spec_entries(num_entries) if num_entries else None
         if entries is not None:
             proposal = self.spec_step.prologue(entries, d["input_ids"], stager.staged_rows())

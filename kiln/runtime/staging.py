@@ -38,6 +38,7 @@ class Staged:
     max_context_len: int
     masked: bool
     mask_bytes: int = 0  # the used part of the tree masks (``mask_dev``)
+    single_rows: int = 0  # sequences of one query (decodes)
 
 
 class StepStager:
@@ -149,7 +150,7 @@ class StepStager:
         ids, pos, slots, rows = h["input_ids"], h["positions"], h["slots"], h["logit_rows"]
         qsl, ctx, moff, bt = (h["query_start_loc"], h["context_lens"], h["mask_offsets"],
                               h["block_tables"])
-        q0 = nrows = mask_used = max_q = max_ctx = 0
+        q0 = nrows = mask_used = max_q = max_ctx = singles = 0
         in_flight = batch.in_flight
         qsl[0] = 0
         spec_slots = h["spec_slots"]
@@ -168,6 +169,7 @@ class StepStager:
                 if hi > lo:
                     scored.append((req, q0 + lo - start, hi - lo, lo))
             if n == 1 and plan is None:  # decode: plain ints, no numpy temporaries
+                singles += 1
                 slots[q0] = slot_of(table, start, bs)
                 known = req.all_token_ids
                 ids[q0] = known[start] if start < len(known) else 0  # 0: in flight, patched
@@ -227,11 +229,13 @@ class StepStager:
             slots[q0:t] = -1
             rows[nrows:t] = 0
         self.upload(mask_used)
-        return Staged(b, q0, nrows, max_q, max_ctx, mask_used > 0, mask_used)
+        return Staged(b, q0, nrows, max_q, max_ctx, mask_used > 0, mask_used, singles)
 
     def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int,
-                 max_context_len: int, masked: bool) -> TritonAttentionMetadata:
-        """Device views for ``num_seqs`` sequences (the padding one included, for graphs)."""
+                 max_context_len: int, masked: bool,
+                 single_rows: int | None = None) -> TritonAttentionMetadata:
+        """Device views for ``num_seqs`` sequences (the padding one included, for graphs);
+        ``single_rows``: how many have one query, when known (eager steps)."""
         d = self.d
         return TritonAttentionMetadata(
             block_tables=d["block_tables"][:num_seqs],
@@ -240,7 +244,7 @@ class StepStager:
             max_context_len=max_context_len,
             mask=self.mask_dev if masked else None,
             mask_offsets=d["mask_offsets"][:num_seqs] if masked else None,
-            slot_mapping=d["slots"][:num_tokens],
+            slot_mapping=d["slots"][:num_tokens], single_rows=single_rows,
         )
 
     def spec_entries(self, num: int) -> SpecEntries:

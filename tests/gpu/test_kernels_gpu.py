@@ -182,6 +182,34 @@ def test_paged_attention_fp8_cache_and_gqa_1(shape):
         assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("batch", [1, 64, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize("single_rows", ["known", None])
+def test_paged_attention_decodes_beside_prompt_chunks(batch, cache_dtype, single_rows):
+    """A serving step: ``batch`` decodes at contexts 100-8000 beside two prompt chunks, at the
+    llama-3-8b shape, block size 16 (the engine's); the decode launch and the prompt launch
+    together equal the reference (float32 where the kernel takes it, bf16 and FP8 KV within
+    the tolerance above)."""
+    from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref
+    from kiln.runtime.kernels.testing import random_paged_batch
+
+    heads, kv_heads, dim, _, _ = SHAPES["llama-3-8b"]
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    g = torch.Generator().manual_seed(batch)
+    ctxs = torch.randint(100, 8001, (batch,), generator=g).tolist()
+    specs = [(c - 1, 1, False) for c in ctxs]
+    specs[batch // 2 : batch // 2] = [(0, 300, False), (2000, 129, False)]
+    b = random_paged_batch(specs, heads, kv_heads, dim, 16, dtype, DEV, cache_dtype=cache_dtype)
+    ks, vs = torch.tensor([0.8], device=DEV), torch.tensor([1.3], device=DEV)
+    scales = {"k_scale": ks, "v_scale": vs} if cache_dtype == torch.float8_e4m3fn else {}
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention(*b.args(), dim**-0.5, max_query_len=b.max_query_len,
+                    max_context_len=b.max_context_len, out=out, **scales,
+                    single_rows=batch if single_rows else None)
+    ref = paged_attention_ref(*b.args(), dim**-0.5, **scales)
+    assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
+
+
 def test_paged_attention_cuda_graph():
     """Capturable (no host syncs): replay after changing the inputs in place."""
     from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref

@@ -60,7 +60,8 @@ def _eager_prefill(monkeypatch, length: int, num_seqs: int = 1) -> tuple[tuple, 
     qsl = torch.arange(0, t + 1, length, dtype=torch.int32)
     ctx = torch.full((num_seqs,), length, dtype=torch.int32)
     pa.paged_attention(q, cache, cache, tables, qsl, ctx, dim ** -0.5,
-                       max_query_len=length, max_context_len=length)
+                       max_query_len=length, max_context_len=length,
+                       single_rows=0)  # an eager step of prompts only: one launch
     return attn.constexprs[0], (red.constexprs[0] if red.constexprs else ())
 
 

@@ -110,6 +110,65 @@ def test_paged_attention_decode_launch_writes_every_row(layout, num_splits):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+# Unmasked steps of prompt chunks beside decodes run two launches (decodes in decode tiles,
+# one program per sequence; the rest in prompt tiles), as a busy server's steps do.
+PROMPT_AND_DECODES = {
+    # decodes before, between and after prompt chunks; an empty sequence; a chunk of more
+    # queries than one 64-row tile holds
+    "interleaved": [(40, 1, False), (0, 9, False), (70, 1, False), (0, 0, False),
+                    (20, 70, False), (3, 1, False)],
+    # a prefill graph bucket's layout: empty sequences, then the padding sequence
+    "padding": [(33, 1, False), (0, 5, False), (9, 1, False), (0, 0, False), (0, 0, False),
+                (0, 12, False)],
+}
+
+
+@pytest.mark.parametrize("layout", PROMPT_AND_DECODES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("single_rows", [None, "exact"])
+def test_paged_attention_prompt_chunks_beside_decodes(layout, num_splits, single_rows,
+                                                      monkeypatch):
+    """Every row of both launches is written (output and split workspace poisoned with NaN)
+    and equals the reference, with the decode count known (eager steps) or not (graphs)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype") == torch.float32 else empty(*a, **k))
+    specs = PROMPT_AND_DECODES[layout]
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 8, 2, 16, 16, torch.float32)
+    out = torch.full_like(q, float("nan"))
+    singles = sum(1 for _, n, _ in specs if n == 1) if single_rows else None
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=max(n for _, n, _ in specs),
+                    max_context_len=max(p + n for p, n, _ in specs), num_splits=num_splits,
+                    out=out, single_rows=singles)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_paged_attention_mixed_step_launches_decodes_in_decode_tiles(monkeypatch):
+    """Two launches for prompt chunks beside decodes, one when the host knows there is no
+    decode (single_rows 0), one for a masked step (tree steps keep their own class)."""
+    from kiln.runtime.kernels import paged_attention as pa
+
+    calls = []
+    real = pa._launch
+    monkeypatch.setattr(pa, "_launch", lambda *a: calls.append((a[12], a[-1])) or real(*a))
+    specs = [(40, 1, False), (0, 9, False), (7, 1, False)]
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 4, 2, 16, 16, torch.float32)
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=9, max_context_len=41)
+    assert calls == [(1, pa.ROWS_SINGLE), (9, pa.ROWS_MULTI)]
+    calls.clear()
+    specs = [(0, 9, False), (5, 3, False)]
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 4, 2, 16, 16, torch.float32)
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=9, max_context_len=9,
+                    single_rows=0)
+    assert calls == [(9, pa.ROWS_ALL)]
+    calls.clear()
+    q, kc, vc, bt, qsl, ctx, mask, offs = make_batch(MIXED, 4, 2, 16, 4, torch.float32)
+    paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=7, max_context_len=13,
+                    mask=mask, mask_offsets=offs)
+    assert calls == [(7, pa.ROWS_ALL)]
+
+
 def test_choose_num_splits():
     assert choose_num_splits(8, 2048, 132, 64) == 16  # batch-1 decode: split the keys
     assert choose_num_splits(8, 100, 132, 64) == 1  # short context: nothing to split

@@ -185,7 +185,8 @@ def test_paged_attention_config_changes_nothing_but_speed(monkeypatch):
     default = pa.paged_attention(*b.args(), 0.25, **kw)
     used = []
     launch = pa._launch
-    monkeypatch.setattr(pa, "_launch", lambda *a: (used.append(a[-1]), launch(*a))[1])
+    # _launch(..., config, rows)
+    monkeypatch.setattr(pa, "_launch", lambda *a: (used.append(a[-2]), launch(*a))[1])
     other = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 1, "tiles_per_split": 1}
     forced = pa.paged_attention(*b.args(), 0.25, config=other, **kw)
     assert used[-1] == other and tuning.close(forced, default)

@@ -42,6 +42,14 @@ from kiln.runtime.kernels._pdl import pdl_begin, prefetch_l2
 
 LOG2E = 1.4426950408889634
 
+# Which sequences a launch computes (the kernels' ``rows`` argument): every one; or, the two
+# launches of a mixed step (prompt chunks beside decodes), the one-query sequences in decode
+# tiles, one program per sequence, and the others in prompt tiles.
+ROWS_ALL, ROWS_SINGLE, ROWS_MULTI = 0, 1, 2
+ALL_ROWS = tl.constexpr(ROWS_ALL)
+SINGLE_ROWS = tl.constexpr(ROWS_SINGLE)
+MULTI_ROWS = tl.constexpr(ROWS_MULTI)
+
 
 @triton.jit
 def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
@@ -53,6 +61,21 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
         mid = (lo + hi) // 2
         start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
         if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _seq_of_token(qsl_ptr, num_seqs, t):
+    # the last sequence s with qsl[s] <= t: the one holding token t (empty ones start at
+    # the same offset as the next sequence, so they are never the last)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) <= t:
             lo = mid + 1
         else:
             hi = mid
@@ -134,11 +157,11 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_chunk"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_chunk", "rows"])
 def _paged_attn_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, ctx_ptr, mask_ptr, mask_off_ptr,
-    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads, num_splits, min_chunk,
+    qk_scale, k_scale_ptr, v_scale_ptr, num_seqs, num_heads, num_splits, min_chunk, rows,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -156,10 +179,24 @@ def _paged_attn_kernel(
     # The step's metadata (query_start_loc, context_lens, mask offsets) is uploaded before the
     # step's kernels run and no kernel writes it: with STAGED_EARLY it is read before the PDL
     # wait, while the kernel before this one (rotary + KV write) still runs.
-    seq = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
+    # ``rows`` (a runtime value: no new variant per mode): ALL_ROWS, or one of a mixed
+    # step's two launches, SINGLE_ROWS (program = sequence, only one-query sequences) or
+    # MULTI_ROWS (only sequences of several queries): see ``paged_attention``
+    if rows == SINGLE_ROWS:
+        seq = pid
+    else:
+        seq = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if rows == SINGLE_ROWS:
+        q_tile = 0
+    else:
+        q_tile = pid - (q_start // BLOCK_Q + seq)
+    mine = q_tile * BLOCK_Q < q_len
+    if rows == SINGLE_ROWS:
+        mine = q_len == 1
+    elif rows == MULTI_ROWS:
+        mine = mine & (q_len > 1)
     ctx = tl.load(ctx_ptr + seq)
     prefix = ctx - q_len
     if HAS_MASK:
@@ -181,24 +218,28 @@ def _paged_attn_kernel(
     if KV_PREFETCH:  # the split's first key tiles into L2 (the block table is staged)
         _prefetch_kv(kc_ptr + kv_base, vc_ptr + vv_base, bt_row, kv_lo,
                      tl.minimum(kv_hi, kv_lo + KV_PREFETCH * BLOCK_N),
-                     q_tile * BLOCK_Q < q_len, stride_kb, stride_ks, stride_vb, stride_vs,
+                     mine, stride_kb, stride_ks, stride_vb, stride_vs,
                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, LINE, D_LINES)
     if STAGED_EARLY:  # every program waits, also those that return at once: the kernel
         # completes only after the one before it (the PDL chain stays transitive)
         pdl_begin(PDL)
-    if q_tile * BLOCK_Q >= q_len:
+    if not mine:  # (the other launch of a mixed step computes this sequence)
         return
 
-    rows = tl.arange(0, BLOCK_M)
-    qi = q_tile * BLOCK_Q + rows // QPK  # query index within the sequence, [BLOCK_M]
-    head = kvh * QPK + rows % QPK
-    row_ok = (rows < BLOCK_Q * QPK) & (qi < q_len)
+    r = tl.arange(0, BLOCK_M)
+    qi = q_tile * BLOCK_Q + r // QPK  # query index within the sequence, [BLOCK_M]
+    head = kvh * QPK + r % QPK
+    row_ok = (r < BLOCK_Q * QPK) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
+    # partials' row: the token; SINGLE_ROWS partials are per sequence (one query each)
+    prow = tok
+    if rows == SINGLE_ROWS:
+        prow = tok * 0 + seq
 
     if MULTI:
         if kv_lo >= kv_end:  # no key in this split (a context shorter than the graph's
             # split count allows): mark the partial empty for the reduce and stop
-            ph = (tok * num_heads + head) * num_splits + split
+            ph = (prow * num_heads + head) * num_splits + split
             tl.store(part_ml_ptr + ph * 2, tl.full([BLOCK_M], float("-inf"), tl.float32),
                      mask=row_ok)
             tl.store(part_ml_ptr + ph * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
@@ -208,6 +249,8 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
 
+    # (Converting FP8 K/V straight to bf16 and folding the scales into the scores and the
+    # output measured slower, 330 vs 283 us at batch 256 on an H100: docs/decisions.md.)
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
@@ -243,21 +286,34 @@ def _paged_attn_kernel(
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        # partials: acc [T, H, S, D_PAD], (m, l) [T, H, S, 2], all float32
-        ph = (tok * num_heads + head) * num_splits + split
+        # partials: acc [T, H, S, D_PAD], (m, l) [T, H, S, 2], all float32 (T: the
+        # sequences for SINGLE_ROWS)
+        ph = (prow * num_heads + head) * num_splits + split
         tl.store(part_acc_ptr + ph[:, None] * D_PAD + d[None, :], acc, mask=o_mask)
         tl.store(part_ml_ptr + ph * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + ph * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_seqs", "rows"])
 def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, num_seqs, rows, num_heads, num_splits,
+    stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
+    # program 0: a token (ALL_ROWS, MULTI_ROWS) or a sequence (SINGLE_ROWS), its partials' row
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    tok = t
+    if rows == SINGLE_ROWS:
+        q0 = tl.load(qsl_ptr + t)
+        if tl.load(qsl_ptr + t + 1) - q0 != 1:
+            return
+        tok = q0.to(tl.int64)
+    elif rows == MULTI_ROWS:
+        seq = _seq_of_token(qsl_ptr, num_seqs, t.to(tl.int32))
+        if tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq) == 1:
+            return
     sp = tl.arange(0, S_PAD)
     s_ok = sp < num_splits
     base = (t * num_heads + h) * num_splits
@@ -274,8 +330,15 @@ def _reduce_kernel(
     acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
                   mask=(s_ok & (m > float("-inf")))[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tok * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -325,6 +388,12 @@ def default_config(head_dim: int, qclass: str = "decode") -> dict:
     steps")."""
     d_pad = next_pow2(max(head_dim, 16))
     block_n = 32 if d_pad > 128 or (qclass == "tree" and d_pad == 128) else 64
+    if qclass == "prefill" and d_pad <= 128:
+        # 128-row tiles, three stages: four 1000-token prompts at the llama-3-8b shape, H100,
+        # 216 us (bf16 KV) / 211 us (FP8 KV) against 322 / 263 us for 64-row tiles and two
+        # stages (benchmarks/attention_mixed.py; docs/decisions.md)
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                "tiles_per_split": 2}
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2}
 
 
@@ -362,7 +431,7 @@ def paged_attention(
     mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None,
     k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
     num_splits: int | None = None, out: torch.Tensor | None = None,
-    config: dict | None = None,
+    config: dict | None = None, single_rows: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over one layer's paged cache [num_blocks, block_size, KVH, D].
 
@@ -379,7 +448,11 @@ def paged_attention(
     want a static one). ``config`` forces a launch config (BLOCK_N, num_warps, num_stages,
     tiles_per_split; optionally BLOCK_M, the tile rows, and min_split_tiles, the least key
     tiles per split of a context); by default the one tuned for this shape (``tuned_configs.lookup``, see
-    ``tuning_key``) or ``default_config``. Returns
+    ``tuning_key``) or ``default_config``; it applies to the prompt launch of a mixed step.
+    ``single_rows``: how many sequences have exactly one query, when the host knows (None:
+    unknown, e.g. a CUDA graph's bucket). An unmasked step with several queries somewhere
+    and more than one sequence runs two launches (decodes in decode tiles, the rest in
+    prompt tiles) unless ``single_rows`` says every sequence is of one kind. Returns
     [T, H, D] in q's dtype.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -429,6 +502,31 @@ def paged_attention(
     if t == 0 or num_seqs == 0:
         return out
 
+    # A mixed step (prompt chunks beside decodes) runs two launches, each at its own tile
+    # shape: the one-query sequences in decode tiles, one program per sequence, and the
+    # others in prompt tiles. One launch would run every decode in the prompt class's
+    # 64-row tiles (llama-3-8b FP8, 256 decodes beside four 1000-token prompts: 683 us a
+    # layer against 296 us for the decodes alone; docs/decisions.md).
+    mixed = (mask is None and max_query_len > 1 and num_seqs > 1
+             and (single_rows is None or 0 < single_rows < num_seqs))
+    common = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
+              mask_offsets, scale * LOG2E, ks, vs)
+    if mixed:
+        _run(common, 1, max_context_len, num_splits, None, ROWS_SINGLE)
+        _run(common, max_query_len, max_context_len, num_splits, config, ROWS_MULTI)
+    else:
+        _run(common, max_query_len, max_context_len, num_splits, config, ROWS_ALL)
+    return out
+
+
+def _run(common: tuple, max_query_len: int, max_context_len: int, num_splits: int | None,
+         config: dict | None, rows: int) -> None:
+    """One launch (and its split reduction) for the sequences ``rows`` selects, with
+    ``config`` or the one tuned for the class of ``max_query_len`` queries (the default
+    config when a tuned one does not fit, said once)."""
+    q, k_cache, mask = common[1], common[2], common[7]
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
     qpk = heads // kv_heads
     default = default_config(dim, query_class(max_query_len, qpk, mask is not None))
     key = None
@@ -436,10 +534,9 @@ def paged_attention(
         key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len,
                          mask is not None)
         config = tuned_configs.lookup("paged_attention", key) or default
-    args = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
-            mask_offsets, scale * LOG2E, ks, vs, max_query_len, max_context_len, num_splits)
+    args = (*common, max_query_len, max_context_len, num_splits)
     try:
-        _launch(*args, config)
+        _launch(*args, config, rows)
     except triton.runtime.errors.OutOfResources as e:
         if key is None or config is default:
             raise
@@ -449,8 +546,7 @@ def paged_attention(
             _warned_fallback.add(key)
             print(f"warning: tuned paged_attention config {config} for {key} does not fit "
                   f"({e}); using the default config", file=sys.stderr)
-        _launch(*args, default)
-    return out
+        _launch(*args, default, rows)
 
 
 def _launch(
@@ -458,9 +554,10 @@ def _launch(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
     mask: torch.Tensor | None, mask_offsets: torch.Tensor | None, qk_scale: float,
     ks: torch.Tensor, vs: torch.Tensor, max_query_len: int, max_context_len: int,
-    num_splits: int | None, config: dict,
+    num_splits: int | None, config: dict, rows: int = ROWS_ALL,
 ) -> None:
-    """Launch the attention kernel (and the split reduction) with one launch config."""
+    """Launch the attention kernel (and the split reduction) with one launch config, for
+    the sequences ``rows`` selects (ALL_ROWS, SINGLE_ROWS or MULTI_ROWS)."""
     t, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -471,10 +568,12 @@ def _launch(
     block_q = block_m // qpk
     d_pad = next_pow2(max(dim, 16))
     block_n = int(config["BLOCK_N"])
-    num_q_programs = t // block_q + num_seqs
+    single = rows == ROWS_SINGLE
+    # SINGLE_ROWS: one program per sequence; partials (and the reduce) per sequence
+    num_q_programs = num_seqs if single else t // block_q + num_seqs
+    num_rows = num_seqs if single else t
     if num_splits is None:
-        sms = (torch.cuda.get_device_properties(dev).multi_processor_count
-               if dev.type == "cuda" else 132)
+        sms = _num_sms(dev)
         live = min(num_q_programs, num_seqs * triton.cdiv(max_query_len, block_q))
         num_splits = choose_num_splits(live * kv_heads, max_context_len, sms, block_n,
                                        int(config.get("tiles_per_split", 2)))
@@ -483,8 +582,9 @@ def _launch(
     min_chunk = int(config.get("min_split_tiles", 0)) * block_n
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     if num_splits > 1:
-        part_acc = torch.empty(t, heads, num_splits, d_pad, dtype=torch.float32, device=dev)
-        part_ml = torch.empty(t, heads, num_splits, 2, dtype=torch.float32, device=dev)
+        part_acc = torch.empty(num_rows, heads, num_splits, d_pad, dtype=torch.float32,
+                               device=dev)
+        part_ml = torch.empty(num_rows, heads, num_splits, 2, dtype=torch.float32, device=dev)
     else:
         part_acc = part_ml = out  # unused
     early, esize = _pdl.staged_early(), k_cache.element_size()
@@ -492,7 +592,7 @@ def _launch(
         out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
         context_lens, mask if mask is not None else context_lens,
         mask_offsets if mask_offsets is not None else context_lens,
-        qk_scale, ks, vs, num_seqs, heads, num_splits, min_chunk,
+        qk_scale, ks, vs, num_seqs, heads, num_splits, min_chunk, rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -505,8 +605,9 @@ def _launch(
         num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
-        _reduce_kernel[(t, heads)](
-            out, part_acc, part_ml, heads, num_splits, out.stride(0), out.stride(1),
+        _reduce_kernel[(num_rows, heads)](
+            out, part_acc, part_ml, query_start_loc, num_seqs, rows, heads, num_splits,
+            out.stride(0), out.stride(1),
             HEAD_DIM=dim, D_PAD=d_pad, S_PAD=reduce_width(num_splits), num_warps=4,
             **_pdl.launch_kwargs(),
         )

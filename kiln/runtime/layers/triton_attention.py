@@ -32,6 +32,10 @@ class TritonAttentionMetadata:
     # None: paged_attention picks the key-split count from the bounds; the start-up warm-up
     # (kiln/runtime/warmup.py) forces counts to compile each variant
     num_splits: int | None = None
+    # how many sequences have one query (a mixed step's decodes), when the host knows; None
+    # (CUDA graphs: any batch of the bucket) lets paged_attention split a step with several
+    # queries somewhere into a decode launch and a prompt launch whatever it holds
+    single_rows: int | None = None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int,
@@ -80,6 +84,7 @@ class TritonAttentionMetadata:
             max_query_len=max(s.query_len for s in meta.seqs), max_context_len=max(ctx),
             mask=torch.cat(masks) if masks else None,
             mask_offsets=ints(offsets) if masks else None,
+            single_rows=sum(1 for s in meta.seqs if s.query_len == 1),
         )
 
 
@@ -142,5 +147,5 @@ class TritonAttention(AttentionBackend):
             q, kc, vc, dm.block_tables, dm.query_start_loc, dm.context_lens, scale,
             max_query_len=dm.max_query_len, max_context_len=dm.max_context_len,
             mask=dm.mask, mask_offsets=dm.mask_offsets, k_scale=k_scale, v_scale=v_scale,
-            num_splits=dm.num_splits,
+            num_splits=dm.num_splits, single_rows=dm.single_rows,
         )

@@ -73,16 +73,16 @@ class StagedStep:
         st, b = self.staged, self.bucket
         out = [self.KIND, st.num_seqs, st.num_tokens, st.num_rows, st.max_query_len,
                st.max_context_len, int(st.masked), st.mask_bytes, self.num_entries]
-        if b is not None:
-            out += [1, b.num_seqs, b.num_tokens, int(b.masked), b.max_query_len, b.num_rows]
-        return out
+        out += ([1, b.num_seqs, b.num_tokens, int(b.masked), b.max_query_len, b.num_rows]
+                if b is not None else [0] * 6)
+        return out + [st.single_rows]
 
     @classmethod
     def from_words(cls, w: list[int]) -> StagedStep:
         from kiln.runtime.cuda_graph import Bucket
         from kiln.runtime.staging import Staged
 
-        staged = Staged(w[1], w[2], w[3], w[4], w[5], bool(w[6]), w[7])
+        staged = Staged(w[1], w[2], w[3], w[4], w[5], bool(w[6]), w[7], w[15])
         bucket = Bucket(w[10], w[11], bool(w[12]), w[13], w[14]) if w[9] else None
         return cls(bucket, staged, w[8])
 
