@@ -391,16 +391,26 @@ class LLMEngine:
         return LaunchedStep(batch, reqs, tokens, *self._readback.start(tokens))
 
     def _launch_next(self, cur: LaunchedStep) -> LaunchedStep | None:
-        """Launch the decode step after ``cur`` before its tokens are known, or None when
-        the next step needs the host (the plain scheduler then runs after it)."""
+        """Launch the step after ``cur`` before its tokens are known, or None when the next
+        step needs the host (the plain scheduler then runs after it). Without speculation
+        the step may carry prompt chunks and admissions beside the decodes
+        (``Scheduler.schedule_ahead``): the host schedules, stages and launches the next
+        step while the GPU runs this one, also while prompts keep arriving."""
         if not self.async_scheduling:
             return None
         if cur.spec_entries is not None:
             return self._launch_spec_ahead(cur)
         if any(_may_speculate_next(r) for r in cur.reqs):
             return None  # a draft needs the in-flight token
-        batch = self.scheduler.schedule_ahead(cur.batch, self.limits.max_seq_len)
+        admit = self._joins_ahead if self.spec_worker is None else None
+        batch = self.scheduler.schedule_ahead(cur.batch, self.limits.max_seq_len, admit)
         return None if batch is None else self._launch(batch, cur.inputs_for(batch))
+
+    def _joins_ahead(self, req: Request) -> bool:
+        """Whether ``req`` may run a prompt chunk in a step launched ahead: the device alone
+        picks its tokens and it scores no prompt positions (those are read with the
+        step's tokens, ``_run``)."""
+        return not req.scores_prompt and self._device_samples([req])
 
     def _launch_spec_ahead(self, cur: LaunchedStep) -> LaunchedStep | None:
         """The next device speculative step of ``cur``'s requests, launched before ``cur``'s

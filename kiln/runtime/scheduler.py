@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.runtime.kv_cache import BlockManager
@@ -43,8 +44,8 @@ class ScheduledBatch:
 
     def samples(self, req: Request, end: int) -> bool:
         """Whether ``req``'s item, computing up to position ``end``, reaches its last token
-        (its logits give the next token)."""
-        return end == req.num_tokens + self.in_flight
+        (its logits give the next token): its last known token, or the token in flight."""
+        return end >= req.num_tokens
 
     def prompt_positions(self, req: Request, start: int, end: int) -> tuple[int, int]:
         """Positions ``lo..hi-1`` of ``req``'s item (computing ``start..end-1``) whose logits
@@ -134,9 +135,12 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int,
+                          admit: Callable[[Request], bool] | None = None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if admit is not None and not admit(req):
+                break  # in arrival order: it waits for the plain schedule
             cached_blocks: list[int] = []
             # a request scoring its prompt computes every position (vLLM skips hits too)
             if req.num_computed_tokens == 0 and not req.block_table and not req.scores_prompt:
@@ -176,22 +180,37 @@ class Scheduler:
         if any(r is req for r, _ in batch.items):
             raise RuntimeError(f"preempted request {req.request_id} that was already scheduled")
 
-    def schedule_ahead(self, launched: ScheduledBatch, max_seq_len: int) -> ScheduledBatch | None:
-        """The decode step after ``launched``, scheduled before its samples reach the host
-        (async scheduling): one token per request, whose input is its sample in flight.
+    def schedule_ahead(self, launched: ScheduledBatch, max_seq_len: int,
+                       admit: Callable[[Request], bool] | None = None) -> ScheduledBatch | None:
+        """The step after ``launched``, scheduled before its samples reach the host (async
+        scheduling). First one token for each request that sampled in ``launched``, its
+        input the sample in flight (``in_flight``: these items lead, in ``launched``'s
+        order); then, with ``admit`` (which requests the device alone may sample), what
+        ``schedule`` would add: the next chunk of each running request with known tokens
+        left (a prompt in chunks), and waiting requests ``admit`` accepts, with the token
+        budget left. Without ``admit`` only a pure decode step is scheduled ahead.
 
         ``launched`` was queued on the device and its KV counted (``after_step``). None,
-        allocating nothing, when the next step needs the plain ``schedule``: ``launched``
-        did not sample every running request (a prompt chunk, an admission), a request
-        finished, waiting requests would be admitted, none continues past the token in
-        flight, or blocks run out (``schedule`` then preempts).
+        allocating nothing, when the next step needs the plain ``schedule``: a request
+        finished, blocks run out for the decodes (``schedule`` then preempts), a running
+        request with tokens left is not one ``admit`` accepts, nothing would run, or
+        (without ``admit``) ``launched`` did not sample every running request or waiting
+        requests would be admitted. A chunk or an admission that does not fit the free
+        blocks waits for a later step (nothing is preempted ahead).
         """
         reqs = [r for r, _ in launched.items]
-        if len(reqs) != len(self.running) or any(
-                r.is_finished or r.num_computed_tokens != r.num_tokens for r in reqs):
+        if any(r.is_finished for r in reqs):
             return None
-        cont = [r for r in reqs if not r.ends_on_length_after(1, max_seq_len)]
-        if not cont or (self.waiting and len(cont) < self.max_num_seqs):
+        if admit is None and (len(reqs) != len(self.running)
+                              or any(r.num_computed_tokens != r.num_tokens for r in reqs)):
+            return None
+        # a request whose sample is in flight has computed every token it has
+        cont = [r for r in reqs if r.num_computed_tokens == r.num_tokens
+                and not r.ends_on_length_after(1, max_seq_len)]
+        rest = [r for r in self.running if r.num_computed_tokens < r.num_tokens]
+        if admit is None and (not cont or (self.waiting and len(cont) < self.max_num_seqs)):
+            return None
+        if rest and (admit is None or any(r.draft is not None or not admit(r) for r in rest)):
             return None
         need = sum(self.blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
                    for r in cont)
@@ -199,7 +218,21 @@ class Scheduler:
             return None
         for r in cont:
             self.blocks.allocate(r.block_table, r.num_computed_tokens + 1)
-        return ScheduledBatch([(r, 1) for r in cont], in_flight=1)
+        batch = ScheduledBatch([(r, 1) for r in cont], in_flight=1 if cont else 0)
+        budget = self.max_num_tokens - len(cont)
+        for r in rest:
+            if budget <= 0:
+                break
+            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(r.block_table, r.num_computed_tokens + n):
+                break
+            self.blocks.allocate(r.block_table, r.num_computed_tokens + n)
+            batch.items.append((r, n))
+            budget -= n
+        else:
+            if admit is not None:
+                self._schedule_waiting(batch, budget, admit)
+        return batch if batch.items else None
 
     def schedule_spec_ahead(self, launched: ScheduledBatch, max_new: int, max_seq_len: int,
                             plain: list[Request] = ()) -> ScheduledBatch | None:

@@ -53,7 +53,7 @@ class StepStager:
         s1 = max_seqs + 1
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slots": max_tokens,
                  "logit_rows": max_tokens, "query_start_loc": s1 + 1, "context_lens": s1,
-                 "mask_offsets": s1, "block_tables": s1 * max_blocks,
+                 "mask_offsets": s1,
                  # device speculation entries (kiln/runtime/speculative/device_step.py):
                  # DeviceLookahead slot (-1: none), input row and logits row of the plan's x
                  "spec_slots": max_seqs, "spec_q0": max_seqs, "spec_r0": max_seqs,
@@ -62,7 +62,10 @@ class StepStager:
                  "spec_shift": max_seqs, "spec_seq": max_seqs,
                  # how the plan is verified: float32 bits of 1 / temperature (0: greedy),
                  # its Philox key, float32 bits of its (top_k, top_p, min_p)
-                 "spec_temp": max_seqs, "spec_key": max_seqs, "spec_warp": 3 * max_seqs}
+                 "spec_temp": max_seqs, "spec_key": max_seqs, "spec_warp": 3 * max_seqs,
+                 # last: an upload copies the rows the step uses, not the whole table (a
+                 # row spans max_seq_len: 8 MB for 257 rows of a 131k-token llama-3-8b)
+                 "block_tables": s1 * max_blocks}
         pin = device.type == "cuda"
         self.host = torch.zeros(sum(sizes.values()), dtype=torch.int32, pin_memory=pin)
         self.dev = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device)
@@ -73,6 +76,7 @@ class StepStager:
         for name, n in sizes.items():
             self.h[name], self.d[name] = np_all[off : off + n], self.dev[off : off + n]
             off += n
+        self._bt_offset = off - s1 * max_blocks
         self.h["block_tables"] = self.h["block_tables"].reshape(s1, max_blocks)
         self.spec_temp = self.h["spec_temp"].view(np.float32)
         self.spec_warp = self.h["spec_warp"].view(np.float32).reshape(max_seqs, 3)
@@ -95,9 +99,10 @@ class StepStager:
             self._consumed.record()
             self._consumed_marked = True
 
-    def upload(self, mask_bytes: int = 0) -> None:
+    def upload(self, mask_bytes: int = 0, table_rows: int | None = None) -> None:
         """Copy the host buffers to the device twin; the compute stream's later work waits
-        for the copy."""
+        for the copy. ``table_rows``: the block-table rows the step reads (None: all); the
+        device keeps its older rows, which hold valid block ids."""
         # On CUDA the copy runs on a stream of its own, after the last forward that read the
         # device twin (``mark_consumed``) rather than after everything before it in the
         # compute stream: a decode step's copy (~7.5 us for an 8B engine at max batch 256)
@@ -110,7 +115,9 @@ class StepStager:
             else:
                 self._copy_stream.wait_stream(compute)
         with torch.cuda.stream(self._copy_stream) if side else contextlib.nullcontext():
-            self.dev.copy_(self.host, non_blocking=True)
+            n = (self.host.numel() if table_rows is None
+                 else self._bt_offset + table_rows * self.max_blocks)
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
             if mask_bytes:
                 self.mask_dev[:mask_bytes].copy_(self.mask_host[:mask_bytes],
                                                  non_blocking=True)
@@ -151,7 +158,6 @@ class StepStager:
         qsl, ctx, moff, bt = (h["query_start_loc"], h["context_lens"], h["mask_offsets"],
                               h["block_tables"])
         q0 = nrows = mask_used = max_q = max_ctx = singles = 0
-        in_flight = batch.in_flight
         qsl[0] = 0
         spec_slots = h["spec_slots"]
         spec_slots[:] = -1
@@ -174,7 +180,7 @@ class StepStager:
                 known = req.all_token_ids
                 ids[q0] = known[start] if start < len(known) else 0  # 0: in flight, patched
                 pos[q0] = start
-                if end == len(known) + in_flight:
+                if end >= len(known):  # its last known token, or its token in flight
                     out.sample_rows[req] = nrows
                     rows[nrows] = q0
                     nrows += 1
@@ -228,7 +234,7 @@ class StepStager:
             pos[q0:t] = 0
             slots[q0:t] = -1
             rows[nrows:t] = 0
-        self.upload(mask_used)
+        self.upload(mask_used, (pad[0] if pad is not None else b) + 1)
         return Staged(b, q0, nrows, max_q, max_ctx, mask_used > 0, mask_used, singles)
 
     def metadata(self, num_seqs: int, num_tokens: int, max_query_len: int,

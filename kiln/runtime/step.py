@@ -70,13 +70,18 @@ class LaunchedStep:
         return all(r.is_finished for r in self.reqs)
 
     def inputs_for(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The device token ids that are ``batch``'s inputs: this step's sample of each of
-        its requests, in ``batch``'s order (a step scheduled on top of this one)."""
-        order = [r for r, _ in batch.items]
-        if order == self.reqs:
-            return self.tokens
+        """The device token ids that are the inputs of ``batch``'s leading items, the
+        requests this step sampled (a step scheduled on top of this one: prompt chunks and
+        admissions after them have known inputs), in ``batch``'s order."""
         row = {r: i for i, r in enumerate(self.reqs)}
-        return self.tokens[to_device([row[r] for r in order], torch.long, self.tokens.device)]
+        order = []
+        for r, _ in batch.items:
+            if r not in row:
+                break
+            order.append(row[r])
+        if order == list(range(len(self.reqs))):
+            return self.tokens
+        return self.tokens[to_device(order, torch.long, self.tokens.device)]
 
 
     def inputs_for_plain(self, batch: ScheduledBatch) -> torch.Tensor:

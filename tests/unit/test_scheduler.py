@@ -118,3 +118,50 @@ def test_schedule_ahead_allocates_one_more_token_or_nothing():
     assert sched.schedule_ahead(launched, max_seq_len=5).items == [(b, 1)]
     sched.add(_req("c", 2))  # ... unless c waits for the slot a leaves: schedule() admits it
     assert sched.schedule_ahead(launched, max_seq_len=5) is None
+
+
+def test_schedule_ahead_with_admit_adds_prompt_chunks_and_admissions():
+    """With ``admit`` the step scheduled ahead is what schedule() would run: the requests
+    whose samples are in flight decode first (their inputs are patched on the device, rows
+    0..k-1), then the next chunk of a prompt in chunks, then waiting requests ``admit``
+    accepts, within the token budget; a chunk that does not fit the free blocks waits
+    (nothing is preempted ahead)."""
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_tokens=10)
+    a, b = _req("a", 3), _req("b", 20)
+    sched.add(a)
+    sched.add(b)
+    launched = sched.schedule()  # a's prompt (3), b's first chunk (7)
+    assert launched.items == [(a, 3), (b, 7)]
+    _run(sched, launched, new_tokens=False)  # a's first sample is in flight
+    c, d = _req("c", 5), _req("d", 2)
+    c.all_token_ids[:] = [50 + t for t in c.all_token_ids]  # no prefix-cache hit on b's
+    sched.add(c)
+    sched.add(d)
+    assert sched.schedule_ahead(launched, max_seq_len=100) is None  # no admit: schedule()
+    # a running prompt whose next chunk admit refuses (e.g. host sampling): schedule() runs
+    assert sched.schedule_ahead(launched, max_seq_len=100, admit=lambda r: r is not b) is None
+    batch = sched.schedule_ahead(launched, max_seq_len=100, admit=lambda r: r is not d)
+    assert batch.items == [(a, 1), (b, 9)] and batch.in_flight == 1  # budget: 1 + 9
+    assert batch.samples(a, 4) and not batch.samples(b, 16) and batch.input_ids(a, 3, 4) == [0]
+    assert c.status is Status.WAITING  # no budget left
+    a.append_token(7)  # the engine reads launched's tokens after launching batch
+    sched.after_step(batch)  # b: 16 of 20
+    nxt = sched.schedule_ahead(batch, max_seq_len=100, admit=lambda r: r is not d)
+    # a decodes (in flight), b finishes its prompt (4, samples), c is admitted (5); d is
+    # refused by admit and waits (in arrival order)
+    assert nxt.items == [(a, 1), (b, 4), (c, 5)] and nxt.samples(b, 20)
+    assert c.status is Status.RUNNING and d.status is Status.WAITING
+
+
+def test_schedule_ahead_with_admit_leaves_a_chunk_that_does_not_fit():
+    blocks = BlockManager(4, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_tokens=10)
+    a, b = _req("a", 3), _req("b", 15)
+    sched.add(a)
+    sched.add(b)
+    launched = sched.schedule()  # a (3 tokens: 1 block), b's first 7 (2 blocks)
+    _run(sched, launched, new_tokens=False)
+    batch = sched.schedule_ahead(launched, max_seq_len=100, admit=lambda r: True)
+    # a's 4th token fits its block; b's last 8 tokens need 2 more blocks, 1 is free
+    assert batch.items == [(a, 1)] and blocks.num_free_blocks == 1
