@@ -504,9 +504,9 @@ def paged_attention(
 
     # A mixed step (prompt chunks beside decodes) runs two launches, each at its own tile
     # shape: the one-query sequences in decode tiles, one program per sequence, and the
-    # others in prompt tiles. One launch would run every decode in the prompt class's
-    # 64-row tiles (llama-3-8b FP8, 256 decodes beside four 1000-token prompts: 683 us a
-    # layer against 296 us for the decodes alone; docs/decisions.md).
+    # others in prompt tiles. One launch runs every decode in the prompt class's tiles
+    # (llama-3-8b shape, FP8 KV, 256 decodes beside four 1000-token prompts: 545 us one
+    # launch, 498 us two; docs/decisions.md, "Mixed steps").
     mixed = (mask is None and max_query_len > 1 and num_seqs > 1
              and (single_rows is None or 0 < single_rows < num_seqs))
     common = (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, mask,
