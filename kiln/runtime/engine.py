@@ -139,9 +139,11 @@ class LLMEngine:
         tp = None
         if spec.tp > 1:  # the other ranks start first and load their shards meanwhile
             from kiln.runtime.parallel import Ranks
+            from kiln.runtime.parallel.worker import follow_launched
 
             tp = Ranks.start(Path(path), spec.parallel, spec.model, torch.device(device),
-                             dataclasses.replace(config, device=str(device)))
+                             dataclasses.replace(config, device=str(device)),
+                             follow=follow_launched)
         try:
             weights = art.load_weights(device, dtype)
             tokenizer = art.load_tokenizer()
