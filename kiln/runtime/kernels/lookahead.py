@@ -385,8 +385,8 @@ def _pads(state: LookaheadTables) -> dict:
 def lookahead_propose(state: LookaheadTables, slots: torch.Tensor,
                       input_ids: torch.Tensor | None = None, q0: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DeviceLookahead.propose(slots)`` in one launch: the step's input ids [B, T] (long) and which
-    candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct but
+    """``DeviceLookahead.propose(slots)`` in one launch: the step's input ids [B, T] (long)
+    and which candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct but
     for -1 (no request: its rows are left unwritten). With ``input_ids`` (a step's flat
     token ids, int32/int64) and ``q0`` [B] long, entry b's T tokens are also written to
     ``input_ids[q0[b] : q0[b] + T]``."""
@@ -482,10 +482,11 @@ _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, q0: torch.Tensor, count: torch.Tensor,
                       src_rows: torch.Tensor) -> None:
-    """Keep the accepted rows' KV (one launch, every layer): for entry b with
-    ``count[b] = c`` (a verdict's, [B]), the KV written at input row ``q0[b] + src_rows[b, k]`` moves to
-    row ``q0[b] + 1 + k`` (x's index + 1 + k) for k < c - 1; ``slot_mapping`` [num_tokens]
-    (int32/int64) is the cache slot of each input row of the step. Entries of count 0 or 1
+    """Keep the accepted rows' KV (one launch, every layer): for entry b with ``count[b] = c``
+    (a verdict's count [B] and src_rows [B, N-1]), the KV written at input row
+    ``q0[b] + src_rows[b, k]`` moves to row ``q0[b] + 1 + k`` (x's index + 1 + k) for
+    k < c - 1; ``slot_mapping`` [num_tokens] (int32/int64) is the cache slot of each input
+    row of the step. Entries of count 0 or 1
     move nothing. Caches [layers, num_blocks, block_size, kv_heads, head_dim], any dtype."""
     dev = k_cache.device
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),

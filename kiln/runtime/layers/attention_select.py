@@ -1,11 +1,11 @@
 """Which attention backend runs each step class: measured once at build, recorded in
 engine.json ``attention``, read at load.
 
-A step's class (``kiln.runtime.layers.attention.step_class``) is what its attention metadata says: ``decode`` (one query
-token per sequence), ``prompt`` (a prompt, or prompt chunks beside decodes: some sequence has
-more than one query token and there is no tree mask) or ``tree`` (a speculative step with a
-tree mask). ``measure`` times each candidate backend's attention call, one layer at the
-engine's shapes, on problems of each class::
+A step's class (``step_class``, kiln/runtime/layers/attention.py) is what its attention
+metadata says: ``decode`` (one query token per sequence), ``prompt`` (a prompt, or prompt
+chunks beside decodes: some sequence has more than one query token and there is no tree
+mask) or ``tree`` (a speculative step with a tree mask). ``measure`` times each candidate
+backend's attention call, one layer at the engine's shapes, on problems of each class::
 
     decode  batch 1 at min(8000, max_seq_len) tokens of context; batch min(64, max_batch_size)
             at min(1024, max_seq_len)
