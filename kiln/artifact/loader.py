@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,6 +15,7 @@ from kiln.artifact import ENGINE_JSON, TOKENIZER_DIR
 from kiln.artifact.spec import ENGINE_FORMAT_VERSION, EngineSpec
 from kiln.artifact.weights import (
     FP8,
+    RandomCalibration,
     is_scale_name,
     quantize_random,
     random_calibration,
@@ -21,9 +23,25 @@ from kiln.artifact.weights import (
     runtime_shapes,
     weight_groups,
 )
+from kiln.config import ModelConfig
 from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import EngineFormatError
 from kiln.sources.base import sha256_file
+
+
+class Calibrator(Protocol):
+    """Runs the unquantized model forward as a random FP8 engine's weights are made, one
+    group at a time (the embedding, then each layer in order), and answers each group's
+    static activation scales (``{prefix}.input_scale``, [] float32)."""
+
+    def observe(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+# (model config, calibration data, device, dtype) -> a Calibrator: the runtime's model
+# calibrates (kiln.runtime.models.calibration.ActivationCalibrator); the artifact, below the
+# runtime, only calls it.
+CalibratorFactory = Callable[[ModelConfig, RandomCalibration, str | torch.device, torch.dtype],
+                             Calibrator]
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,7 @@ class EngineArtifact:
 
     def load_weights(
         self, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-        rank: int = 0,
+        rank: int = 0, calibrator: CalibratorFactory | None = None,
     ) -> dict[str, torch.Tensor]:
         """Runtime-named tensors (see kiln.artifact.weights) on ``device``; of a tensor-parallel
         engine, rank ``rank``'s shard (kiln.artifact.parallel).
@@ -64,7 +82,8 @@ class EngineArtifact:
         ``dtype`` defaults to the engine dtype. Random engines generate their weights here,
         deterministically from the recorded seed (a tensor-parallel one group by group,
         keeping the rank's shard of each), FP8 ones with their static activation scales
-        calibrated here (``_random_weights``).
+        calibrated here by ``calibrator`` (``_random_weights``; required for those,
+        kiln.runtime.models.calibration.ActivationCalibrator).
         """
         dtype = dtype or TORCH_DTYPES[self.spec.dtype]
         w = self.spec.weights
@@ -73,7 +92,7 @@ class EngineArtifact:
         if not 0 <= rank < self.spec.tp:
             raise ValueError(f"rank {rank} is not a rank of this tp={self.spec.tp} engine")
         if w.get("format") == "random":
-            return self._random_weights(device, dtype, rank)
+            return self._random_weights(device, dtype, rank, calibrator)
         from safetensors import safe_open
 
         out: dict[str, torch.Tensor] = {}
@@ -96,8 +115,9 @@ class EngineArtifact:
             )
         return out
 
-    def _random_weights(self, device: str | torch.device, dtype: torch.dtype,
-                        rank: int) -> dict[str, torch.Tensor]:
+    def _random_weights(self, device: str | torch.device, dtype: torch.dtype, rank: int,
+                        make_calibrator: CalibratorFactory | None
+                        ) -> dict[str, torch.Tensor]:
         """A random engine's weights, made from its seed one group at a time (the embedding
         with the head, then each layer; ``weight_groups``) where a group's full tensors are
         needed before the group is converted: a tensor-parallel rank keeps its shard of
@@ -109,11 +129,13 @@ class EngineArtifact:
         calibrator = None
         calibration = random_calibration(q.scales) if q.weights == "fp8" else None
         if calibration is not None:
-            # the runtime's model runs the calibration forward (imported only here: the
-            # artifact package itself needs no model)
-            from kiln.runtime.models.calibration import ActivationCalibrator
-
-            calibrator = ActivationCalibrator(cfg, calibration, device, dtype)
+            if make_calibrator is None:
+                raise ValueError(
+                    f"engine {self.path} is a random FP8 engine with static activation scales, "
+                    "which the model calibrates as its weights are made: pass "
+                    "load_weights(calibrator=kiln.runtime.models.calibration."
+                    "ActivationCalibrator)")
+            calibrator = make_calibrator(cfg, calibration, device, dtype)
         weights = {}
         grouped = par is not None or calibrator is not None
         for names in weight_groups(cfg) if grouped else [None]:

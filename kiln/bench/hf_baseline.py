@@ -164,6 +164,7 @@ def build_hf_model(engine_dir: str, device: str | torch.device) -> tuple[Any, di
     """
     from kiln.artifact.loader import load_engine
     from kiln.dtypes import TORCH_DTYPES
+    from kiln.runtime.models.calibration import ActivationCalibrator
 
     device = torch.device(device)
     # What is still allocated before the baseline's weights (the kiln engine should be gone).
@@ -171,8 +172,8 @@ def build_hf_model(engine_dir: str, device: str | torch.device) -> tuple[Any, di
     t0 = time.perf_counter()
     art = load_engine(engine_dir, verify_checksums=False)
     dtype = TORCH_DTYPES[art.spec.dtype]
-    model, fp8 = hf_model_from_weights(art.spec.model, art.load_weights(device, dtype), dtype,
-                                       device)
+    weights = art.load_weights(device, dtype, calibrator=ActivationCalibrator)
+    model, fp8 = hf_model_from_weights(art.spec.model, weights, dtype, device)
     name = str(dtype).removeprefix("torch.")
     return model, {
         "class": type(model).__name__,

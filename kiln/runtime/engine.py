@@ -28,6 +28,7 @@ from kiln.runtime.config import EngineLimits, RuntimeConfig
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.guided import mask_logits
 from kiln.runtime.layers.sampler import INVALID_TOKEN, describe_bad_row, kernels_enabled
+from kiln.runtime.models.calibration import ActivationCalibrator
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.prompt_logprobs import score_prompt_rows
 from kiln.runtime.request import Request, check_prompt, request_output
@@ -139,13 +140,16 @@ class LLMEngine:
         tp = None
         if spec.tp > 1:  # the other ranks start first and load their shards meanwhile
             from kiln.runtime.parallel import Ranks
+            from kiln.runtime.parallel.worker import follow_launched
 
             tp = Ranks.start(Path(path), spec.parallel, spec.model, torch.device(device),
-                             dataclasses.replace(config, device=str(device)))
+                             dataclasses.replace(config, device=str(device)),
+                             follow=follow_launched)
         try:
-            weights = art.load_weights(device, dtype)
+            weights = art.load_weights(device, dtype, calibrator=ActivationCalibrator)
             tokenizer = art.load_tokenizer()
-            draft = ((art.draft.spec.model, art.draft.load_weights(device, dtype))
+            draft = ((art.draft.spec.model,
+                      art.draft.load_weights(device, dtype, calibrator=ActivationCalibrator))
                      if getattr(art, "draft", None) is not None else None)
             load_s = time.perf_counter() - t0
             engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec,

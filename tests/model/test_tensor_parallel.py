@@ -27,6 +27,7 @@ from kiln.artifact.loader import load_engine
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.parallel import Ranks, TensorParallelError
+from kiln.runtime.parallel.worker import follow_launched
 from kiln.runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -256,7 +257,7 @@ def test_a_rank_that_fails_at_start_is_named(tiny_reference, tmp_path):
     with pytest.raises(TensorParallelError, match=r"rank 1 failed: EngineFormatError: engine "
                        r".*broken is missing its weights file weights-rank1-of-2"):
         Ranks.start(broken, spec.parallel, spec.model, torch.device("cpu"),
-                    RuntimeConfig(device="cpu"))
+                    RuntimeConfig(device="cpu"), follow=follow_launched)
 
 
 def test_tp1_engines_never_load_the_parallel_package(tiny_reference):

@@ -13,6 +13,7 @@ from kiln.artifact.spec import EngineSpec, Limits
 from kiln.builder.writer import _requested_attention
 from kiln.config import ModelConfig
 from kiln.runtime.layers import attention_select as sel
+from kiln.runtime.layers.attention import step_class
 from kiln.runtime.layers.attention_registry import get_backend
 from kiln.runtime.layers.flash_attention import FlashAttention
 from kiln.runtime.layers.triton_attention import TritonAttention
@@ -31,9 +32,9 @@ def _model():
 
 
 def test_step_class():
-    assert sel.step_class(SimpleNamespace(mask=None, max_query_len=1)) == "decode"
-    assert sel.step_class(SimpleNamespace(mask=None, max_query_len=9)) == "prompt"
-    assert sel.step_class(SimpleNamespace(mask="packed", max_query_len=9)) == "tree"
+    assert step_class(SimpleNamespace(mask=None, max_query_len=1)) == "decode"
+    assert step_class(SimpleNamespace(mask=None, max_query_len=9)) == "prompt"
+    assert step_class(SimpleNamespace(mask="packed", max_query_len=9)) == "tree"
 
 
 def test_problems_at_the_engine_shapes():

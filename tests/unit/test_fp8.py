@@ -12,6 +12,7 @@ from kiln.builder.safetensors_stream import SafetensorsStreamWriter
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import read_kv, write_kv
 from kiln.runtime.layers.linear import FP8, Linear, fp8_linear, place_weights
+from kiln.runtime.models.calibration import ActivationCalibrator
 
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative
 
@@ -136,7 +137,7 @@ def test_random_fp8_engine_runs(tmp_path, capsys):
     assert "WARNING" in capsys.readouterr().err  # KV scales are 1.0
     assert spec.quantization.weights == "fp8" and spec.quantization.kv_cache == "fp8"
     assert spec.quantization.scales["source"] == "random"
-    w = load_engine(out).load_weights()
+    w = load_engine(out).load_weights(calibrator=ActivationCalibrator)
     assert w["layers.0.qkv.weight"].dtype == FP8 and "layers.1.v_scale" in w
     engine = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", num_kv_blocks=64))
     assert engine.cache.k.dtype == FP8

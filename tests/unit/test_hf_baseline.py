@@ -21,6 +21,7 @@ from kiln.bench.hf_baseline import (
 )
 from kiln.bench.offline import BenchRequest
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
+from kiln.runtime.models.calibration import ActivationCalibrator
 from kiln.runtime.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 30, 9, 40, 3], [22, 11, 101], [7] * 12]
@@ -72,7 +73,7 @@ def test_fp8_engine_is_dequantized_to_the_compute_dtype(tmp_path, capsys):
     model, info = build_hf_model(str(out), "cpu")
     assert info["dequantized_fp8_linears"] == 4 * spec.model.num_layers
     assert "dequantized" in info["weights"] and "float32" in info["weights"]
-    w = load_engine(out).load_weights()
+    w = load_engine(out).load_weights(calibrator=ActivationCalibrator)
     q_size, inter = spec.model.q_size, spec.model.intermediate_size
     dense = w["layers.1.qkv.weight"].float() * w["layers.1.qkv.weight_scale"]
     attn = model.model.layers[1].self_attn

@@ -27,6 +27,7 @@ from kiln.errors import EngineFormatError
 from kiln.eval.perplexity import window_nll
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
 from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
+from kiln.runtime.models.calibration import ActivationCalibrator
 from kiln.runtime.sampling_params import SamplingParams
 
 FP8_HEAD = QuantConfig(lm_head="fp8")
@@ -76,8 +77,8 @@ def test_build_writes_the_fp8_head_of_the_engine_dtype_head(kind, quant, tiny_hf
             added = names - set(f.keys())
         assert added == ({"lm_head.weight", "lm_head.weight_scale"} if cfg.tie_word_embeddings
                          else {"lm_head.weight_scale"})
-    w = load_engine(tmp_path / "e").load_weights()
-    ref = load_engine(tmp_path / "ref").load_weights()
+    w = load_engine(tmp_path / "e").load_weights(calibrator=ActivationCalibrator)
+    ref = load_engine(tmp_path / "ref").load_weights(calibrator=ActivationCalibrator)
     assert w["lm_head.weight"].dtype == FP8 and w["lm_head.weight_scale"].dtype == torch.float32
     assert tuple(w["lm_head.weight"].shape) == (cfg.vocab_size, cfg.hidden_size)
     assert torch.equal(w["embed_tokens.weight"], ref["embed_tokens.weight"])  # stays bf16

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_propose
-from kiln.runtime.speculative.device_lookahead import DeviceLookahead
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
 from kiln.runtime.speculative.lookahead_math import NgramPool
 
 STATE = ("window", "keys", "conts", "cursor", "recent", "total")
@@ -57,14 +57,14 @@ def lockstep(ref, dut, slots, model, steps):
     verdicts = []
     for step in range(steps):
         tokens, valid = ref.propose(slots)
-        k_tokens, k_valid = lookahead_propose(dut, slots)
+        k_tokens, k_valid = lookahead_propose(dut.tables, slots)
         assert torch.equal(tokens, k_tokens), step
         assert torch.equal(valid, k_valid), step
         assert_same_state(ref, dut, (step, "propose"))
         argmax = model(tokens, step)
         verdict = ref.verify(tokens, argmax, valid)
         ref.update(slots, tokens, argmax, verdict)
-        k_verdict = lookahead_commit(dut, slots, k_tokens, argmax)
+        k_verdict = StepVerdict(*lookahead_commit(dut.tables, slots, k_tokens, argmax))
         assert torch.equal(verdict.committed, k_verdict.committed), step
         assert torch.equal(verdict.count, k_verdict.count), step
         assert torch.equal(verdict.src_rows, k_verdict.src_rows), step
@@ -119,25 +119,26 @@ def test_commit_accepts_int32_argmax_and_strided_rows():
     slots = torch.tensor([2, 4])
     for step in range(4):
         tokens, valid = ref.propose(slots)
-        k_tokens, _ = lookahead_propose(dut, slots)
+        k_tokens, _ = lookahead_propose(dut.tables, slots)
         argmax = (tokens * 5 + 1) % 6
         ref.update(slots, tokens, argmax, ref.verify(tokens, argmax, valid))
         wide = torch.zeros(2, tokens.shape[1] + 3, dtype=torch.int32)
         wide[:, : tokens.shape[1]] = argmax
-        lookahead_commit(dut, slots, k_tokens, wide[:, : tokens.shape[1]])
+        lookahead_commit(dut.tables, slots, k_tokens, wide[:, : tokens.shape[1]])
         assert_same_state(ref, dut, step)
 
 
 def test_empty_batch_and_bad_arguments():
     dut = DeviceLookahead(2, (2, 3, 2), torch.device("cpu"), buckets=5)
-    tokens, valid = lookahead_propose(dut, torch.empty(0, dtype=torch.long))
+    tokens, valid = lookahead_propose(dut.tables, torch.empty(0, dtype=torch.long))
     assert tokens.shape == (0, dut.num_tokens) and valid.shape == (0, 2)
-    v = lookahead_commit(dut, torch.empty(0, dtype=torch.long), tokens, tokens)
-    assert v.committed.shape == (0, 3)
+    committed, _, _ = lookahead_commit(dut.tables, torch.empty(0, dtype=torch.long), tokens,
+                                       tokens)
+    assert committed.shape == (0, 3)
     with pytest.raises(ValueError, match="tokens has shape"):
-        lookahead_commit(dut, torch.tensor([0]), tokens, tokens)
+        lookahead_commit(dut.tables, torch.tensor([0]), tokens, tokens)
     with pytest.raises(ValueError, match="slots has dtype"):
-        lookahead_propose(dut, torch.tensor([0], dtype=torch.int32))
+        lookahead_propose(dut.tables, torch.tensor([0], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("window", [(4, 4, 4), (1, 3, 2), (3, 3, 0)])
@@ -211,7 +212,7 @@ def test_fold_kernel_equals_commit_tokens(window):
         count = torch.tensor(counts)
         live = slots >= 0
         ref.commit_tokens(slots[live], tokens[live], count[live])
-        lookahead_fold(dut, slots, tokens, count)
+        lookahead_fold(dut.tables, slots, tokens, count)
         assert_same_state(ref, dut, step)
 
 

@@ -12,6 +12,7 @@ from kiln.artifact.loader import load_engine
 from kiln.artifact.spec import QuantConfig
 from kiln.artifact.weights import LINEARS, RandomCalibration, random_weights
 from kiln.builder import build_engine
+from kiln.runtime.models.calibration import ActivationCalibrator
 
 FP8_STATIC = QuantConfig("fp8", "fp8")
 
@@ -52,7 +53,7 @@ def test_random_fp8_engine_calibrates_static_input_scales(tmp_path, preset):
     cal = scales["calibration"]
     assert (cal["calib_size"], cal["calib_seq_len"], cal["seed"]) == (4, 256, seed)
     assert "calibrated at load on 4 random-token sequences" in cal["description"]
-    w = load_engine(tmp_path / "e").load_weights()
+    w = load_engine(tmp_path / "e").load_weights(calibrator=ActivationCalibrator)
     amax = hf_input_amax(spec.model, seed, RandomCalibration(seed=seed))
     assert len(amax) == len(LINEARS) * spec.model.num_layers
     for name, a in amax.items():
@@ -68,10 +69,10 @@ def test_calibration_depends_on_the_seed_only(tmp_path):
                           ("c", "random:tiny-llama:2", 1)):
         build_engine(src, tmp_path / name, dtype="float32", progress=False,
                      quantization=FP8_STATIC, tp=tp)
-    a = load_engine(tmp_path / "a").load_weights()
-    again = load_engine(tmp_path / "a").load_weights()
-    rank1 = load_engine(tmp_path / "b").load_weights(rank=1)
-    c = load_engine(tmp_path / "c").load_weights()
+    a = load_engine(tmp_path / "a").load_weights(calibrator=ActivationCalibrator)
+    again = load_engine(tmp_path / "a").load_weights(calibrator=ActivationCalibrator)
+    rank1 = load_engine(tmp_path / "b").load_weights(rank=1, calibrator=ActivationCalibrator)
+    c = load_engine(tmp_path / "c").load_weights(calibrator=ActivationCalibrator)
     names = [n for n in a if n.endswith(".input_scale")]
     assert len(names) == 8
     for n in names:
@@ -105,9 +106,18 @@ def test_dynamic_activations_on_request(tmp_path):
                         quantization=q)
     assert spec.quantization.scales["activations"] == "dynamic"
     assert "calibration" not in spec.quantization.scales
-    w = load_engine(tmp_path / "e").load_weights()
+    w = load_engine(tmp_path / "e").load_weights()  # nothing to calibrate
     assert w["layers.0.qkv.weight"].dtype == torch.float8_e4m3fn
     assert not [n for n in w if n.endswith(".input_scale")]
     with pytest.raises(ValueError, match="'static'.*'dynamic'"):
         build_engine("random:tiny-llama", tmp_path / "x", progress=False,
                      quantization=QuantConfig("fp8", "fp8", scales={"activations": "per-row"}))
+
+
+def test_static_scales_need_the_models_calibrator(tmp_path):
+    """The artifact makes the weights, the runtime's model calibrates them: loading a static
+    random FP8 engine without a calibrator is one clear error naming it."""
+    build_engine("random:tiny-llama", tmp_path / "e", dtype="float32", progress=False,
+                 quantization=FP8_STATIC)
+    with pytest.raises(ValueError, match="random FP8 engine.*ActivationCalibrator"):
+        load_engine(tmp_path / "e").load_weights()

@@ -6,13 +6,14 @@ as batched torch ops: ``propose``, ``verify`` and ``update`` (whose ``_insert`` 
 is about a dozen ops per inserted n-gram). These kernels do the same work with one program
 per request of the batch, two launches per step:
 
-    tokens, valid = lookahead_propose(state, slots)           # = state.propose(slots)
+    tokens, valid = lookahead_propose(state.tables, slots)   # = state.propose(slots)
     ... forward; argmax of every row [B, T] ...
-    verdict = lookahead_commit(state, slots, tokens, argmax)  # = state.verify(...) then
-                                                              #   state.update(...)
+    committed, count, src_rows = lookahead_commit(state.tables, slots, tokens, argmax)
+                                      # = state.verify(...) then state.update(...)
 
-They read and write the ``DeviceLookahead`` instance's tensors in place (window, keys,
-conts, cursor, recent, total) and return bit-identical results: the torch ops of
+They take the state's tensors (``LookaheadTables``, which ``DeviceLookahead.tables``
+holds), read and write them in place (window, keys, conts, cursor, recent, total) and
+return bit-identical results: the torch ops of
 device_lookahead.py are the reference, and tests/unit/test_lookahead_kernels.py runs both
 side by side (TRITON_INTERPRET) and compares every output and every state tensor after each
 step.
@@ -34,6 +35,8 @@ window, the candidates: lookahead_math's module docstring).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -41,9 +44,49 @@ import triton.language as tl
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import check_shape, check_tensor, next_pow2
 from kiln.runtime.kernels._pdl import pdl_begin
-from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
 
 INDEX_DTYPES = (torch.int64,)
+
+
+class LookaheadTables(NamedTuple):
+    """The device tensors of ``S`` request slots' lookahead state (all int64, contiguous;
+    H buckets, L = N-1 levels; their meaning: kiln/runtime/speculative/device_lookahead.py).
+    The kernels write the first six in place.
+
+        window       [S, L, W]               keys         [S, H, max(G, 1)]
+        conts        [S, H, max(G, 1), N-1]  cursor       [S, H]
+        recent       [S, N-1]                total        [S]
+        window_rows  [L, W], last_rows [W], cand_rows [G, N-1]: the step layout's rows
+    ``g``: G, the candidates per step (``keys`` holds one unused column when it is 0).
+    """
+
+    window: torch.Tensor
+    keys: torch.Tensor
+    conts: torch.Tensor
+    cursor: torch.Tensor
+    recent: torch.Tensor
+    total: torch.Tensor
+    window_rows: torch.Tensor
+    last_rows: torch.Tensor
+    cand_rows: torch.Tensor
+    g: int
+
+    @property
+    def w(self) -> int:
+        return self.window.shape[2]
+
+    @property
+    def n(self) -> int:
+        return self.window.shape[1] + 1
+
+    @property
+    def buckets(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """T = (W + G)(N - 1): x, the window's other W(N-1) - 1 tokens, G candidates."""
+        return (self.w + self.g) * (self.n - 1)
 
 
 @triton.jit
@@ -301,9 +344,9 @@ def _lookahead_fold_kernel(
     tl.store(total_ptr + slot, total + k_new)
 
 
-def lookahead_fold(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.Tensor,
+def lookahead_fold(state: LookaheadTables, slots: torch.Tensor, tokens: torch.Tensor,
                    count: torch.Tensor) -> None:
-    """``state.commit_tokens(slots, tokens, count)`` in one launch: the tokens plain steps
+    """``DeviceLookahead.commit_tokens(slots, tokens, count)`` in one launch: the tokens plain steps
     committed (``tokens[b, :count[b]]``, [B, K] long) join the slots' pools, recent tokens
     and totals. The torch ops run a dozen launches per token (``_insert``); a paced request
     that decoded plainly for a while folds dozens of tokens at its next proposal."""
@@ -323,7 +366,7 @@ def lookahead_fold(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.Te
         )
 
 
-def _check_state(state: DeviceLookahead, slots: torch.Tensor) -> None:
+def _check_state(state: LookaheadTables, slots: torch.Tensor) -> None:
     dev = state.window.device
     for name in ("window", "keys", "conts", "cursor", "recent", "total"):
         t = getattr(state, name)
@@ -333,17 +376,17 @@ def _check_state(state: DeviceLookahead, slots: torch.Tensor) -> None:
     check_tensor("slots", slots, ndim=1, dtypes=INDEX_DTYPES, device=dev)
 
 
-def _pads(state: DeviceLookahead) -> dict:
+def _pads(state: LookaheadTables) -> dict:
     w, n, g = state.w, state.n, state.g
     return {"W": w, "N": n, "G": g, "WL_PAD": next_pow2(w * (n - 1)),
             "G_PAD": next_pow2(max(g, 1)), "N1_PAD": next_pow2(n - 1)}
 
 
-def lookahead_propose(state: DeviceLookahead, slots: torch.Tensor,
+def lookahead_propose(state: LookaheadTables, slots: torch.Tensor,
                       input_ids: torch.Tensor | None = None, q0: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``state.propose(slots)`` in one launch: the step's input ids [B, T] (long) and which
-    candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct but
+    """``DeviceLookahead.propose(slots)`` in one launch: the step's input ids [B, T] (long)
+    and which candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct but
     for -1 (no request: its rows are left unwritten). With ``input_ids`` (a step's flat
     token ids, int32/int64) and ``q0`` [B] long, entry b's T tokens are also written to
     ``input_ids[q0[b] : q0[b] + T]``."""
@@ -369,14 +412,15 @@ def lookahead_propose(state: DeviceLookahead, slots: torch.Tensor,
     return tokens, valid
 
 
-def lookahead_commit(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.Tensor,
-                     argmax: torch.Tensor) -> StepVerdict:
-    """``state.verify(tokens, argmax, valid)`` then ``state.update(slots, tokens, argmax,
-    verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for these
+def lookahead_commit(state: LookaheadTables, slots: torch.Tensor, tokens: torch.Tensor,
+                     argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``DeviceLookahead.verify(tokens, argmax, valid)`` then ``.update(slots, tokens,
+    argmax, verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for these
     ``tokens`` (recomputed from the pool, which must not have changed since). ``tokens`` [B, T]
     long from the proposal, ``argmax`` [B, T] int64/int32 (the model's greedy token after
-    each row). Returns the verdict; the state is updated in place. An entry of slot -1
-    commits nothing: its count is 0, its other outputs unwritten."""
+    each row). Returns the verdict's tensors (``StepVerdict``'s committed [B, N], count [B],
+    src_rows [B, N-1]); the state is updated in place. An entry of slot -1 commits nothing:
+    its count is 0, its other outputs unwritten."""
     _check_state(state, slots)
     dev = state.window.device
     b, t = slots.shape[0], state.num_tokens
@@ -401,7 +445,7 @@ def lookahead_commit(state: DeviceLookahead, slots: torch.Tensor, tokens: torch.
             tokens.stride(0), argmax.stride(0), state.buckets, state.keys.shape[2],
             N_PAD=next_pow2(n), **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
         )
-    return StepVerdict(committed, count, src_rows)
+    return committed, count, src_rows
 
 
 @triton.jit
@@ -436,21 +480,21 @@ _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, q0: torch.Tensor,
-                      verdict: StepVerdict) -> None:
-    """Keep the accepted rows' KV (one launch, every layer): for entry b with
-    ``verdict.count[b] = c``, the KV written at input row ``q0[b] + src_rows[b, k]`` moves to
-    row ``q0[b] + 1 + k`` (x's index + 1 + k) for k < c - 1; ``slot_mapping`` [num_tokens]
-    (int32/int64) is the cache slot of each input row of the step. Entries of count 0 or 1
+                      slot_mapping: torch.Tensor, q0: torch.Tensor, count: torch.Tensor,
+                      src_rows: torch.Tensor) -> None:
+    """Keep the accepted rows' KV (one launch, every layer): for entry b with ``count[b] = c``
+    (a verdict's count [B] and src_rows [B, N-1]), the KV written at input row
+    ``q0[b] + src_rows[b, k]`` moves to row ``q0[b] + 1 + k`` (x's index + 1 + k) for
+    k < c - 1; ``slot_mapping`` [num_tokens] (int32/int64) is the cache slot of each input
+    row of the step. Entries of count 0 or 1
     move nothing. Caches [layers, num_blocks, block_size, kv_heads, head_dim], any dtype."""
     dev = k_cache.device
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
                  device=dev)
     check_tensor("q0", q0, ndim=1, dtypes=INDEX_DTYPES, device=dev)
-    for name in ("count", "src_rows"):
-        check_tensor(f"verdict.{name}", getattr(verdict, name), dtypes=INDEX_DTYPES,
-                     device=dev)
-    b, n1 = verdict.src_rows.shape
+    check_tensor("count", count, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("src_rows", src_rows, ndim=2, dtypes=INDEX_DTYPES, device=dev)
+    b, n1 = src_rows.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype):
         raise ValueError("k_cache and v_cache must be contiguous, of one shape and dtype")
@@ -461,7 +505,7 @@ def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
     e = k_cache.shape[-2] * k_cache.shape[-1]
     kc, vc = k_cache.view(raw), v_cache.view(raw)
     _move_kv_kernel[(b, layers, 2)](
-        kc, vc, slot_mapping, q0, verdict.count, verdict.src_rows.contiguous(),
+        kc, vc, slot_mapping, q0, count, src_rows.contiguous(),
         kc.stride(0), E=e, E_PAD=next_pow2(e), N1=n1, N1_PAD=next_pow2(max(n1, 1)),
         num_warps=4, **_pdl.launch_kwargs(),
     )

@@ -11,11 +11,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kiln.runtime.kv_cache import KVCache
+
+# What a step is to a backend (``step_class``): a backend may run some classes and not
+# others, and the build measures each class (kiln/runtime/layers/attention_select.py).
+STEP_CLASSES = ("decode", "prompt", "tree")
+
+
+def step_class(dm: Any) -> str:
+    """The class of a step from its (device) attention metadata: ``tree`` with a tree mask,
+    else ``prompt`` when some sequence has more than one query token, else ``decode``."""
+    if getattr(dm, "mask", None) is not None:
+        return "tree"
+    return "prompt" if dm.max_query_len > 1 else "decode"
 
 
 @dataclass

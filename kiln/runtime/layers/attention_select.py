@@ -1,11 +1,11 @@
 """Which attention backend runs each step class: measured once at build, recorded in
 engine.json ``attention``, read at load.
 
-A step's class (``step_class``) is what its attention metadata says: ``decode`` (one query
-token per sequence), ``prompt`` (a prompt, or prompt chunks beside decodes: some sequence has
-more than one query token and there is no tree mask) or ``tree`` (a speculative step with a
-tree mask). ``measure`` times each candidate backend's attention call, one layer at the
-engine's shapes, on problems of each class::
+A step's class (``step_class``, kiln/runtime/layers/attention.py) is what its attention
+metadata says: ``decode`` (one query token per sequence), ``prompt`` (a prompt, or prompt
+chunks beside decodes: some sequence has more than one query token and there is no tree
+mask) or ``tree`` (a speculative step with a tree mask). ``measure`` times each candidate
+backend's attention call, one layer at the engine's shapes, on problems of each class::
 
     decode  batch 1 at min(8000, max_seq_len) tokens of context; batch min(64, max_batch_size)
             at min(1024, max_seq_len)
@@ -44,11 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.runtime.layers.attention import STEP_CLASSES
+
 if TYPE_CHECKING:
     from kiln.artifact.spec import Limits
     from kiln.config import ModelConfig
 
-STEP_CLASSES = ("decode", "prompt", "tree")
 # Backends a build measures, and the step classes each can run (Triton runs every class).
 SUPPORTS: dict[str, tuple[str, ...]] = {"triton": STEP_CLASSES, "flash-attn": ("prompt",)}
 # What is timed (for the record) beyond what can be chosen: flash-attn-4 at decode, which it
@@ -61,13 +62,6 @@ WIN_MARGIN = 0.95
 # different accumulation orders (~4e-3 measured), not a wrong result.
 AGREE = 2e-2
 DEFAULT = {"backend": "auto", "source": "default"}
-
-
-def step_class(dm: Any) -> str:
-    """The class of a step from its (device) attention metadata."""
-    if getattr(dm, "mask", None) is not None:
-        return "tree"
-    return "prompt" if dm.max_query_len > 1 else "decode"
 
 
 def problems(model: ModelConfig, limits: Limits, tokens_per_step: int = 1,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.layers.attention_select import step_class
+from kiln.runtime.layers.attention import step_class
 from kiln.runtime.layers.triton_attention import TritonAttention
 
 log = logging.getLogger("kiln.attention")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,21 @@ from kiln.runtime.layers.linear import (
 from kiln.runtime.layers.norm import rms_norm
 from kiln.runtime.layers.rotary import Rotary
 
-if TYPE_CHECKING:
-    from kiln.runtime.parallel import Ranks
-
 # (layer, q, k, v) -> attention output [num_tokens, num_heads, head_dim]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TensorParallel(Protocol):
+    """This process's rank of a tensor-parallel engine, as the model sees it: the group its
+    layers reduce over (``kiln.runtime.parallel.Ranks`` is one)."""
+
+    def parallelize(self, linears: dict[str, Linear], embedding: torch.Tensor, head: str
+                    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, Callable]]:
+        """The rank's embedding ([num_tokens] ids -> [num_tokens, hidden], summed over the
+        ranks) and its linears by prefix: ``head`` (lm_head or the tied embedding)
+        vocab-parallel, o_proj and down row-parallel (ending in the all-reduce), the rest
+        as given."""
+        ...
 
 
 def split_qkv(cfg: ModelConfig, w: Mapping[str, torch.Tensor], qkv: torch.Tensor, p: str,
@@ -83,7 +93,7 @@ class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
         device: torch.device, fused: bool = False, max_positions: int = 8192,
-        tp: Ranks | None = None,
+        tp: TensorParallel | None = None,
     ):
         """``tp``: this process's rank of a tensor-parallel engine
         (kiln.runtime.parallel.Ranks); ``cfg`` and ``weights`` are then the rank's shard."""

@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.cuda_graph import Bucket
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.layers.attention import AttentionMetadata
 from kiln.runtime.memory import peak_memory
 from kiln.runtime.parallel.group import TPGroup
+from kiln.runtime.staging import Staged
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,6 @@ class StagedStep:
 
     @classmethod
     def from_words(cls, w: list[int]) -> StagedStep:
-        from kiln.runtime.cuda_graph import Bucket
-        from kiln.runtime.staging import Staged
-
         staged = Staged(w[1], w[2], w[3], w[4], w[5], bool(w[6]), w[7], w[15])
         bucket = Bucket(w[10], w[11], bool(w[12]), w[13], w[14]) if w[9] else None
         return cls(bucket, staged, w[8])

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -86,20 +86,21 @@ class Ranks:
 
     @classmethod
     def start(cls, engine_dir: Path, parallel: ParallelConfig, model_config: ModelConfig,
-              device: torch.device, config: Any) -> Ranks:
+              device: torch.device, config: Any, *,
+              follow: Callable[[str, Any], NoReturn]) -> Ranks:
         """Rank 0: start the followers of the engine at ``engine_dir`` (each loads its shard
         with ``config``, a RuntimeConfig) and form the group with them. Under torchrun
         (launch.py) start none: torchrun's rank 0 forms the group with the ranks torchrun
-        started, and any other rank follows it here and then exits the process."""
+        started, and any other rank follows it here, ``follow(engine_dir, launch)``
+        (``worker.follow_launched``, which builds the rank's engine parts: the caller, above
+        the runtime's start-up, hands it in), and then exits the process."""
         from kiln.runtime.parallel.launch import CONFIG_KEY, ENGINE_KEY, engine_digest, launched
 
         launch = launched()
         if launch is not None:
             launch.check(parallel.tp)
             if launch.rank != 0:
-                from kiln.runtime.parallel.worker import follow_launched
-
-                follow_launched(str(engine_dir), launch)  # exits the process
+                follow(str(engine_dir), launch)  # exits the process
         local_world = parallel.tp if launch is None else launch.local_world
         device = rank_device(device, 0, local_world)
         if device.type == "cuda":

@@ -39,6 +39,7 @@ def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None 
     from kiln.artifact.loader import load_engine
     from kiln.dtypes import TORCH_DTYPES
     from kiln.runtime.config import EngineLimits
+    from kiln.runtime.models.calibration import ActivationCalibrator
     from kiln.runtime.parallel.control import follow
     from kiln.runtime.parallel.group import START_TIMEOUT_S, TPGroup
     from kiln.runtime.parallel.launch import check_same_engine
@@ -68,7 +69,7 @@ def run(engine_dir: str, rank: int, store, config, heartbeat, share: int | None 
     lim = spec.limits
     limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
                           lim.max_num_tokens)
-    weights = art.load_weights(device, dtype, rank=rank)
+    weights = art.load_weights(device, dtype, rank=rank, calibrator=ActivationCalibrator)
     parts = assemble(spec.model, weights, limits, dtype, config, spec.speculative,
                      attention=getattr(spec, "attention", None), tp=ranks)
     follow(parts.runner, ranks.group)

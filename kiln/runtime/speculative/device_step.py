@@ -148,7 +148,8 @@ class DeviceSpecStep:
         if self.kernels:
             from kiln.runtime.kernels.lookahead import lookahead_propose
 
-            return _Proposal(*lookahead_propose(st, entries.slots, input_ids, entries.q0))
+            return _Proposal(*lookahead_propose(st.tables, entries.slots, input_ids,
+                                                entries.q0))
         active = torch.nonzero(entries.slots >= 0)[:, 0]
         tokens, valid = st.propose(entries.slots[active])
         rows = entries.q0[active, None] + torch.arange(st.num_tokens, device=st.device)
@@ -176,8 +177,10 @@ class DeviceSpecStep:
             else:
                 from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_move_kv
 
-                verdict = lookahead_commit(st, entries.slots, proposal.tokens, argmax)
-                lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict)
+                verdict = StepVerdict(*lookahead_commit(st.tables, entries.slots,
+                                                        proposal.tokens, argmax))
+                lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict.count,
+                                  verdict.src_rows)
             self.last_count[: verdict.count.shape[0]].copy_(verdict.count)
             return SpecOutput(verdict.committed, verdict.count)
         a = proposal.active
