@@ -193,7 +193,8 @@ class Scheduler:
         ``launched`` was queued on the device and its KV counted (``after_step``). None,
         allocating nothing, when the next step needs the plain ``schedule``: a request
         finished, blocks run out for the decodes (``schedule`` then preempts), a running
-        request with tokens left is not one ``admit`` accepts, nothing would run, or
+        request with tokens left, or the next waiting one while a slot is free, is not one
+        ``admit`` accepts (it would wait behind steps launched ahead), nothing would run, or
         (without ``admit``) ``launched`` did not sample every running request or waiting
         requests would be admitted. A chunk or an admission that does not fit the free
         blocks waits for a later step (nothing is preempted ahead).
@@ -212,6 +213,9 @@ class Scheduler:
             return None
         if rest and (admit is None or any(r.draft is not None or not admit(r) for r in rest)):
             return None
+        if (admit is not None and self.waiting and len(self.running) < self.max_num_seqs
+                and not admit(self.waiting[0])):
+            return None  # the next in line needs the host: schedule() admits it now
         need = sum(self.blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
                    for r in cont)
         if need > self.blocks.num_free_blocks:

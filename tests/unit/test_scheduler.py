@@ -152,6 +152,11 @@ def test_schedule_ahead_with_admit_adds_prompt_chunks_and_admissions():
     # refused by admit and waits (in arrival order)
     assert nxt.items == [(a, 1), (b, 4), (c, 5)] and nxt.samples(b, 20)
     assert c.status is Status.RUNNING and d.status is Status.WAITING
+    # d is next in line with a slot free: it needs the host, so schedule() runs next
+    # (steps launched ahead would otherwise keep it waiting while others decode)
+    a.append_token(7)
+    sched.after_step(nxt)
+    assert sched.schedule_ahead(nxt, max_seq_len=100, admit=lambda r: r is not d) is None
 
 
 def test_schedule_ahead_with_admit_leaves_a_chunk_that_does_not_fit():
