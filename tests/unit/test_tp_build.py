@@ -171,17 +171,18 @@ def test_a_random_engine_shards_its_seeded_weights_at_load(tmp_path, fp8):
     keeps exactly its shard of the tp-1 engine's (FP8: quantized before slicing: the same
     per-tensor scales; tied qwen2's FP8 head made from the whole embedding)."""
     from kiln.artifact.spec import QuantConfig
+    from kiln.runtime.models.calibration import ActivationCalibrator
 
     q = QuantConfig("fp8", "fp8", "fp8", lm_head="fp8") if fp8 else None
     opts = dict(dtype="float32", progress=False, quantization=q)
     build_engine("random:tiny-qwen2", tmp_path / "one", **opts)
     build_engine("random:tiny-qwen2", tmp_path / "two", tp=2, **opts)
-    full = load_engine(tmp_path / "one").load_weights()
+    full = load_engine(tmp_path / "one").load_weights(calibrator=ActivationCalibrator)
     art = load_engine(tmp_path / "two")
     assert ("layers.1.k_scale" in full) == fp8
     assert ("lm_head.weight" in full and full["lm_head.weight"].dtype == FP8) == fp8
     for r in range(2):
-        part = art.load_weights(rank=r)
+        part = art.load_weights(rank=r, calibrator=ActivationCalibrator)
         assert set(part) == set(full)
         for name, t in full.items():
             want = art.spec.parallel.shard(art.spec.model, name, t, r)
