@@ -175,13 +175,17 @@ def test_choose_num_splits():
     assert choose_num_splits(512, 2048, 132, 64) == 1  # enough programs already
 
 
-def test_paged_attention_fp8_cache():
-    q, kc, vc, bt, qsl, ctx, _, _ = make_batch([(7, 2, False), (0, 3, False)], 4, 2, 16, 4,
-                                               torch.float32, torch.float8_e4m3fn)
-    out = paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=3, max_context_len=9,
-                          k_scale=0.5, v_scale=2.0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("specs", [[(7, 2, False), (0, 3, False)], [(7, 1, False), (30, 1, False)]])
+def test_paged_attention_fp8_cache(dtype, specs):
+    """bf16 q dots FP8 K/V in float16 with the scales folded into q and the output; float32
+    q stays float32. Prompt rows and decode rows, against the float32 reference."""
+    q, kc, vc, bt, qsl, ctx, _, _ = make_batch(specs, 4, 2, 16, 4, dtype, torch.float8_e4m3fn)
+    max_q, max_ctx = max(n for _, n, _ in specs), max(p + n for p, n, _ in specs)
+    out = paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=max_q,
+                          max_context_len=max_ctx, k_scale=0.5, v_scale=2.0)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25, k_scale=0.5, v_scale=2.0)
-    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(out, ref) < TOL[dtype]
 
 
 def test_paged_attention_validates():

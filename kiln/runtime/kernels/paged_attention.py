@@ -105,7 +105,7 @@ def _prefetch_kv(kc_ptr, vc_ptr, bt_row, lo, hi, live, stride_kb, stride_ks, str
 @triton.jit
 def _attend(
     m_i, l_i, acc, q, lo, hi, kc_ptr, vc_ptr, bt_row, stride_kb, stride_ks, stride_vb,
-    stride_vs, k_scale, v_scale, qk_scale, qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
+    stride_vs, qk_scale, qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
     HAS_MASK: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -123,9 +123,10 @@ def _attend(
                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
         v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-        if KV_FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if KV_FP8:  # e4m3 -> float16 is one conversion per two values (the scales are
+            # folded into q and the output)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:  # float32 inputs, or bf16 under the interpreter (see _dot_in_fp32)
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -167,7 +168,7 @@ def _paged_attn_kernel(
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MULTI: tl.constexpr, HAS_MASK: tl.constexpr,
-    KV_FP8: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     STAGED_EARLY: tl.constexpr, KV_PREFETCH: tl.constexpr,
     LINE: tl.constexpr, D_LINES: tl.constexpr,
 ):
@@ -249,11 +250,15 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
 
-    # (Converting FP8 K/V straight to bf16 and folding the scales into the scores and the
-    # output measured slower, 330 vs 283 us at batch 256 on an H100: docs/decisions.md.)
+    # FP8 K/V: the dots run in float16 (e4m3 converts to it in one instruction per two
+    # values; to bfloat16 it goes through float32), with k_scale folded into q and v_scale
+    # applied to the output. float32 q (the interpreter's oracle runs) stays float32.
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+        q = q.to(tl.float32) * k_scale
+        if not Q_F32:
+            q = q.to(tl.float16)
     else:
         k_scale = 1.0
         v_scale = 1.0
@@ -271,15 +276,17 @@ def _paged_attn_kernel(
     mid = tl.maximum(kv_lo, tl.minimum(kv_hi, open_end))
     m_i, l_i, acc = _attend(
         m_i, l_i, acc, q, kv_lo, mid, kc_ptr + kv_base, vc_ptr + vv_base,
-        bt_row, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, qk_scale,
+        bt_row, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
         BLOCK_SIZE, BLOCK_N, False, HAS_MASK, KV_FP8, IEEE)
     m_i, l_i, acc = _attend(
         m_i, l_i, acc, q, mid, kv_hi, kc_ptr + kv_base, vc_ptr + vv_base,
-        bt_row, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, qk_scale,
+        bt_row, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
         BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE)
 
+    if KV_FP8:
+        acc = acc * v_scale
     o_mask = row_ok[:, None] & d_ok[None, :]
     if not MULTI:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -379,8 +386,13 @@ def choose_num_splits(
                       MAX_SPLITS))
 
 
-def default_config(head_dim: int, qclass: str = "decode") -> dict:
+def default_config(head_dim: int, qclass: str = "decode", kv_fp8: bool = False) -> dict:
     """The launch config used when nothing is tuned for a shape (engine.json has none).
+
+    Decodes over an FP8 cache of heads up to 128 wide take 128-key tiles: llama-3-8b shape,
+    H100, batch 256 at ~1000 tokens of context 234 us against 288 us for 64-key tiles; batch
+    64 at ~4000 tokens 220 vs 343 us; batch 16 at ~8000 118 vs 186 us
+    (benchmarks/attention_mixed.py; docs/decisions.md, "FP8 decode attention").
 
     Tree-masked steps (``qclass`` "tree") of 128-wide heads take 32-key tiles: at the
     Qwen2.5-1.5B / 7B shapes, 24 and 84 queries per sequence, batch 1, contexts 256-3072,
@@ -394,6 +406,8 @@ def default_config(head_dim: int, qclass: str = "decode") -> dict:
         # stages (benchmarks/attention_mixed.py; docs/decisions.md)
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                 "tiles_per_split": 2}
+    if qclass == "decode" and kv_fp8 and d_pad <= 128:
+        block_n = 128
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2}
 
 
@@ -528,7 +542,8 @@ def _run(common: tuple, max_query_len: int, max_context_len: int, num_splits: in
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     qpk = heads // kv_heads
-    default = default_config(dim, query_class(max_query_len, qpk, mask is not None))
+    default = default_config(dim, query_class(max_query_len, qpk, mask is not None),
+                             k_cache.dtype in FP8_DTYPES)
     key = None
     if config is None:
         key = tuning_key(kv_heads, qpk, dim, q.dtype, k_cache.dtype, max_query_len,
@@ -598,7 +613,7 @@ def _launch(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         QPK=qpk, HEAD_DIM=dim, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, MULTI=num_splits > 1,
-        HAS_MASK=mask is not None, KV_FP8=kv_fp8, IEEE=_dot_in_fp32(q.dtype),
+        HAS_MASK=mask is not None, KV_FP8=kv_fp8, Q_F32=q.dtype == torch.float32, IEEE=_dot_in_fp32(q.dtype),
         STAGED_EARLY=early,
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
         D_LINES=next_pow2(triton.cdiv(dim * esize, 128)), num_warps=int(config["num_warps"]),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.kernels import gemv, gemv_configs, paged_attention
-from kiln.runtime.kernels._checks import next_pow2
+from kiln.runtime.kernels._checks import FP8_DTYPES, next_pow2
 from kiln.runtime.kernels.testing import random_paged_batch
 from kiln.runtime.kernels.tunable import Tunable, TuneTarget, time_cuda, torch_dtype
 
@@ -70,6 +70,10 @@ def _attention_class(p: dict) -> str:
                                        bool(p["tree"]))
 
 
+def _kv_fp8(p: dict) -> bool:
+    return torch_dtype(p["kv_dtype"]) in FP8_DTYPES
+
+
 def _attention_key(p: dict) -> str:
     return paged_attention.tuning_key(p["kv_heads"], p["heads"] // p["kv_heads"],
                                       p["head_dim"], p["dtype"], p["kv_dtype"], p["query_len"],
@@ -89,7 +93,7 @@ def _attention_candidates(p: dict) -> list[dict]:
         return [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2,
                  "BLOCK_M": bm, "min_split_tiles": mt}
                 for bm in (16, 32, 64) for bn in block_ns[:2] for mt in (0, 4, 16)] + [
-                paged_attention.default_config(p["head_dim"], qclass)]
+                paged_attention.default_config(p["head_dim"], qclass, _kv_fp8(p))]
     warps = (4, 8) if qclass == "prefill" else (2, 4)
     out = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "tiles_per_split": 2}
            for bn in block_ns for w in warps for st in (1, 2, 3)]
@@ -127,7 +131,8 @@ def _attention_call(p: dict, config: dict, device: torch.device, i: int) -> torc
 PAGED_ATTENTION = Tunable(
     name="paged_attention", problems=_attention_problems, key=_attention_key,
     candidates=_attention_candidates,
-    default=lambda p: paged_attention.default_config(p["head_dim"], _attention_class(p)),
+    default=lambda p: paged_attention.default_config(p["head_dim"], _attention_class(p),
+                                                     _kv_fp8(p)),
     run=lambda p, c, d: _attention_call(p, c, d, 0).clone(),
     bench=lambda p, c, d: time_cuda(lambda i: _attention_call(p, c, d, i), d,
                                     len(_attention_inputs(p, d)[1])),
