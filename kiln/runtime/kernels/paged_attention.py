@@ -392,7 +392,7 @@ def default_config(head_dim: int, qclass: str = "decode", kv_fp8: bool = False) 
     Decodes over an FP8 cache of heads up to 128 wide take 128-key tiles: llama-3-8b shape,
     H100, batch 256 at ~1000 tokens of context 234 us against 288 us for 64-key tiles; batch
     64 at ~4000 tokens 220 vs 343 us; batch 16 at ~8000 118 vs 186 us
-    (benchmarks/attention_mixed.py; docs/decisions.md, "FP8 decode attention").
+    (benchmarks/attention_mixed.py; docs/decisions.md, "FP8 KV attention").
 
     Tree-masked steps (``qclass`` "tree") of 128-wide heads take 32-key tiles: at the
     Qwen2.5-1.5B / 7B shapes, 24 and 84 queries per sequence, batch 1, contexts 256-3072,
