@@ -166,6 +166,9 @@ def render_throughput(result: dict, console: Console | None = None) -> None:
     t.add_row("requests/s", f"{result['requests_per_s']:.2f}")
     t.add_row("output tokens/s", f"{result['output_tokens_per_s']:.1f}")
     t.add_row("total tokens/s", f"{result['total_tokens_per_s']:.1f}")
+    if result.get("num_steps"):  # where a run's time goes: steps x the mean step
+        t.add_row("engine steps", str(result["num_steps"]))
+        t.add_row("mean step (ms)", f"{1000 * result['elapsed_s'] / result['num_steps']:.2f}")
     console.print(t)
     console.print(_summary_table("Per request (all queued at once)",
                                  [("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])]))
