@@ -126,7 +126,8 @@ def test_fold_kernel_equals_commit_tokens_on_cuda():
         count = torch.tensor(counts, device="cuda")
         live = slots >= 0
         ref.commit_tokens(slots[live], tokens[live], count[live])
-        lookahead_fold(dut.tables, slots, tokens, count)
+        lookahead_fold(slots, tokens, count, dut.keys, dut.conts, dut.cursor, dut.recent,
+                       dut.total, dut.g)
         for name in ("window", "keys", "conts", "cursor", "recent", "total"):
             assert torch.equal(getattr(ref, name), getattr(dut, name)), (step, name)
 

@@ -28,17 +28,12 @@ branch's rows always hold their argmax).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.speculative.lookahead_math import POOL_BUCKETS, NgramPool, step_layout
-
-if TYPE_CHECKING:
-    from kiln.runtime.kernels.lookahead import LookaheadTables
 
 
 @dataclass
@@ -88,17 +83,6 @@ class DeviceLookahead:
         self.cursor = torch.zeros(num_slots, buckets, dtype=long, device=dev)
         self.recent = torch.full((num_slots, n - 1), -1, dtype=long, device=dev)
         self.total = torch.zeros(num_slots, dtype=long, device=dev)
-
-    @functools.cached_property
-    def tables(self) -> LookaheadTables:
-        """The state's tensors as the step kernels take them (kiln/runtime/kernels/
-        lookahead.py). The tensors are updated in place, never replaced, so this is made
-        once; imported here, with Triton, only by the engines that run the kernels."""
-        from kiln.runtime.kernels.lookahead import LookaheadTables
-
-        return LookaheadTables(self.window, self.keys, self.conts, self.cursor, self.recent,
-                               self.total, self.window_rows, self.last_rows, self.cand_rows,
-                               self.g)
 
     # -- admission (host side, once per request) --------------------------------------------
     def admit(self, slot: int, window: list[list[int]], pool: NgramPool,
@@ -238,7 +222,8 @@ class DeviceLookahead:
         if self.device.type == "cuda":
             from kiln.runtime.kernels.lookahead import lookahead_fold
 
-            lookahead_fold(self.tables, slots, tokens, count)
+            lookahead_fold(slots, tokens, count, self.keys, self.conts, self.cursor, self.recent,
+                           self.total, self.g)
         else:
             self.commit_tokens(slots, tokens, count)
 

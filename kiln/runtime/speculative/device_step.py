@@ -144,11 +144,15 @@ class DeviceSpecStep:
         if self.kernels and self.chain:
             from kiln.runtime.kernels.ngram import ngram_propose
 
-            return _Proposal(*ngram_propose(st, entries.slots, input_ids, entries.q0))
+            return _Proposal(*ngram_propose(
+                st.history, st.length, entries.slots, max_match=st.max_match,
+                min_match=st.min_match, max_draft_len=st.max_draft_len, input_ids=input_ids,
+                q0=entries.q0))
         if self.kernels:
             from kiln.runtime.kernels.lookahead import lookahead_propose
 
-            return _Proposal(*lookahead_propose(st.tables, entries.slots, input_ids,
+            return _Proposal(*lookahead_propose(entries.slots, st.window, st.keys, st.conts,
+                                                st.cursor, st.recent, st.g, input_ids,
                                                 entries.q0))
         active = torch.nonzero(entries.slots >= 0)[:, 0]
         tokens, valid = st.propose(entries.slots[active])
@@ -172,13 +176,16 @@ class DeviceSpecStep:
             if self.chain:
                 from kiln.runtime.kernels.ngram import ngram_commit
 
-                verdict = ngram_commit(st, entries.slots, proposal.tokens, proposal.valid,
-                                       argmax)
+                verdict = StepVerdict(*ngram_commit(st.history, st.length, entries.slots,
+                                                    proposal.tokens, proposal.valid, argmax),
+                                      None)
             else:
                 from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_move_kv
 
-                verdict = StepVerdict(*lookahead_commit(st.tables, entries.slots,
-                                                        proposal.tokens, argmax))
+                verdict = StepVerdict(*lookahead_commit(
+                    entries.slots, proposal.tokens, argmax, st.window, st.keys, st.conts,
+                    st.cursor, st.recent, st.total, st.window_rows, st.last_rows,
+                    st.cand_rows))
                 lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict.count,
                                   verdict.src_rows)
             self.last_count[: verdict.count.shape[0]].copy_(verdict.count)
@@ -230,7 +237,9 @@ def shift_rows(entries: SpecEntries, staged: StagedRows, last_count: torch.Tenso
     if kernels:
         from kiln.runtime.kernels.lookahead import shift_staged_rows
 
-        shift_staged_rows(entries, staged, last_count, t)
+        shift_staged_rows(entries.shift, entries.slots, entries.seq, entries.q0, last_count,
+                          staged.positions, staged.slots, staged.context_lens,
+                          staged.block_tables, staged.block_size, t)
         return
     delta = torch.where((entries.shift > 0) & (entries.slots >= 0),
                         last_count[: entries.shift.shape[0]] - 1, 0)
