@@ -50,7 +50,7 @@ def make_states(window, buckets, rng, vocab):
         pool = NgramPool(n, g, buckets=buckets)
         pool.seed_from_tokens(prompt)
         grid = [[rng.randrange(vocab) for _ in range(w)] for _ in range(n - 1)]
-        ref.admit(slot, grid, pool, prompt)
+        ref.load(slot, grid, pool, prompt)
     dut = DeviceLookahead(NUM_SLOTS, window, torch.device("cpu"), buckets=buckets)
     for name in STATE:
         getattr(dut, name).copy_(getattr(ref, name))
@@ -118,7 +118,7 @@ def test_ties_go_to_the_first_longest_candidate():
         pool = NgramPool(4, 4, buckets=buckets)
         for gram in ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 6, 7), (6, 0, 7, 1)):  # 6: bucket 1
             pool.add(gram)
-        st.admit(1, [[5, 8, 0], [6, 2, 7], [3, 3, 9]], pool, [8, 1])
+        st.load(1, [[5, 8, 0], [6, 2, 7], [3, 3, 9]], pool, [8, 1])
         states.append(st)
     verdicts = lockstep(*states, torch.tensor([1]), lambda t, _: bigram[t], steps=3)
     assert verdicts[0].committed.tolist() == [[2, 3, 9, 0]]

@@ -58,6 +58,7 @@ from kiln.runtime.speculative.worker import DraftWorker, OnError
 from kiln.runtime.step import sample_logits
 
 if TYPE_CHECKING:
+    from kiln.artifact.speculative import SpeculativeConfig
     from kiln.runtime.model_runner import ModelRunner
 
 MAX_FAILURES = 3  # draft forwards that may fail for one request before it decodes plainly
@@ -333,6 +334,14 @@ class DraftModelWorker(DraftWorker):
         super().__init__(device)
         self.draft_model = draft
         self.k = max_draft_len
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, device: DeviceDraft | None,
+                    draft: DraftModel | None) -> DraftModelWorker:
+        if draft is None:
+            raise ValueError("a draft-model engine needs its draft model: load the engine "
+                             "with LLMEngine.from_engine_dir (it reads ENGINE/draft)")
+        return cls(draft, spec.max_draft_len, device)
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         k = req.params.max_draft_len
