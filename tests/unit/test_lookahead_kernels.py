@@ -21,8 +21,9 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_propose
-from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.lookahead_math import NgramPool
+from kiln.runtime.speculative.verify import StepVerdict
 
 STATE = ("window", "keys", "conts", "cursor", "recent", "total")
 NUM_SLOTS = 5

@@ -24,46 +24,25 @@ data-dependent shapes): the reference of the Triton kernels (kiln/runtime/kernel
 lookahead.py), which run the same step on CUDA (``DeviceProposer.propose_step`` /
 ``commit_step``: the kernels, or these ops, chosen at construction).
 Verification compares drafts with each row's target token (``argmax`` below): the argmax
-for greedy requests, a draw for sampled ones (device_step.row_targets; the lookahead
+for greedy requests, a draw for sampled ones (verify.row_targets; the lookahead
 branch's rows always hold their argmax).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.speculative.device_step import (
-    DeviceProposer,
-    Proposal,
-    SpecEntries,
-    move_accepted_kv,
-)
+from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
 from kiln.runtime.speculative.lookahead_math import (
     POOL_BUCKETS,
     NgramPool,
     initial_window,
     step_layout,
 )
-
-
-@dataclass
-class StepVerdict:
-    """What one verified step commits, per request of the batch.
-
-    committed [B, N]  accepted draft tokens then the bonus token; 0 past ``count``
-    count     [B]     tokens committed (1 .. N)
-    src_rows  [B, N-1] in-step rows whose KV belongs at offsets 1 .. N-1 from x (the best
-                      candidate's rows; only the first ``count - 1`` are moved)
-    """
-
-    committed: torch.Tensor
-    count: torch.Tensor
-    src_rows: torch.Tensor
+from kiln.runtime.speculative.verify import StepVerdict, move_accepted_kv, verify_tree
 
 
 class DeviceLookahead(DeviceProposer):
@@ -81,7 +60,7 @@ class DeviceLookahead(DeviceProposer):
         self.levels = n - 1
         layout = step_layout(w, n, g)
         # the depth of the rows that verify (x, the candidates' tokens), -1 for the
-        # window's rows: sampled plans draw there (device_step.row_targets)
+        # window's rows: sampled plans draw there (verify.row_targets)
         offs = torch.full((layout.num_tokens,), -1, dtype=torch.long)
         verifying = torch.cat([torch.zeros(1, dtype=torch.long), layout.candidate_rows.reshape(-1)])
         offs[verifying] = layout.position_offsets[verifying]
@@ -222,32 +201,8 @@ class DeviceLookahead(DeviceProposer):
 
     def verify(self, tokens: torch.Tensor, argmax: torch.Tensor,
                valid: torch.Tensor) -> StepVerdict:
-        """Greedy verification (``lookahead_math.greedy_verify`` per row): the longest
-        matching valid candidate (first on ties), its matched tokens plus the bonus."""
-        b, n1 = tokens.shape[0], self.n - 1
-        dev = self.device
-        x_next = argmax[:, 0]
-        if not self.g:
-            committed = torch.zeros(b, self.n, dtype=torch.long, device=dev)
-            committed[:, 0] = x_next
-            return StepVerdict(committed, torch.ones(b, dtype=torch.long, device=dev),
-                               torch.zeros(b, n1, dtype=torch.long, device=dev))
-        cand = tokens[:, self.cand_rows]  # [B, G, N-1]
-        after = argmax[:, self.cand_rows]  # model's token after each candidate token
-        target = torch.cat([x_next[:, None, None].expand(-1, self.g, 1), after[:, :, :-1]], 2)
-        match = (cand == target) & valid[:, :, None]
-        mlen = match.long().cumprod(2).sum(2)  # [B, G]
-        best = mlen.argmax(1)  # first of the longest
-        m = mlen.gather(1, best[:, None])[:, 0]
-        best_cand = cand[torch.arange(b, device=dev), best]  # [B, N-1]
-        best_after = after[torch.arange(b, device=dev), best]
-        bonus = torch.where(m > 0, best_after.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0],
-                            x_next)
-        k = torch.arange(self.n, device=dev)[None, :]
-        padded = torch.cat([best_cand, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
-        committed = torch.where(k < m[:, None], padded,
-                                torch.where(k == m[:, None], bonus[:, None], 0))
-        return StepVerdict(committed, m + 1, self.cand_rows[best])
+        """Greedy tree verification of a step (``verify.verify_tree``)."""
+        return verify_tree(tokens, argmax, valid, self.cand_rows, self.n)
 
     def update(self, slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
                verdict: StepVerdict) -> None:

@@ -1,9 +1,9 @@
-"""Prompt lookup's device proposer: batched drafting and greedy chain verification.
+"""Prompt lookup's device proposer: batched drafting, verified as chains (verify.py).
 
 Tensor versions of ``find_draft`` and ``NgramWorker.verify``'s greedy branch in ngram.py,
 which stays the oracle: row b here equals the host result for that row exactly. Everything
-is pure tensor ops with fixed output shapes and no host syncs, so both functions can be
-captured in a CUDA graph; the only Python loops run over match lengths and token offsets.
+is pure tensor ops with fixed output shapes and no host syncs, so a step can be captured in
+a CUDA graph; the only Python loops run over match lengths and token offsets.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.speculative.device_lookahead import StepVerdict
 from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
+from kiln.runtime.speculative.verify import StepVerdict, verify_chains
 
 
 def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, min_match: int,
@@ -49,19 +49,6 @@ def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, mi
     return drafts, valid.sum(dim=1)
 
 
-def verify_chains(drafts: torch.Tensor, draft_lens: torch.Tensor, argmax: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain verification for a batch: argmax [B, D+1] holds the model's token after
-    each draft prefix. Returns (accepted [B, D+1] long, 0 past counts, counts [B] long)."""
-    d = drafts.shape[1]
-    idx = torch.arange(d + 1, device=argmax.device)
-    ok = (argmax[:, :d] == drafts) & (idx[None, :d] < draft_lens[:, None])
-    num_matched = ok.long().cumprod(dim=1).sum(dim=1)
-    # accepted drafts equal argmax at their rows, and the bonus token is argmax[num_matched]
-    accepted = torch.where(idx[None, :] <= num_matched[:, None], argmax.long(), 0)
-    return accepted, num_matched + 1
-
-
 class DeviceNgram(DeviceProposer):
     """Prompt-lookup state of ``num_slots`` requests on the device: each slot's committed
     tokens (prompt included, the last one is x), from which every step's draft is found.
@@ -79,10 +66,10 @@ class DeviceNgram(DeviceProposer):
 
     Tokens that plain steps of a paced request commit join through ``commit_tokens``.
 
-    ``find_drafts`` / ``verify_chains`` above are the step's math, equal to the host
+    ``find_drafts`` above and ``verify.verify_chains`` are the step's math, equal to the host
     worker's (``find_draft``, ``NgramWorker.verify``). A chain's accepted rows already sit at
     their final KV indices, so a step moves no KV. ``argmax`` is each row's target token:
-    the argmax, or a draw for a sampled request (device_step.row_targets). On CUDA the
+    the argmax, or a draw for a sampled request (verify.row_targets). On CUDA the
     kernels of kiln/runtime/kernels/ngram.py run the step (chosen at construction).
     """
 
@@ -98,7 +85,7 @@ class DeviceNgram(DeviceProposer):
         self.max_draft_len, self.max_match, self.min_match = max_draft_len, max_match, min_match
         self.capacity = capacity
         # T: x and the draft, the most a step commits; every row verifies, at its own depth
-        # (device_step.row_targets)
+        # (verify.row_targets)
         t = 1 + max_draft_len
         super().__init__(num_slots, t, t, torch.arange(t), device)
         self.history = torch.zeros(num_slots, capacity, dtype=torch.int32, device=self.device)

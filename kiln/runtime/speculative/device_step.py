@@ -17,13 +17,13 @@ every one the same way, for a step whose batch holds plans of its slots
 x (``q0``), the logits row of x (``r0``; a plan's T rows follow in order) and how the plan
 is verified (``inv_temp`` 0: greedy; else sampled at that inverse temperature with the
 plan's Philox ``key``, among the tokens its top-k / top-p / min-p keep, ``warp``; see
-``row_targets``). A CUDA graph
+``verify.row_targets``). A CUDA graph
 of a masked bucket captures both around its forward with one entry per sequence of the
 bucket (kiln/runtime/cuda_graph.py); the entries then live in the stager's buffers, so the
 same graph serves any mix of device plans, host plans and plain rows.
 
 Verification compares each draft token with the row's *target*: the argmax for greedy
-plans, a draw from the row's distribution for sampled ones (``row_targets``). Accepting the
+plans, a draw from the row's distribution for sampled ones (``verify.row_targets``). Accepting the
 longest prefix of drafts that equal their targets, then the target after it, is exact
 in distribution for a sampled request: a draft token d is accepted with probability p(d),
 and on rejection the committed token is distributed as p without d, renormalised (the
@@ -54,7 +54,7 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.speculative.draft import NO_WARP
+from kiln.runtime.speculative.verify import step_targets
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SpecEntries:
     flight committed beyond one (``DeviceSpecStep.last_count``, same entry row).
 
     ``inv_temp`` [B] float32 (0: greedy) and ``key`` [B] long (a Philox key below 2**31):
-    how each plan is verified (``row_targets``); None: every plan greedy. ``warp`` [B, 3]
+    how each plan is verified (``verify.row_targets``); None: every plan greedy. ``warp`` [B, 3]
     float32: each plan's top_k (0: off), top_p, min_p (``NO_WARP`` where it has none);
     None: no plan warps.
     """
@@ -128,7 +128,7 @@ class DeviceProposer(ABC):
     Attributes every proposer has: ``num_slots`` (S: requests whose state it holds, and
     the most entries of a step), ``num_tokens`` (T: input rows of one plan), ``commit_width``
     (the most tokens a step commits), ``verify_offsets`` [T] (each row's depth in its plan
-    where it verifies, -1 where it does not: ``row_targets``), ``last_count`` [S] (what the
+    where it verifies, -1 where it does not: ``verify.row_targets``), ``last_count`` [S] (what the
     last step committed per entry row, for a step launched ahead) and ``kernels`` (the Triton
     kernels, else the torch ops they are tested against; chosen at construction: CUDA).
 
@@ -188,7 +188,7 @@ class DeviceProposer(ABC):
                     slot_mapping: torch.Tensor, cache: KVCache
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify each plan against ``targets`` [B, T] (every row's target token,
-        ``step_targets``), fold what it accepted into the state and keep only the accepted
+        ``verify.step_targets``), fold what it accepted into the state and keep only the accepted
         rows' KV (``slot_mapping``: the cache slot of every input row). Returns (committed
         [B, commit_width]: accepted drafts then the bonus token, count [B]: 0 for entries
         without a plan)."""
@@ -248,27 +248,13 @@ class DeviceSpecStep:
     def epilogue(self, entries: SpecEntries, proposal: Proposal, logits: torch.Tensor,
                  slot_mapping: torch.Tensor, cache: KVCache) -> SpecOutput:
         """Verification of each entry's step from ``logits`` (its T rows from ``r0``;
-        greedy or sampled, ``row_targets``), the state update, and the KV move of the
+        greedy or sampled, ``verify.row_targets``), the state update, and the KV move of the
         accepted rows (``slot_mapping``: the cache slot of every input row)."""
         p = self.proposer
         targets = step_targets(logits, entries, p.verify_offsets, p.num_tokens, p.kernels)
         committed, count = p.commit_step(entries, proposal, targets, slot_mapping, cache)
         p.last_count[: count.shape[0]].copy_(count)
         return SpecOutput(committed, count)
-
-
-def step_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor, t: int,
-                 kernels: bool) -> torch.Tensor:
-    """Every plan's rows' target tokens [B, T] (``row_targets``; rows of entries without a
-    plan: any row's on the kernels' path, 0 on the torch path)."""
-    rows = entries.r0[:, None] + torch.arange(t, device=entries.r0.device)
-    if kernels:
-        targets = row_targets(logits, entries, offsets)
-        return targets[rows.clamp(max=targets.shape[0] - 1)]
-    a = torch.nonzero(entries.slots >= 0)[:, 0]
-    out = torch.zeros_like(rows)
-    out[a] = row_targets_torch(logits, rows[a], entries, a, offsets)
-    return out
 
 
 def shift_rows(entries: SpecEntries, staged: StagedRows, last_count: torch.Tensor, t: int,
@@ -315,76 +301,3 @@ def plan_warp(params: SamplingParams) -> tuple[float, float, float]:
     """A sampled plan's ``SpecEntries.warp`` row: (top_k (0: off), top_p, min_p)."""
     return (float(max(0, params.top_k)), float(params.top_p),
             float(params.min_p))
-
-
-def row_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor
-                ) -> torch.Tensor:
-    """Every logits row's target token [R] (the sampling kernels): its argmax (the first
-    maximum), except the verification rows of sampled plans, which draw by Gumbel-max at
-    the plan's ``inv_temp`` among the tokens its ``warp`` keeps. ``offsets`` [T]: each
-    row's depth in its plan (its position offset from x) where the row verifies, -1 where
-    it does not (lookahead's window rows keep their argmax: the Jacobi iteration is
-    greedy). A row draws with Philox key ``key + depth * 2**32``: fresh noise per step and
-    depth, the same for the rows of one plan at one depth. The sampling kernels find each
-    row's plan themselves (``sample_plan_rows``): no launch builds per-row arrays, and a
-    greedy step costs what an argmax does. No host sync (a masked bucket's graph captures
-    it). A row that is not finite gives token 0 (the draw's -1, clamped: a valid id for
-    the state)."""
-    from kiln.runtime.kernels.sampling import sample_plan_rows
-
-    if entries.inv_temp is None:
-        return logits.argmax(-1)
-    return sample_plan_rows(logits, entries.slots, entries.r0, entries.inv_temp, entries.key,
-                            offsets, entries.warp).clamp_(min=0)
-
-
-def gumbel_noise(key: int, depths: int, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [depths, V] from a CPU generator seeded with ``key``, row d for
-    depth d (the torch path's stand-in for the kernel's Philox streams: the same key gives
-    the same noise). One generator per key, not one per key + depth * 2**32: torch's CPU
-    generator seeds from the low 32 bits alone, so those would all draw the same noise."""
-    u = torch.rand(depths, vocab, generator=torch.Generator().manual_seed(key),
-                   dtype=torch.float64)
-    return -torch.log(-torch.log(u))
-
-
-def row_targets_torch(logits: torch.Tensor, rows: torch.Tensor, entries: SpecEntries,
-                      active: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``row_targets``' rule as torch ops on the active entries' rows ``rows`` [A, T]:
-    [A, T] target tokens, with the noise of ``gumbel_noise`` (per key, a row per depth)."""
-    from kiln.runtime.kernels.sampling import sample_tokens_ref
-    from kiln.runtime.layers.sampler import warp_batch
-
-    targets = logits.argmax(-1)[rows]
-    if entries.inv_temp is None:
-        return targets
-    inv, keys = entries.inv_temp[active].tolist(), entries.key[active].tolist()
-    warps = (entries.warp[active].tolist() if entries.warp is not None
-             else [NO_WARP] * len(inv))
-    verifying = [(j, int(o)) for j, o in enumerate(offsets.tolist()) if o >= 0]
-    depths = max(o for _, o in verifying) + 1
-    for i in (i for i, v in enumerate(inv) if v > 0):
-        noise = gumbel_noise(keys[i], depths, logits.shape[-1]).float()
-        top_k, top_p, min_p = warps[i]
-        params = SamplingParams(temperature=1.0 / inv[i], top_k=int(top_k), top_p=top_p,
-                                min_p=min_p)
-        for j, o in verifying:
-            row = logits[rows[i, j]][None]
-            if tuple(warps[i]) != NO_WARP:  # the tokens the warp drops never win
-                row = row.masked_fill(warp_batch(row.float(), [params]) == 0, float("-inf"))
-            tok = sample_tokens_ref(row, inv[i], noise[o : o + 1])
-            targets[i, j] = tok.clamp(min=0)[0]
-    return targets
-
-
-def move_accepted_kv(cache: KVCache, slot_mapping: torch.Tensor, q0: torch.Tensor,
-                     count: torch.Tensor, src_rows: torch.Tensor) -> None:
-    """``lookahead_move_kv`` as torch ops: the KV of accepted draft k (input row
-    ``q0 + src_rows[k]``) moves to x's index + 1 + k (input row ``q0 + 1 + k``); rows not
-    accepted are copied onto themselves. ``count`` [B], ``src_rows`` [B, N-1]: a verdict's."""
-    n1 = src_rows.shape[1]
-    k = torch.arange(n1, device=q0.device)
-    dst_rows = q0[:, None] + 1 + k
-    src = torch.where(k < count[:, None] - 1, q0[:, None] + src_rows, dst_rows)
-    sm = slot_mapping.long()
-    cache.move_slots(sm[src.reshape(-1)], sm[dst_rows.reshape(-1)])
