@@ -22,12 +22,10 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sizing import Sizing, kv_pool, size_engine
-from kiln.runtime.speculative.device_lookahead import DeviceLookahead
-from kiln.runtime.speculative.device_ngram import DeviceNgram
-from kiln.runtime.speculative.device_step import DeviceSpecStep
+from kiln.runtime.speculative.device_step import DeviceProposer, DeviceSpecStep
 from kiln.runtime.speculative.draft_model import DraftModel
-from kiln.runtime.speculative.workers import make_device_state
-from kiln.runtime.warmup import warm_device_state, warm_eager_forward, warm_moved_rows, warm_sampler
+from kiln.runtime.speculative.workers import device_by_default, make_device_state
+from kiln.runtime.warmup import warm_eager_forward, warm_moved_rows, warm_sampler
 
 if TYPE_CHECKING:
     from kiln.runtime.parallel import Ranks
@@ -47,8 +45,8 @@ class EngineParts:
     sampler: Sampler
     startup_times: dict[str, float]
     sizing: Sizing  # the limits it serves, the KV pool and running batch, and why
-    # speculative state on the device (lookahead or prompt lookup), or None
-    device_state: DeviceLookahead | DeviceNgram | None = None
+    # the speculative mode's device proposer (its state on the device), or None
+    device_state: DeviceProposer | None = None
     draft: DraftModel | None = None  # a draft-model engine's draft
     # step class -> backend, from engine.json ``attention`` (None: the backend's own default)
     attention_classes: dict[str, str] | None = None
@@ -131,7 +129,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
         warm_eager_forward(model, cache, runner.stager, tokens_per_step)
         warm_sampler(sampler, model_config.vocab_size, device)
         if device_state is not None:
-            warm_device_state(device_state)
+            device_state.warm()
     if tp is not None:  # from here on rank 0 sends what it runs to the other ranks
         tp.ready()
         model, cache, device_state = tp.lead(model, cache, device_state)
@@ -174,7 +172,7 @@ def device_speculation_on(config: RuntimeConfig, speculative: SpeculativeConfig,
     lookup on CUDA (RuntimeConfig's comment has the numbers)."""
     if config.device_speculation is not None:
         return config.device_speculation
-    return speculative.mode in ("ngram", "draft") and device.type == "cuda"
+    return device_by_default(speculative) and device.type == "cuda"
 
 
 def resolve_backend(name: str, device: torch.device, recorded: dict | None = None

@@ -78,22 +78,6 @@ def warm_sampler(sampler, vocab: int, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def warm_device_state(state) -> None:
-    """The kernel a device state runs outside the graphs: lookahead's fold of the tokens
-    paced requests' plain steps committed (``DeviceLookahead.fold``, on a request's next
-    proposal), launched once on no slot (it writes nothing). Prompt lookup folds with
-    torch ops (nothing to compile)."""
-    from kiln.runtime.speculative.device_lookahead import DeviceLookahead
-
-    if not isinstance(state, DeviceLookahead) or state.device.type != "cuda":
-        return
-    dev = state.device
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
-    state.fold(torch.full((1,), -1, dtype=torch.long, device=dev),
-               torch.zeros(1, 3, dtype=torch.long, device=dev), zero)
-    torch.cuda.synchronize(dev)
-
-
 def warm_moved_rows(runner) -> None:
     """The kernel that moves a draft model's steps launched ahead on by what the step in
     flight committed (``ModelRunner.execute(counts=)``: its catch-up of two tokens a

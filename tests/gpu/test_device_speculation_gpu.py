@@ -116,7 +116,7 @@ def test_fold_kernel_equals_commit_tokens_on_cuda():
         pool.seed_from_tokens(prompt)
         grid = [[rng.randrange(vocab) for _ in range(7)] for _ in range(6)]
         for st in states:
-            st.admit(slot, grid, pool, prompt)
+            st.load(slot, grid, pool, prompt)
     ref, dut = states
     for step in range(6):
         slots = torch.tensor([5, -1, 0, 2, 1], device="cuda")
@@ -126,7 +126,8 @@ def test_fold_kernel_equals_commit_tokens_on_cuda():
         count = torch.tensor(counts, device="cuda")
         live = slots >= 0
         ref.commit_tokens(slots[live], tokens[live], count[live])
-        lookahead_fold(dut.tables, slots, tokens, count)
+        lookahead_fold(slots, tokens, count, dut.keys, dut.conts, dut.cursor, dut.recent,
+                       dut.total, dut.g)
         for name in ("window", "keys", "conts", "cursor", "recent", "total"):
             assert torch.equal(getattr(ref, name), getattr(dut, name)), (step, name)
 

@@ -70,7 +70,7 @@ def test_serving_mix_compiles_nothing_after_start(tmp_path, spec):
                 for n in (1, 3, 12):
                     eng.generate([code] * n, SamplingParams(
                         max_tokens=24, temperature=t, ignore_eos=True, lookahead=window))
-        state = eng.runner.spec_step.state if eng.runner.spec_step is not None else None
+        state = eng.runner.spec_step.proposer if eng.runner.spec_step is not None else None
         if state is not None and hasattr(state, "window"):  # lookahead's fold of pending
             # tokens, at the widths paced requests bring (1, a multiple of 16, the rest)
             for width in (1, 5, 16, 40):

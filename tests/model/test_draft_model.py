@@ -19,7 +19,7 @@ from kiln.artifact.loader import load_engine
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import EngineLimits, LLMEngine, RuntimeConfig
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.speculative import draft_model
+from kiln.runtime.speculative import draft_model, verify
 from kiln.sources import make_byte_tokenizer
 
 PLAIN = (1, 1, 0)
@@ -251,7 +251,7 @@ def test_sampled_draft_speculation_follows_the_target_distribution(bigram_pair, 
     assert tv(draft_only, exact) > 0.3
 
     if device:  # the control breaks verify_sampled's rule: the device verified these
-        monkeypatch.setattr(draft_model, "accept_drafts",  # the wrong rule
+        monkeypatch.setattr(verify, "accept_drafts",  # the wrong rule
                             lambda u, p_d, q_d: torch.ones_like(u, dtype=torch.bool))
     else:
         def accept_all(req, logits, drafts, q):  # the wrong rule

@@ -287,7 +287,7 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
 @pytest.mark.parametrize("mode", ["lookahead", "ngram"])
 def test_device_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_path,
                                                                     mode, warp, monkeypatch):
-    """Sampled requests verified on the device (``device_step.row_targets``: every
+    """Sampled requests verified on the device (``verify.row_targets``: every
     verifying row draws among the tokens its top-k / top-p / min-p keep, a draft is
     accepted where it equals its row's draw): the joint distribution of 3 tokens vs the
     exact one, as the host test above, 1500 seeds.
@@ -302,7 +302,7 @@ def test_device_sampled_speculation_follows_the_target_distribution(bigram_sourc
     top-k / top-p / min-p; each must fail the bound by a wide margin. Seeded requests:
     keys come from their generators, so the run is deterministic.
     """
-    from kiln.runtime.speculative import device_step
+    from kiln.runtime.speculative import verify
 
     out = build_bigram_engine(bigram_source, tmp_path / "engine", mode, max_num_tokens=8192,
                               max_batch_size=256)
@@ -355,7 +355,7 @@ def test_device_sampled_speculation_follows_the_target_distribution(bigram_sourc
             unwarped, _, _ = run(None)
         assert tv(unwarped, exact) > 0.2, tv(unwarped, exact)
     if p_one < 1:  # (top_p's one token is the argmax: greedy is right there)
-        monkeypatch.setattr(device_step, "row_targets_torch", greedy_targets)
+        monkeypatch.setattr(verify, "row_targets_torch", greedy_targets)
         wrong, _, _ = run(None)
         assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()

@@ -37,7 +37,7 @@ def run_lockstep(window, buckets, prompts, slots, vocab, steps, seed):
         pool = NgramPool(n, g, buckets=buckets)
         pool.seed_from_tokens(prompt)
         req.spec_state.pool = pool
-        dev.admit(slot, req.spec_state.window, pool, prompt)
+        dev.load(slot, req.spec_state.window, pool, prompt)
         reqs.append(req)
     slot_t = torch.tensor(slots)
 
@@ -102,7 +102,7 @@ def test_device_steps_equal_the_host_worker(window, buckets):
 def test_admit_rejects_a_pool_of_another_shape():
     dev = DeviceLookahead(2, (4, 4, 4), torch.device("cpu"))
     with pytest.raises(ValueError, match="does not match the device table"):
-        dev.admit(0, [[0] * 4] * 3, NgramPool(4, 3), [1, 2])
+        dev.load(0, [[0] * 4] * 3, NgramPool(4, 3), [1, 2])
 
 
 def test_admission_resets_a_reused_slot_to_the_new_requests_pool():
@@ -120,7 +120,7 @@ def test_admission_resets_a_reused_slot_to_the_new_requests_pool():
         pool = NgramPool(n, g, buckets=7)
         pool.seed_from_tokens(prompt)
         grid = [[rng.randrange(20) for _ in range(w)] for _ in range(n - 1)]
-        dev.admit(1, grid, pool, prompt)
+        dev.load(1, grid, pool, prompt)
         keys, conts, cursor = pool.to_tensors()
         assert torch.equal(dev.keys[1], keys), trial
         assert torch.equal(dev.conts[1][keys >= 0], conts[keys >= 0]), trial
@@ -133,3 +133,24 @@ def test_admission_resets_a_reused_slot_to_the_new_requests_pool():
         tokens, valid = dev.propose(torch.tensor([1]))
         argmax = torch.tensor([[rng.randrange(20) for _ in range(tokens.shape[1])]])
         dev.update(torch.tensor([1]), tokens, argmax, dev.verify(tokens, argmax, valid))
+
+
+def test_admit_from_the_prompt_equals_the_host_workers_initial_state():
+    """``admit(slot, prompt, seed)`` (the proposer interface) loads the window and pool the
+    host worker starts the same request from: ``initial_window`` with the request's seed,
+    the pool seeded with the prompt's n-grams."""
+    import random
+
+    rng = random.Random(5)
+    window = (4, 4, 3)
+    for seed in (None, 0, 17):
+        prompt = [rng.randrange(20) for _ in range(rng.randint(1, 50))]
+        req = Request("r", prompt, SamplingParams(max_tokens=8, temperature=0, seed=seed),
+                      frozenset())
+        LookaheadWorker().init_request(req, window)  # the host state
+        host = DeviceLookahead(1, window, torch.device("cpu"))
+        host.load(0, req.spec_state.window, req.spec_state.pool, prompt)
+        dev = DeviceLookahead(1, window, torch.device("cpu"))
+        dev.admit(0, prompt, seed)
+        for name in ("window", "keys", "conts", "cursor", "recent", "total"):
+            assert torch.equal(getattr(host, name), getattr(dev, name)), (seed, name)

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from kiln.runtime.speculative.device_ngram import find_drafts, verify_chains
+from kiln.runtime.speculative.device_ngram import find_drafts
 from kiln.runtime.speculative.ngram import find_draft
+from kiln.runtime.speculative.verify import verify_chains
 from kiln.runtime.speculative.worker import DraftWorker
 
 host_greedy = DraftWorker.greedy_chain  # NgramWorker.verify's greedy branch

@@ -1,4 +1,4 @@
-"""The targets device speculative steps verify against (``device_step.row_targets``, the
+"""The targets device speculative steps verify against (``verify.row_targets``, the
 sampling kernels under TRITON_INTERPRET=1 on the CPU, and its torch form): greedy plans and
 rows that do not verify keep their argmax, a sampled plan's verifying rows draw from the
 row's distribution at the plan's temperature, among the tokens its top-k / top-p / min-p
@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.runtime.speculative import device_step
+from kiln.runtime.speculative import device_step, verify
 from kiln.runtime.speculative.device_step import SpecEntries
+from kiln.runtime.speculative.draft import NO_WARP
 
 V, T = 8, 4
 OFFSETS = torch.tensor([0, 1, 1, -1])  # x, two rows at depth 1 (candidates), a window row
@@ -49,11 +50,11 @@ def _targets(kind: str, logits: torch.Tensor, entries: SpecEntries) -> torch.Ten
                             warp=None if entries.warp is None else entries.warp[i : i + 10])
             e.r0 = e.r0 - i * T
             e.q0 = e.q0 - i * T
-            parts.append(device_step.row_targets(logits[i * T : (i + 10) * T], e, OFFSETS))
+            parts.append(verify.row_targets(logits[i * T : (i + 10) * T], e, OFFSETS))
         return torch.cat(parts).view(b, T)
     rows = entries.r0[:, None] + torch.arange(T)
     active = torch.nonzero(entries.slots >= 0)[:, 0]
-    return device_step.row_targets_torch(logits, rows[active], entries, active, OFFSETS)
+    return verify.row_targets_torch(logits, rows[active], entries, active, OFFSETS)
 
 
 @pytest.mark.parametrize("kind", ["kernel", "torch"])
@@ -102,7 +103,7 @@ def test_every_sampled_request_is_verified_on_the_device():
     assert ok(SamplingParams(temperature=0.7, min_p=0.1))
     assert device_step.plan_warp(SamplingParams(temperature=0.7, top_k=5, top_p=0.5,
                                                 min_p=0.1)) == (5.0, 0.5, 0.1)
-    assert device_step.plan_warp(SamplingParams(temperature=0.7)) == device_step.NO_WARP
+    assert device_step.plan_warp(SamplingParams(temperature=0.7)) == NO_WARP
 
 
 def test_plan_thresholds_keep_what_the_host_warp_keeps():

@@ -183,3 +183,14 @@ def test_the_graph_reads_every_kind_of_import(tmp_path):
     assert graph["kiln.d"] == {"kiln.sub.leaf"}
     assert graph["kiln.sub.deep"] == {"kiln.a", "kiln.d"}
     assert cycles(graph) == [["kiln.b", "kiln.c"]]
+
+
+def test_kernels_are_leaves():
+    """The kernels take tensors, never state objects: nothing under kiln/runtime/kernels
+    imports kiln.runtime.speculative (or any module of it), at module level or in a
+    function."""
+    graph, files = import_graph()
+    up = [f"{files[m].relative_to(REPO)} -> {t}" for m in sorted(graph)
+          if m.startswith("kiln.runtime.kernels") for t in sorted(graph[m])
+          if t == "kiln.runtime.speculative" or t.startswith("kiln.runtime.speculative.")]
+    assert not up, "kernels import speculative state:\n" + "\n".join(up)

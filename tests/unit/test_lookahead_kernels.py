@@ -21,12 +21,25 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_propose
-from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
+from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.lookahead_math import NgramPool
+from kiln.runtime.speculative.verify import StepVerdict
 
 STATE = ("window", "keys", "conts", "cursor", "recent", "total")
 NUM_SLOTS = 5
 SLOTS = [3, 0, 4]  # slots 1 and 2 stay idle: the kernels must not touch them
+
+
+def propose(st, slots, *io):
+    """``lookahead_propose`` on ``st``'s tensors (``io``: input_ids, q0)."""
+    return lookahead_propose(slots, st.window, st.keys, st.conts, st.cursor, st.recent, st.g,
+                             *io)
+
+
+def commit(st, slots, tokens, argmax):
+    """``lookahead_commit`` on ``st``'s tensors and step layout."""
+    return lookahead_commit(slots, tokens, argmax, st.window, st.keys, st.conts, st.cursor,
+                            st.recent, st.total, st.window_rows, st.last_rows, st.cand_rows)
 
 
 def make_states(window, buckets, rng, vocab):
@@ -38,7 +51,7 @@ def make_states(window, buckets, rng, vocab):
         pool = NgramPool(n, g, buckets=buckets)
         pool.seed_from_tokens(prompt)
         grid = [[rng.randrange(vocab) for _ in range(w)] for _ in range(n - 1)]
-        ref.admit(slot, grid, pool, prompt)
+        ref.load(slot, grid, pool, prompt)
     dut = DeviceLookahead(NUM_SLOTS, window, torch.device("cpu"), buckets=buckets)
     for name in STATE:
         getattr(dut, name).copy_(getattr(ref, name))
@@ -57,14 +70,14 @@ def lockstep(ref, dut, slots, model, steps):
     verdicts = []
     for step in range(steps):
         tokens, valid = ref.propose(slots)
-        k_tokens, k_valid = lookahead_propose(dut.tables, slots)
+        k_tokens, k_valid = propose(dut, slots)
         assert torch.equal(tokens, k_tokens), step
         assert torch.equal(valid, k_valid), step
         assert_same_state(ref, dut, (step, "propose"))
         argmax = model(tokens, step)
         verdict = ref.verify(tokens, argmax, valid)
         ref.update(slots, tokens, argmax, verdict)
-        k_verdict = StepVerdict(*lookahead_commit(dut.tables, slots, k_tokens, argmax))
+        k_verdict = StepVerdict(*commit(dut, slots, k_tokens, argmax))
         assert torch.equal(verdict.committed, k_verdict.committed), step
         assert torch.equal(verdict.count, k_verdict.count), step
         assert torch.equal(verdict.src_rows, k_verdict.src_rows), step
@@ -106,7 +119,7 @@ def test_ties_go_to_the_first_longest_candidate():
         pool = NgramPool(4, 4, buckets=buckets)
         for gram in ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 6, 7), (6, 0, 7, 1)):  # 6: bucket 1
             pool.add(gram)
-        st.admit(1, [[5, 8, 0], [6, 2, 7], [3, 3, 9]], pool, [8, 1])
+        st.load(1, [[5, 8, 0], [6, 2, 7], [3, 3, 9]], pool, [8, 1])
         states.append(st)
     verdicts = lockstep(*states, torch.tensor([1]), lambda t, _: bigram[t], steps=3)
     assert verdicts[0].committed.tolist() == [[2, 3, 9, 0]]
@@ -119,26 +132,25 @@ def test_commit_accepts_int32_argmax_and_strided_rows():
     slots = torch.tensor([2, 4])
     for step in range(4):
         tokens, valid = ref.propose(slots)
-        k_tokens, _ = lookahead_propose(dut.tables, slots)
+        k_tokens, _ = propose(dut, slots)
         argmax = (tokens * 5 + 1) % 6
         ref.update(slots, tokens, argmax, ref.verify(tokens, argmax, valid))
         wide = torch.zeros(2, tokens.shape[1] + 3, dtype=torch.int32)
         wide[:, : tokens.shape[1]] = argmax
-        lookahead_commit(dut.tables, slots, k_tokens, wide[:, : tokens.shape[1]])
+        commit(dut, slots, k_tokens, wide[:, : tokens.shape[1]])
         assert_same_state(ref, dut, step)
 
 
 def test_empty_batch_and_bad_arguments():
     dut = DeviceLookahead(2, (2, 3, 2), torch.device("cpu"), buckets=5)
-    tokens, valid = lookahead_propose(dut.tables, torch.empty(0, dtype=torch.long))
+    tokens, valid = propose(dut, torch.empty(0, dtype=torch.long))
     assert tokens.shape == (0, dut.num_tokens) and valid.shape == (0, 2)
-    committed, _, _ = lookahead_commit(dut.tables, torch.empty(0, dtype=torch.long), tokens,
-                                       tokens)
+    committed, _, _ = commit(dut, torch.empty(0, dtype=torch.long), tokens, tokens)
     assert committed.shape == (0, 3)
     with pytest.raises(ValueError, match="tokens has shape"):
-        lookahead_commit(dut.tables, torch.tensor([0]), tokens, tokens)
+        commit(dut, torch.tensor([0]), tokens, tokens)
     with pytest.raises(ValueError, match="slots has dtype"):
-        lookahead_propose(dut.tables, torch.tensor([0], dtype=torch.int32))
+        propose(dut, torch.tensor([0], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("window", [(4, 4, 4), (1, 3, 2), (3, 3, 0)])
@@ -212,7 +224,8 @@ def test_fold_kernel_equals_commit_tokens(window):
         count = torch.tensor(counts)
         live = slots >= 0
         ref.commit_tokens(slots[live], tokens[live], count[live])
-        lookahead_fold(dut.tables, slots, tokens, count)
+        lookahead_fold(slots, tokens, count, dut.keys, dut.conts, dut.cursor, dut.recent,
+                       dut.total, dut.g)
         assert_same_state(ref, dut, step)
 
 
@@ -256,7 +269,9 @@ def test_plans_staged_ahead_shift_to_the_slots_of_their_rows_indices(window, ker
     step.last_count[:3] = torch.tensor(deltas) + 1
     step.last_count[1] = 1
     if kernel:
-        shift_staged_rows(entries, staged, step.last_count, t)
+        shift_staged_rows(entries.shift, entries.slots, entries.seq, entries.q0,
+                          step.last_count, staged.positions, staged.slots,
+                          staged.context_lens, staged.block_tables, bs, t)
     else:
         shift_rows(entries, staged, step.last_count, t, kernels=False)
     moved = torch.tensor([deltas[0], 0, deltas[2]]).repeat_interleave(t)

@@ -30,6 +30,13 @@ NUM_SLOTS = 5
 SLOTS = [3, 0, 4]  # slots 1 and 2 stay idle: the kernels must not touch them
 
 
+def propose(st, slots, input_ids=None, q0=None):
+    """``ngram_propose`` on ``st``'s history and settings."""
+    return ngram_propose(st.history, st.length, slots, max_match=st.max_match,
+                         min_match=st.min_match, max_draft_len=st.max_draft_len,
+                         input_ids=input_ids, q0=q0)
+
+
 def make_states(rng, vocab, draft, max_match, min_match, capacity=400):
     states = [DeviceNgram(NUM_SLOTS, draft, max_match, min_match, capacity, torch.device("cpu"))
               for _ in range(2)]
@@ -70,16 +77,17 @@ def test_kernel_steps_equal_the_torch_ops_and_the_host_worker(draft, max_match, 
     accepted = 0
     for step in range(12):
         tokens, lens = ref.propose(slots)
-        k_tokens, k_lens = ngram_propose(dut, slots)
+        k_tokens, k_lens = propose(dut, slots)
         assert torch.equal(tokens, k_tokens) and torch.equal(lens, k_lens), step
         out = bigram[tokens]
         if step % 3 == 2:  # now and then the model disagrees with the text's continuation
             out = (out + 1) % vocab
         verdict = ref.verify(tokens, out, lens)
         ref.update(slots, tokens, out, verdict)
-        k_verdict = ngram_commit(dut, slots, k_tokens, k_lens, out)
-        assert torch.equal(verdict.count, k_verdict.count), step
-        assert torch.equal(verdict.committed, k_verdict.committed), step
+        k_committed, k_count = ngram_commit(dut.history, dut.length, slots, k_tokens, k_lens,
+                                            out)
+        assert torch.equal(verdict.count, k_count), step
+        assert torch.equal(verdict.committed, k_committed), step
         assert torch.equal(ref.history, dut.history) and torch.equal(ref.length, dut.length)
         for b, slot in enumerate(SLOTS):  # the oracle, from the same text
             h_draft, h_acc = host_step(texts[slot], out[b].tolist(), draft, max_match,
@@ -101,24 +109,27 @@ def test_propose_writes_the_input_ids_and_skips_spare_entries():
     slots = torch.tensor([3, -1, 0])
     q0 = torch.tensor([0, 0, 6])
     ids = torch.full((12,), -5, dtype=torch.int32)
-    tokens, lens = ngram_propose(dut, slots, ids, q0)
+    tokens, lens = propose(dut, slots, ids, q0)
     t = dut.num_tokens
     assert ids[:t].tolist() == tokens[0].tolist() and ids[6:6 + t].tolist() == tokens[2].tolist()
     assert ids[t:6].tolist() == [-5] * (6 - t) and ids[6 + t:].tolist() == [-5] * (6 - t)
-    verdict = ngram_commit(dut, slots, tokens, lens, torch.zeros(3, t, dtype=torch.int32))
-    assert verdict.count[1] == 0 and verdict.count[[0, 2]].tolist() == [1, 1]
-    assert verdict.src_rows is None  # a chain moves no KV
+    out = ngram_commit(dut.history, dut.length, slots, tokens, lens,
+                       torch.zeros(3, t, dtype=torch.int32))
+    assert len(out) == 2  # (committed, count): a chain moves no KV
+    count = out[1]
+    assert count[1] == 0 and count[[0, 2]].tolist() == [1, 1]
 
 
 def test_bad_arguments_name_what_is_wrong():
     st = DeviceNgram(2, 4, 3, 1, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match="slots"):
-        ngram_propose(st, torch.tensor([0], dtype=torch.int32))
+        propose(st, torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match="input_ids and q0"):
-        ngram_propose(st, torch.tensor([0]), torch.zeros(8, dtype=torch.int32))
+        propose(st, torch.tensor([0]), torch.zeros(8, dtype=torch.int32))
     with pytest.raises(ValueError, match="argmax"):
-        ngram_commit(st, torch.tensor([0]), torch.zeros(1, 5, dtype=torch.long),
-                     torch.zeros(1, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+        ngram_commit(st.history, st.length, torch.tensor([0]),
+                     torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="max_draft_len"):
         DeviceNgram(2, 0, 3, 1, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match="do not fit"):

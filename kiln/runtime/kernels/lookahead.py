@@ -6,17 +6,19 @@ as batched torch ops: ``propose``, ``verify`` and ``update`` (whose ``_insert`` 
 is about a dozen ops per inserted n-gram). These kernels do the same work with one program
 per request of the batch, two launches per step:
 
-    tokens, valid = lookahead_propose(state.tables, slots)   # = state.propose(slots)
+    tokens, valid = lookahead_propose(slots, window, keys, conts, cursor, recent, g)
+                                      # = state.propose(slots)
     ... forward; argmax of every row [B, T] ...
-    committed, count, src_rows = lookahead_commit(state.tables, slots, tokens, argmax)
+    committed, count, src_rows = lookahead_commit(slots, tokens, argmax, window, keys, conts,
+                                                  cursor, recent, total, window_rows,
+                                                  last_rows, cand_rows)
                                       # = state.verify(...) then state.update(...)
 
-They take the state's tensors (``LookaheadTables``, which ``DeviceLookahead.tables``
-holds), read and write them in place (window, keys, conts, cursor, recent, total) and
-return bit-identical results: the torch ops of
-device_lookahead.py are the reference, and tests/unit/test_lookahead_kernels.py runs both
-side by side (TRITON_INTERPRET) and compares every output and every state tensor after each
-step.
+They take the state's tensors (the shapes: ``DeviceLookahead``'s docstring; all int64,
+contiguous), read and write them in place (window, keys, conts, cursor, recent, total) and
+return bit-identical results: the torch ops of device_lookahead.py are the reference, and
+tests/unit/test_lookahead_kernels.py runs both side by side (TRITON_INTERPRET) and compares
+every output and every state tensor after each step.
 
 ``valid`` (which candidate slots hold a real candidate) is not an argument of the commit:
 its kernel recomputes it from the same pool lookup the proposal made (the number of entries
@@ -35,8 +37,6 @@ window, the candidates: lookahead_math's module docstring).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -46,47 +46,6 @@ from kiln.runtime.kernels._checks import check_shape, check_tensor, next_pow2
 from kiln.runtime.kernels._pdl import pdl_begin
 
 INDEX_DTYPES = (torch.int64,)
-
-
-class LookaheadTables(NamedTuple):
-    """The device tensors of ``S`` request slots' lookahead state (all int64, contiguous;
-    H buckets, L = N-1 levels; their meaning: kiln/runtime/speculative/device_lookahead.py).
-    The kernels write the first six in place.
-
-        window       [S, L, W]               keys         [S, H, max(G, 1)]
-        conts        [S, H, max(G, 1), N-1]  cursor       [S, H]
-        recent       [S, N-1]                total        [S]
-        window_rows  [L, W], last_rows [W], cand_rows [G, N-1]: the step layout's rows
-    ``g``: G, the candidates per step (``keys`` holds one unused column when it is 0).
-    """
-
-    window: torch.Tensor
-    keys: torch.Tensor
-    conts: torch.Tensor
-    cursor: torch.Tensor
-    recent: torch.Tensor
-    total: torch.Tensor
-    window_rows: torch.Tensor
-    last_rows: torch.Tensor
-    cand_rows: torch.Tensor
-    g: int
-
-    @property
-    def w(self) -> int:
-        return self.window.shape[2]
-
-    @property
-    def n(self) -> int:
-        return self.window.shape[1] + 1
-
-    @property
-    def buckets(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def num_tokens(self) -> int:
-        """T = (W + G)(N - 1): x, the window's other W(N-1) - 1 tokens, G candidates."""
-        return (self.w + self.g) * (self.n - 1)
 
 
 @triton.jit
@@ -344,56 +303,63 @@ def _lookahead_fold_kernel(
     tl.store(total_ptr + slot, total + k_new)
 
 
-def lookahead_fold(state: LookaheadTables, slots: torch.Tensor, tokens: torch.Tensor,
-                   count: torch.Tensor) -> None:
-    """``DeviceLookahead.commit_tokens(slots, tokens, count)`` in one launch: the tokens plain steps
-    committed (``tokens[b, :count[b]]``, [B, K] long) join the slots' pools, recent tokens
-    and totals. The torch ops run a dozen launches per token (``_insert``); a paced request
-    that decoded plainly for a while folds dozens of tokens at its next proposal."""
-    _check_state(state, slots)
-    dev = state.window.device
+def lookahead_fold(slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
+                   keys: torch.Tensor, conts: torch.Tensor, cursor: torch.Tensor,
+                   recent: torch.Tensor, total: torch.Tensor, g: int) -> None:
+    """``DeviceLookahead.commit_tokens(slots, tokens, count)`` in one launch: the tokens plain
+    steps committed (``tokens[b, :count[b]]``, [B, K] long) join the slots' pools (``keys``,
+    ``conts``, ``cursor``), recent tokens and totals, written in place (``g``: G). The torch
+    ops run a dozen launches per token (``_insert``); a paced request that decoded plainly
+    for a while folds dozens of tokens at its next proposal."""
+    _check_state(slots, keys=keys, conts=conts, cursor=cursor, recent=recent, total=total)
+    dev = keys.device
     b = slots.shape[0]
     check_tensor("tokens", tokens, ndim=2, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("count", count, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     check_shape("tokens", tokens, (b, None))
     check_shape("count", count, (b,))
     if b:
+        n = recent.shape[1] + 1
         _lookahead_fold_kernel[(b,)](
-            slots, tokens, count, state.keys, state.conts, state.cursor, state.recent,
-            state.total, tokens.stride(0), state.buckets, state.keys.shape[2], N=state.n,
-            G=state.g, G_PAD=next_pow2(max(state.g, 1)), N1_PAD=next_pow2(state.n - 1),
-            num_warps=1, **_pdl.launch_kwargs(),
+            slots, tokens, count, keys, conts, cursor, recent, total, tokens.stride(0),
+            keys.shape[1], keys.shape[2], N=n, G=g, G_PAD=next_pow2(max(g, 1)),
+            N1_PAD=next_pow2(n - 1), num_warps=1, **_pdl.launch_kwargs(),
         )
 
 
-def _check_state(state: LookaheadTables, slots: torch.Tensor) -> None:
-    dev = state.window.device
-    for name in ("window", "keys", "conts", "cursor", "recent", "total"):
-        t = getattr(state, name)
-        check_tensor(f"state.{name}", t, dtypes=INDEX_DTYPES, device=dev)
+def _check_state(slots: torch.Tensor, **state: torch.Tensor) -> None:
+    """The state tensors (int64, contiguous, one device) and ``slots`` [B] long."""
+    dev = next(iter(state.values())).device
+    for name, t in state.items():
+        check_tensor(name, t, dtypes=INDEX_DTYPES, device=dev)
         if not t.is_contiguous():
-            raise ValueError(f"state.{name} must be contiguous")
+            raise ValueError(f"{name} must be contiguous")
     check_tensor("slots", slots, ndim=1, dtypes=INDEX_DTYPES, device=dev)
 
 
-def _pads(state: LookaheadTables) -> dict:
-    w, n, g = state.w, state.n, state.g
+def _pads(window: torch.Tensor, g: int) -> dict:
+    """The window's (W, N) from ``window`` [S, N-1, W], G, and their padded sizes."""
+    w, n = window.shape[2], window.shape[1] + 1
     return {"W": w, "N": n, "G": g, "WL_PAD": next_pow2(w * (n - 1)),
             "G_PAD": next_pow2(max(g, 1)), "N1_PAD": next_pow2(n - 1)}
 
 
-def lookahead_propose(state: LookaheadTables, slots: torch.Tensor,
+def lookahead_propose(slots: torch.Tensor, window: torch.Tensor, keys: torch.Tensor,
+                      conts: torch.Tensor, cursor: torch.Tensor, recent: torch.Tensor, g: int,
                       input_ids: torch.Tensor | None = None, q0: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DeviceLookahead.propose(slots)`` in one launch: the step's input ids [B, T] (long)
-    and which candidate slots hold a real candidate [B, G] (bool). ``slots`` [B] long, distinct but
-    for -1 (no request: its rows are left unwritten). With ``input_ids`` (a step's flat
-    token ids, int32/int64) and ``q0`` [B] long, entry b's T tokens are also written to
-    ``input_ids[q0[b] : q0[b] + T]``."""
-    _check_state(state, slots)
-    b, dev = slots.shape[0], state.window.device
-    tokens = torch.empty(b, state.num_tokens, dtype=torch.long, device=dev)
-    valid = torch.empty(b, state.g, dtype=torch.bool, device=dev)
+    """``DeviceLookahead.propose(slots)`` in one launch, from the slots' window, pool
+    (``keys``, ``conts``, ``cursor``) and recent tokens (``g``: G candidates). Returns the
+    step's input ids [B, T] (long; T = (W + G)(N - 1)) and which candidate slots hold a real
+    candidate [B, G] (bool). ``slots`` [B] long, distinct but for -1 (no request: its rows
+    are left unwritten). With ``input_ids`` (a step's flat token ids, int32/int64) and
+    ``q0`` [B] long, entry b's T tokens are also written to ``input_ids[q0[b] : q0[b] + T]``."""
+    _check_state(slots, window=window, keys=keys, conts=conts, cursor=cursor, recent=recent)
+    b, dev = slots.shape[0], window.device
+    pads = _pads(window, g)
+    t = (pads["W"] + g) * (pads["N"] - 1)
+    tokens = torch.empty(b, t, dtype=torch.long, device=dev)
+    valid = torch.empty(b, g, dtype=torch.bool, device=dev)
     if (input_ids is None) != (q0 is None):
         raise ValueError("input_ids and q0 go together: pass both or neither")
     if input_ids is not None:
@@ -403,47 +369,52 @@ def lookahead_propose(state: LookaheadTables, slots: torch.Tensor,
         check_shape("q0", q0, (b,))
     if b:
         _lookahead_propose_kernel[(b,)](
-            slots, state.window, state.keys, state.conts, state.cursor, state.recent, tokens,
-            valid if state.g else tokens,  # no candidate columns: never touched
+            slots, window, keys, conts, cursor, recent, tokens,
+            valid if g else tokens,  # no candidate columns: never touched
             input_ids if input_ids is not None else tokens, q0 if q0 is not None else slots,
-            state.buckets, state.keys.shape[2], WRITE_IDS=input_ids is not None,
-            **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
+            keys.shape[1], keys.shape[2], WRITE_IDS=input_ids is not None,
+            **pads, num_warps=1, **_pdl.launch_kwargs(),
         )
     return tokens, valid
 
 
-def lookahead_commit(state: LookaheadTables, slots: torch.Tensor, tokens: torch.Tensor,
-                     argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lookahead_commit(slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
+                     window: torch.Tensor, keys: torch.Tensor, conts: torch.Tensor,
+                     cursor: torch.Tensor, recent: torch.Tensor, total: torch.Tensor,
+                     window_rows: torch.Tensor, last_rows: torch.Tensor,
+                     cand_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DeviceLookahead.verify(tokens, argmax, valid)`` then ``.update(slots, tokens,
-    argmax, verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for these
-    ``tokens`` (recomputed from the pool, which must not have changed since). ``tokens`` [B, T]
-    long from the proposal, ``argmax`` [B, T] int64/int32 (the model's greedy token after
-    each row). Returns the verdict's tensors (``StepVerdict``'s committed [B, N], count [B],
-    src_rows [B, N-1]); the state is updated in place. An entry of slot -1 commits nothing:
-    its count is 0, its other outputs unwritten."""
-    _check_state(state, slots)
-    dev = state.window.device
-    b, t = slots.shape[0], state.num_tokens
+    argmax, verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for
+    these ``tokens`` (recomputed from the pool, which must not have changed since). ``tokens``
+    [B, T] long from the proposal, ``argmax`` [B, T] int64/int32 (the model's target token
+    after each row). The step layout's rows: ``window_rows`` [N-1, W], ``last_rows`` [W],
+    ``cand_rows`` [G, N-1]. Returns the verdict's tensors (``StepVerdict``'s committed [B, N],
+    count [B], src_rows [B, N-1]); the state (window, pool, recent, total) is updated in
+    place. An entry of slot -1 commits nothing: its count is 0, its other outputs unwritten."""
+    _check_state(slots, window=window, keys=keys, conts=conts, cursor=cursor, recent=recent,
+                 total=total)
+    dev = window.device
+    g = cand_rows.shape[0]
+    pads = _pads(window, g)
+    n = pads["N"]
+    b, t = slots.shape[0], (pads["W"] + g) * (n - 1)
     check_tensor("tokens", tokens, ndim=2, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("argmax", argmax, ndim=2, dtypes=(torch.int64, torch.int32), device=dev)
     check_shape("tokens", tokens, (b, t))
     check_shape("argmax", argmax, (b, t))
-    n = state.n
     committed = torch.empty(b, n, dtype=torch.long, device=dev)
     count = torch.empty(b, dtype=torch.long, device=dev)
     src_rows = torch.empty(b, n - 1, dtype=torch.long, device=dev)
     if b:
-        rows = (state.window_rows, state.last_rows,
-                state.cand_rows if state.g else state.last_rows)  # g == 0: never read
+        rows = (window_rows, last_rows, cand_rows if g else last_rows)  # g == 0: never read
         for name, r in zip(("window_rows", "last_rows", "cand_rows"), rows):
-            check_tensor(f"state.{name}", r, dtypes=INDEX_DTYPES, device=dev)
+            check_tensor(name, r, dtypes=INDEX_DTYPES, device=dev)
             if not r.is_contiguous():
-                raise ValueError(f"state.{name} must be contiguous")
+                raise ValueError(f"{name} must be contiguous")
         _lookahead_commit_kernel[(b,)](
-            slots, tokens, argmax, state.window, state.keys, state.conts, state.cursor,
-            state.recent, state.total, *rows, committed, count, src_rows,
-            tokens.stride(0), argmax.stride(0), state.buckets, state.keys.shape[2],
-            N_PAD=next_pow2(n), **_pads(state), num_warps=1, **_pdl.launch_kwargs(),
+            slots, tokens, argmax, window, keys, conts, cursor, recent, total, *rows,
+            committed, count, src_rows, tokens.stride(0), argmax.stride(0), keys.shape[1],
+            keys.shape[2], N_PAD=next_pow2(n), **pads, num_warps=1, **_pdl.launch_kwargs(),
         )
     return committed, count, src_rows
 
@@ -539,17 +510,21 @@ def _shift_rows_kernel(
     tl.store(ctx_ptr + seq, (ctx + delta).to(ctx_ptr.dtype.element_ty))
 
 
-def shift_staged_rows(entries, staged, last_count: torch.Tensor, num_tokens: int) -> None:
+def shift_staged_rows(shift: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor,
+                      q0: torch.Tensor, last_count: torch.Tensor, positions: torch.Tensor,
+                      cache_slots: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor, block_size: int, num_tokens: int) -> None:
     """``device_step.shift_rows`` in one launch (kiln/runtime/speculative/device_step.py):
-    each entry staged ahead (``entries.shift``, a slot) moves its ``num_tokens`` positions,
-    cache slots (those of token indices x + t, t the row) and context length on by
-    ``last_count[e] - 1``."""
-    b = entries.slots.shape[0]
+    each entry e [B] staged ahead (``shift[e]`` > 0, ``slots[e]`` >= 0; its sequence
+    ``seq[e]``, its first input row ``q0[e]``) moves its ``num_tokens`` staged
+    ``positions``, ``cache_slots`` (those of token indices x + t, t the row, in
+    ``block_tables`` [num_seqs, M] of blocks of ``block_size``) and ``context_lens`` on by
+    ``last_count[e] - 1``, in place."""
+    b = slots.shape[0]
     if not b:
         return
-    bt = staged.block_tables
     _shift_rows_kernel[(b,)](
-        entries.shift, entries.slots, entries.seq, entries.q0, last_count, staged.positions,
-        staged.slots, staged.context_lens, bt, bt.stride(0), BS=staged.block_size,
-        T=num_tokens, T_PAD=next_pow2(num_tokens), num_warps=1, **_pdl.launch_kwargs(),
+        shift, slots, seq, q0, last_count, positions, cache_slots, context_lens,
+        block_tables, block_tables.stride(0), BS=block_size, T=num_tokens,
+        T_PAD=next_pow2(num_tokens), num_warps=1, **_pdl.launch_kwargs(),
     )

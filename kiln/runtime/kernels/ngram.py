@@ -3,12 +3,14 @@
 ``DeviceNgram`` (kiln/runtime/speculative/device_ngram.py) keeps each request slot's tokens
 in a device history and runs a step as batched torch ops (``find_drafts`` alone is a dozen
 ops per match length over the whole history). These kernels do the same work with one
-program per request of the batch, two launches per step:
+program per request of the batch, two launches per step, on the state's tensors (``history``
+[S, C] int32, ``length`` [S] long), which they read and write in place:
 
-    tokens, lens = ngram_propose(state, slots, input_ids, q0)  # = state.propose(slots)
+    tokens, lens = ngram_propose(history, length, slots, max_match=.., min_match=..,
+                                 max_draft_len=.., input_ids=.., q0=..)  # = state.propose
     ... forward; argmax of every row [B, T] ...
-    verdict = ngram_commit(state, slots, tokens, lens, argmax)  # = state.verify(...) then
-                                                                #   state.update(...)
+    committed, count = ngram_commit(history, length, slots, tokens, lens, argmax)
+                                                  # = state.verify(...) then state.update(...)
 
 The torch ops are the reference: tests/unit/test_ngram_kernels.py runs both side by side
 (TRITON_INTERPRET) and compares every output and the history after each step.
@@ -29,8 +31,6 @@ import triton.language as tl
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import check_shape, check_tensor, next_pow2
 from kiln.runtime.kernels._pdl import pdl_begin
-from kiln.runtime.speculative.device_lookahead import StepVerdict
-from kiln.runtime.speculative.device_ngram import DeviceNgram
 
 _BLOCK = 256  # history positions per iteration of the draft search
 
@@ -104,27 +104,29 @@ def _ngram_commit_kernel(
     tl.store(len_ptr + slot, n + m + 1)
 
 
-def _check_state(state: DeviceNgram, slots: torch.Tensor) -> None:
-    dev = state.history.device
-    check_tensor("state.history", state.history, ndim=2, dtypes=(torch.int32,), device=dev)
-    check_tensor("state.length", state.length, ndim=1, dtypes=(torch.int64,), device=dev)
-    for name in ("history", "length"):
-        if not getattr(state, name).is_contiguous():
-            raise ValueError(f"state.{name} must be contiguous")
+def _check_history(history: torch.Tensor, length: torch.Tensor, slots: torch.Tensor) -> None:
+    dev = history.device
+    check_tensor("history", history, ndim=2, dtypes=(torch.int32,), device=dev)
+    check_tensor("length", length, ndim=1, dtypes=(torch.int64,), device=dev)
+    for name, t in (("history", history), ("length", length)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
     check_tensor("slots", slots, ndim=1, dtypes=(torch.int64,), device=dev)
 
 
-def ngram_propose(state: DeviceNgram, slots: torch.Tensor,
+def ngram_propose(history: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, *,
+                  max_match: int, min_match: int, max_draft_len: int,
                   input_ids: torch.Tensor | None = None, q0: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``state.propose(slots)`` in one launch: the step's input ids [B, T] (long: x, the
-    draft, 0 past it) and the drafts' lengths [B] (long). ``slots`` [B] long, distinct but
-    for -1 (no request: its rows are left unwritten). With ``input_ids`` (a step's flat token
-    ids, int32/int64) and ``q0`` [B] long, entry b's T tokens are also written to
-    ``input_ids[q0[b] : q0[b] + T]``."""
-    _check_state(state, slots)
-    b, dev = slots.shape[0], state.history.device
-    t = state.num_tokens
+    """``DeviceNgram.propose(slots)`` in one launch. ``history`` [S, C] int32 (each slot's
+    tokens) and ``length`` [S] long (how many are real) are the slots' state; ``slots`` [B]
+    long, distinct but for -1 (no request: its rows are left unwritten). Returns the step's
+    input ids [B, T] (long: x, the draft, 0 past it; T = 1 + max_draft_len) and the drafts'
+    lengths [B] (long). With ``input_ids`` (a step's flat token ids, int32/int64) and ``q0``
+    [B] long, entry b's T tokens are also written to ``input_ids[q0[b] : q0[b] + T]``."""
+    _check_history(history, length, slots)
+    b, dev = slots.shape[0], history.device
+    t = 1 + max_draft_len
     tokens = torch.empty(b, t, dtype=torch.long, device=dev)
     lens = torch.empty(b, dtype=torch.long, device=dev)
     if (input_ids is None) != (q0 is None):
@@ -136,26 +138,28 @@ def ngram_propose(state: DeviceNgram, slots: torch.Tensor,
         check_shape("q0", q0, (b,))
     if b:
         _ngram_propose_kernel[(b,)](
-            slots, state.history, state.length, tokens, lens,
+            slots, history, length, tokens, lens,
             input_ids if input_ids is not None else tokens, q0 if q0 is not None else slots,
-            state.capacity, MAXM=state.max_match, MINM=state.min_match, D=state.max_draft_len,
+            history.shape[1], MAXM=max_match, MINM=min_match, D=max_draft_len,
             T_PAD=next_pow2(t), BLOCK=_BLOCK, WRITE_IDS=input_ids is not None, num_warps=4,
             **_pdl.launch_kwargs(),
         )
     return tokens, lens
 
 
-def ngram_commit(state: DeviceNgram, slots: torch.Tensor, tokens: torch.Tensor,
-                 draft_lens: torch.Tensor, argmax: torch.Tensor) -> StepVerdict:
-    """``state.verify(tokens, argmax, draft_lens)`` then ``state.update(...)`` in one launch:
-    ``tokens`` [B, T] long and ``draft_lens`` [B] long from the proposal, ``argmax`` [B, T]
-    int64/int32 (the model's greedy token after each row). Returns the verdict (committed
-    [B, T], count [B]; no KV moves); the histories move on in place. An entry of slot -1
-    commits nothing: its count is 0, its committed row unwritten."""
-    _check_state(state, slots)
-    dev = state.history.device
-    b, t = slots.shape[0], state.num_tokens
+def ngram_commit(history: torch.Tensor, length: torch.Tensor, slots: torch.Tensor,
+                 tokens: torch.Tensor, draft_lens: torch.Tensor, argmax: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DeviceNgram.verify(tokens, argmax, draft_lens)`` then ``.update(...)`` in one
+    launch: ``tokens`` [B, T] long and ``draft_lens`` [B] long from the proposal, ``argmax``
+    [B, T] int64/int32 (the model's target token after each row). Returns (committed [B, T],
+    count [B]); a chain moves no KV. ``history`` and ``length`` (``ngram_propose``) move on
+    in place. An entry of slot -1 commits nothing: its count is 0, its committed row
+    unwritten."""
+    _check_history(history, length, slots)
+    dev = history.device
     check_tensor("tokens", tokens, ndim=2, dtypes=(torch.int64,), device=dev)
+    b, t = slots.shape[0], tokens.shape[1]
     check_tensor("draft_lens", draft_lens, ndim=1, dtypes=(torch.int64,), device=dev)
     check_tensor("argmax", argmax, ndim=2, dtypes=(torch.int64, torch.int32), device=dev)
     check_shape("tokens", tokens, (b, t))
@@ -167,8 +171,8 @@ def ngram_commit(state: DeviceNgram, slots: torch.Tensor, tokens: torch.Tensor,
     count = torch.empty(b, dtype=torch.long, device=dev)
     if b:
         _ngram_commit_kernel[(b,)](
-            slots, tokens, draft_lens, argmax, state.history, state.length, committed, count,
-            argmax.stride(0), state.capacity, D=state.max_draft_len, T_PAD=next_pow2(t),
+            slots, tokens, draft_lens, argmax, history, length, committed, count,
+            argmax.stride(0), history.shape[1], D=t - 1, T_PAD=next_pow2(t),
             num_warps=1, **_pdl.launch_kwargs(),
         )
-    return StepVerdict(committed, count, None)
+    return committed, count

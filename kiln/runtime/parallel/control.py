@@ -113,7 +113,7 @@ class StateCall:
     args: tuple
 
     def run(self, runner: Any) -> None:
-        state = runner.spec_step.state
+        state = runner.spec_step.proposer
         getattr(state, self.method)(*moved(self.args, state.device))
 
 
@@ -179,9 +179,9 @@ class LeaderCache:
 
 
 class LeaderState:
-    """Rank 0's device speculation state (DeviceLookahead, DeviceNgram): the host's writes
-    into it (``admit`` a request, ``fold`` what plain steps committed) run here, then on
-    every other rank's copy. The steps' proposal, verification and KV moves need nothing
+    """Rank 0's device proposer (kiln.runtime.speculative.device_step.DeviceProposer): the
+    host's writes into it (``admit`` a request, ``fold`` what plain steps committed,
+    ``release`` a slot) run here, then on every other rank's copy. The steps' proposal, verification and KV moves need nothing
     sent: every rank runs them on the same staged entries and the same all-gathered logits,
     so the copies stay equal. Everything else is the wrapped state's."""
 
@@ -193,6 +193,9 @@ class LeaderState:
 
     def fold(self, *args) -> None:
         self._call("fold", args)
+
+    def release(self, *args) -> None:
+        self._call("release", args)
 
     def _call(self, method: str, args: tuple) -> None:
         getattr(self.state, method)(*args)  # raises here first on a bad request

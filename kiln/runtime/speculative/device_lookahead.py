@@ -1,4 +1,4 @@
-"""Lookahead state and step logic as batched tensor ops (issue 25, stage 1).
+"""Lookahead's device proposer: its state and step logic as batched tensor ops.
 
 The same algorithm as the host worker (lookahead.py with lookahead_math.py, the oracle),
 kept per request *slot* in device tensors so a speculative step can be proposed, verified
@@ -20,44 +20,35 @@ One step of a batch of slots, for the engine's window (W, N, G) at fixed T = (W+
     state.update(slots, tokens, argmax, out)          # window shift, pool inserts, recent
 
 Everything is tensor ops with fixed shapes and no host sync (no ``.item()``, no
-data-dependent shapes), so it runs on the CPU for tests and inside a CUDA graph later.
+data-dependent shapes): the reference of the Triton kernels (kiln/runtime/kernels/
+lookahead.py), which run the same step on CUDA (``DeviceProposer.propose_step`` /
+``commit_step``: the kernels, or these ops, chosen at construction).
 Verification compares drafts with each row's target token (``argmax`` below): the argmax
-for greedy requests, a draw for sampled ones (device_step.row_targets; the lookahead
+for greedy requests, a draw for sampled ones (verify.row_targets; the lookahead
 branch's rows always hold their argmax).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
-from kiln.runtime.speculative.lookahead_math import POOL_BUCKETS, NgramPool, step_layout
-
-if TYPE_CHECKING:
-    from kiln.runtime.kernels.lookahead import LookaheadTables
-
-
-@dataclass
-class StepVerdict:
-    """What one verified step commits, per request of the batch.
-
-    committed [B, N]  accepted draft tokens then the bonus token; 0 past ``count``
-    count     [B]     tokens committed (1 .. N)
-    src_rows  [B, N-1] in-step rows whose KV belongs at offsets 1 .. N-1 from x (the best
-                      candidate's rows; only the first ``count - 1`` are moved)
-    """
-
-    committed: torch.Tensor
-    count: torch.Tensor
-    src_rows: torch.Tensor
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
+from kiln.runtime.speculative.lookahead_math import (
+    POOL_BUCKETS,
+    NgramPool,
+    initial_window,
+    step_layout,
+)
+from kiln.runtime.speculative.verify import StepVerdict, move_accepted_kv, verify_tree
 
 
-class DeviceLookahead:
+class DeviceLookahead(DeviceProposer):
     """Lookahead windows and n-gram pools of ``num_slots`` requests, one window (W, N, G)."""
+
+    name = "lookahead"
 
     def __init__(self, num_slots: int, window: tuple[int, int, int], device: torch.device,
                  buckets: int = POOL_BUCKETS):
@@ -66,21 +57,17 @@ class DeviceLookahead:
             raise ValueError(f"device lookahead needs n >= 2, got window {window}")
         self.w, self.n, self.g, self.buckets = w, n, g, buckets
         self.window_size = (w, n, g)
-        self.commit_width = n  # the most a step commits
-        self.num_slots = num_slots
-        self.device = torch.device(device)
         self.levels = n - 1
         layout = step_layout(w, n, g)
-        self.num_tokens = layout.num_tokens
+        # the depth of the rows that verify (x, the candidates' tokens), -1 for the
+        # window's rows: sampled plans draw there (verify.row_targets)
+        offs = torch.full((layout.num_tokens,), -1, dtype=torch.long)
+        verifying = torch.cat([torch.zeros(1, dtype=torch.long), layout.candidate_rows.reshape(-1)])
+        offs[verifying] = layout.position_offsets[verifying]
+        super().__init__(num_slots, layout.num_tokens, n, offs, device)
         self.window_rows = layout.window_rows.to(self.device)  # [L, W]
         self.last_rows = layout.last_level_rows.to(self.device)  # [W]
         self.cand_rows = layout.candidate_rows.to(self.device)  # [G, N-1]
-        # the depth of the rows that verify (x, the candidates' tokens), -1 for the
-        # window's rows: sampled plans draw there (device_step.row_targets)
-        offs = torch.full((self.num_tokens,), -1, dtype=torch.long)
-        verifying = torch.cat([torch.zeros(1, dtype=torch.long), layout.candidate_rows.reshape(-1)])
-        offs[verifying] = layout.position_offsets[verifying]
-        self.verify_offsets = offs.to(self.device)
         dev, long = self.device, torch.long
         self.window = torch.zeros(num_slots, self.levels, w, dtype=long, device=dev)
         self.keys = torch.full((num_slots, buckets, max(g, 1)), -1, dtype=long, device=dev)
@@ -89,20 +76,67 @@ class DeviceLookahead:
         self.recent = torch.full((num_slots, n - 1), -1, dtype=long, device=dev)
         self.total = torch.zeros(num_slots, dtype=long, device=dev)
 
-    @functools.cached_property
-    def tables(self) -> LookaheadTables:
-        """The state's tensors as the step kernels take them (kiln/runtime/kernels/
-        lookahead.py). The tensors are updated in place, never replaced, so this is made
-        once; imported here, with Triton, only by the engines that run the kernels."""
-        from kiln.runtime.kernels.lookahead import LookaheadTables
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
+                    device: torch.device) -> DeviceLookahead | None:
+        """The engine's window's slots; None for N < 2 (no levels to keep on the device)."""
+        return cls(num_slots, spec.lookahead, device) if spec.lookahead[1] >= 2 else None
 
-        return LookaheadTables(self.window, self.keys, self.conts, self.cursor, self.recent,
-                               self.total, self.window_rows, self.last_rows, self.cand_rows,
-                               self.g)
+    def use_kernels(self, on: bool) -> None:
+        super().use_kernels(on)
+        if on:  # Triton is imported by the engines that run the kernels only
+            from kiln.runtime.kernels import lookahead as kernels
+
+            self._k = kernels
+
+    def admit(self, slot: int, prompt: list[int], seed: int | None) -> None:
+        """A request's first window (``initial_window``) and its pool seeded with the
+        prompt's n-grams, into ``slot`` (``load``)."""
+        pool = NgramPool(self.n, self.g, self.buckets)
+        pool.seed_from_tokens(prompt)
+        self.load(slot, initial_window(prompt, self.w, self.n, seed), pool, prompt)
+
+    def warm(self) -> None:
+        """``fold``'s kernel (it runs outside the graphs, on a request's next proposal),
+        launched once on no slot (it writes nothing)."""
+        if not self.kernels:
+            return
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.fold(torch.full((1,), -1, dtype=torch.long, device=self.device),
+                  torch.zeros(1, 3, dtype=torch.long, device=self.device), zero)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def propose_step(self, entries: SpecEntries, input_ids: torch.Tensor) -> Proposal:
+        if self.kernels:
+            return Proposal(*self._k.lookahead_propose(
+                entries.slots, self.window, self.keys, self.conts, self.cursor, self.recent,
+                self.g, input_ids, entries.q0))
+        return self._propose_active(entries, input_ids, self.propose)
+
+    def commit_step(self, entries: SpecEntries, proposal: Proposal, targets: torch.Tensor,
+                    slot_mapping: torch.Tensor, cache: KVCache
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree verification (``verify``), the state update (``update``) and the KV move
+        of the best candidate's accepted rows."""
+        if self.kernels:
+            committed, count, src_rows = self._k.lookahead_commit(
+                entries.slots, proposal.tokens, targets, self.window, self.keys, self.conts,
+                self.cursor, self.recent, self.total, self.window_rows, self.last_rows,
+                self.cand_rows)
+            self._k.lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, count,
+                                      src_rows)
+            return committed, count
+        a = proposal.active
+        argmax = targets[a]
+        verdict = self.verify(proposal.tokens, argmax, proposal.valid)
+        self.update(entries.slots[a], proposal.tokens, argmax, verdict)
+        move_accepted_kv(cache, slot_mapping, entries.q0[a], verdict.count, verdict.src_rows)
+        return self._scatter(entries, a, verdict.committed, verdict.count)
 
     # -- admission (host side, once per request) --------------------------------------------
-    def admit(self, slot: int, window: list[list[int]], pool: NgramPool,
-              tokens: list[int]) -> None:
+    def load(self, slot: int, window: list[list[int]], pool: NgramPool,
+             tokens: list[int]) -> None:
         """Load a request's initial state into ``slot``: its window grid ``[L][W]``, its
         seeded host pool (the same table definition) and its tokens so far (prompt).
 
@@ -167,32 +201,8 @@ class DeviceLookahead:
 
     def verify(self, tokens: torch.Tensor, argmax: torch.Tensor,
                valid: torch.Tensor) -> StepVerdict:
-        """Greedy verification (``lookahead_math.greedy_verify`` per row): the longest
-        matching valid candidate (first on ties), its matched tokens plus the bonus."""
-        b, n1 = tokens.shape[0], self.n - 1
-        dev = self.device
-        x_next = argmax[:, 0]
-        if not self.g:
-            committed = torch.zeros(b, self.n, dtype=torch.long, device=dev)
-            committed[:, 0] = x_next
-            return StepVerdict(committed, torch.ones(b, dtype=torch.long, device=dev),
-                               torch.zeros(b, n1, dtype=torch.long, device=dev))
-        cand = tokens[:, self.cand_rows]  # [B, G, N-1]
-        after = argmax[:, self.cand_rows]  # model's token after each candidate token
-        target = torch.cat([x_next[:, None, None].expand(-1, self.g, 1), after[:, :, :-1]], 2)
-        match = (cand == target) & valid[:, :, None]
-        mlen = match.long().cumprod(2).sum(2)  # [B, G]
-        best = mlen.argmax(1)  # first of the longest
-        m = mlen.gather(1, best[:, None])[:, 0]
-        best_cand = cand[torch.arange(b, device=dev), best]  # [B, N-1]
-        best_after = after[torch.arange(b, device=dev), best]
-        bonus = torch.where(m > 0, best_after.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0],
-                            x_next)
-        k = torch.arange(self.n, device=dev)[None, :]
-        padded = torch.cat([best_cand, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
-        committed = torch.where(k < m[:, None], padded,
-                                torch.where(k == m[:, None], bonus[:, None], 0))
-        return StepVerdict(committed, m + 1, self.cand_rows[best])
+        """Greedy tree verification of a step (``verify.verify_tree``)."""
+        return verify_tree(tokens, argmax, valid, self.cand_rows, self.n)
 
     def update(self, slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
                verdict: StepVerdict) -> None:
@@ -233,12 +243,11 @@ class DeviceLookahead:
         self.total[slots] += count
 
     def fold(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
-        """``commit_tokens`` of the tokens plain steps committed: on CUDA one kernel
-        (``lookahead_fold``), elsewhere the torch ops."""
-        if self.device.type == "cuda":
-            from kiln.runtime.kernels.lookahead import lookahead_fold
-
-            lookahead_fold(self.tables, slots, tokens, count)
+        """``commit_tokens`` of the tokens plain steps committed: one kernel
+        (``lookahead_fold``), or the torch ops."""
+        if self.kernels:
+            self._k.lookahead_fold(slots, tokens, count, self.keys, self.conts, self.cursor,
+                                   self.recent, self.total, self.g)
         else:
             self.commit_tokens(slots, tokens, count)
 

@@ -1,17 +1,20 @@
-"""Batched, device-side prompt-lookup (ngram) drafting and greedy chain verification.
+"""Prompt lookup's device proposer: batched drafting, verified as chains (verify.py).
 
 Tensor versions of ``find_draft`` and ``NgramWorker.verify``'s greedy branch in ngram.py,
 which stays the oracle: row b here equals the host result for that row exactly. Everything
-is pure tensor ops with fixed output shapes and no host syncs, so both functions can be
-captured in a CUDA graph; the only Python loops run over match lengths and token offsets.
+is pure tensor ops with fixed output shapes and no host syncs, so a step can be captured in
+a CUDA graph; the only Python loops run over match lengths and token offsets.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
-from kiln.runtime.speculative.device_lookahead import StepVerdict
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
+from kiln.runtime.speculative.verify import StepVerdict, verify_chains
 
 
 def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, min_match: int,
@@ -46,20 +49,7 @@ def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, mi
     return drafts, valid.sum(dim=1)
 
 
-def verify_chains(drafts: torch.Tensor, draft_lens: torch.Tensor, argmax: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain verification for a batch: argmax [B, D+1] holds the model's token after
-    each draft prefix. Returns (accepted [B, D+1] long, 0 past counts, counts [B] long)."""
-    d = drafts.shape[1]
-    idx = torch.arange(d + 1, device=argmax.device)
-    ok = (argmax[:, :d] == drafts) & (idx[None, :d] < draft_lens[:, None])
-    num_matched = ok.long().cumprod(dim=1).sum(dim=1)
-    # accepted drafts equal argmax at their rows, and the bonus token is argmax[num_matched]
-    accepted = torch.where(idx[None, :] <= num_matched[:, None], argmax.long(), 0)
-    return accepted, num_matched + 1
-
-
-class DeviceNgram:
+class DeviceNgram(DeviceProposer):
     """Prompt-lookup state of ``num_slots`` requests on the device: each slot's committed
     tokens (prompt included, the last one is x), from which every step's draft is found.
 
@@ -76,11 +66,15 @@ class DeviceNgram:
 
     Tokens that plain steps of a paced request commit join through ``commit_tokens``.
 
-    ``find_drafts`` / ``verify_chains`` above are the step's math, equal to the host
+    ``find_drafts`` above and ``verify.verify_chains`` are the step's math, equal to the host
     worker's (``find_draft``, ``NgramWorker.verify``). A chain's accepted rows already sit at
     their final KV indices, so a step moves no KV. ``argmax`` is each row's target token:
-    the argmax, or a draw for a sampled request (device_step.row_targets).
+    the argmax, or a draw for a sampled request (verify.row_targets). On CUDA the
+    kernels of kiln/runtime/kernels/ngram.py run the step (chosen at construction).
     """
+
+    name = "ngram"
+    default_on = True  # on CUDA (RuntimeConfig.device_speculation's comment)
 
     def __init__(self, num_slots: int, max_draft_len: int, max_match: int, min_match: int,
                  capacity: int, device: torch.device):
@@ -88,18 +82,29 @@ class DeviceNgram:
             raise ValueError(f"device prompt lookup needs max_draft_len >= 1 and 1 <= "
                              f"min_match <= max_match, got {max_draft_len}, {min_match}, "
                              f"{max_match}")
-        self.num_slots = num_slots
         self.max_draft_len, self.max_match, self.min_match = max_draft_len, max_match, min_match
-        self.num_tokens = 1 + max_draft_len  # T: x and the draft
-        self.commit_width = 1 + max_draft_len  # the most a step commits
         self.capacity = capacity
-        self.device = torch.device(device)
-        # every row verifies, at its own depth (device_step.row_targets)
-        self.verify_offsets = torch.arange(self.num_tokens, device=self.device)
+        # T: x and the draft, the most a step commits; every row verifies, at its own depth
+        # (verify.row_targets)
+        t = 1 + max_draft_len
+        super().__init__(num_slots, t, t, torch.arange(t), device)
         self.history = torch.zeros(num_slots, capacity, dtype=torch.int32, device=self.device)
         self.length = torch.zeros(num_slots, dtype=torch.long, device=self.device)
 
-    def admit(self, slot: int, tokens: list[int]) -> None:
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
+                    device: torch.device) -> DeviceNgram:
+        return cls(num_slots, spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match,
+                   max_seq_len + spec.tokens_per_step, device)
+
+    def use_kernels(self, on: bool) -> None:
+        super().use_kernels(on)
+        if on:  # Triton is imported by the engines that run the kernels only
+            from kiln.runtime.kernels import ngram as kernels
+
+            self._k = kernels
+
+    def admit(self, slot: int, tokens: list[int], seed: int | None = None) -> None:
         """Load a request's tokens so far (its prompt) into ``slot`` (one pinned copy)."""
         if not 0 < len(tokens) <= self.capacity:
             raise ValueError(f"{len(tokens)} tokens do not fit a device prompt-lookup slot "
@@ -140,3 +145,23 @@ class DeviceNgram:
         self.length[slots] = n + count
 
     fold = commit_tokens  # plain steps' tokens: the same few torch ops as a step's
+
+    def propose_step(self, entries: SpecEntries, input_ids: torch.Tensor) -> Proposal:
+        if self.kernels:
+            return Proposal(*self._k.ngram_propose(
+                self.history, self.length, entries.slots, max_match=self.max_match,
+                min_match=self.min_match, max_draft_len=self.max_draft_len,
+                input_ids=input_ids, q0=entries.q0))
+        return self._propose_active(entries, input_ids, self.propose)
+
+    def commit_step(self, entries: SpecEntries, proposal: Proposal, targets: torch.Tensor,
+                    slot_mapping: torch.Tensor, cache: KVCache
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain verification and the history update; a chain moves no KV."""
+        if self.kernels:
+            return self._k.ngram_commit(self.history, self.length, entries.slots,
+                                        proposal.tokens, proposal.valid, targets)
+        a = proposal.active
+        verdict = self.verify(proposal.tokens, targets[a], proposal.valid)
+        self.update(entries.slots[a], proposal.tokens, targets[a], verdict)
+        return self._scatter(entries, a, verdict.committed, verdict.count)

@@ -1,27 +1,29 @@
-"""A speculative step of device-state requests around the model's forward.
+"""A speculative step of device-state requests around the model's forward, whatever the mode.
 
-The model runner runs it, not the worker (issue 25: the engine drives the forward, a
-worker only proposes and verifies). For a step whose batch holds plans of the engine's
-device slots (``DraftPlan.device_slot``): lookahead (``DeviceLookahead``: a tree step,
-accepted rows' KV moved) or prompt lookup (``DeviceNgram``: a chain, nothing moved):
+The model runner runs it, not the worker (the engine drives the forward, a worker only
+proposes and verifies). A mode's device side is a ``DeviceProposer`` (lookahead: a tree
+step, accepted rows' KV moved; prompt lookup: a chain, nothing moved; a draft model: chains
+whose drafts ``DraftModelWorker.fill`` wrote into the input rows); ``DeviceSpecStep`` runs
+every one the same way, for a step whose batch holds plans of its slots
+(``DraftPlan.device_slot``):
 
     proposal = step.prologue(entries, input_ids)      # before the forward: the plans'
                                                       # tokens into the step's input ids
     logits = model.forward(...)
     out = step.epilogue(entries, proposal, logits, slot_mapping, cache)
-                                                      # verify, state update, KV move
+                                                      # targets, verify, state update, KV move
 
 ``entries`` has one row per possible plan: the slot (-1: none), the input row of the plan's
 x (``q0``), the logits row of x (``r0``; a plan's T rows follow in order) and how the plan
 is verified (``inv_temp`` 0: greedy; else sampled at that inverse temperature with the
 plan's Philox ``key``, among the tokens its top-k / top-p / min-p keep, ``warp``; see
-``row_targets``). A CUDA graph
+``verify.row_targets``). A CUDA graph
 of a masked bucket captures both around its forward with one entry per sequence of the
 bucket (kiln/runtime/cuda_graph.py); the entries then live in the stager's buffers, so the
 same graph serves any mix of device plans, host plans and plain rows.
 
 Verification compares each draft token with the row's *target*: the argmax for greedy
-plans, a draw from the row's distribution for sampled ones (``row_targets``). Accepting the
+plans, a draw from the row's distribution for sampled ones (``verify.row_targets``). Accepting the
 longest prefix of drafts that equal their targets, then the target after it, is exact
 in distribution for a sampled request: a draft token d is accepted with probability p(d),
 and on rejection the committed token is distributed as p without d, renormalised (the
@@ -29,13 +31,11 @@ rejection rule for a one-token draft; ``verify_position`` is the host's form of 
 rows of one plan at the same depth (lookahead candidates sharing a prefix) draw with the
 same noise, so they agree on the token there as one draw would.
 
-On CUDA both are kernels of fixed shape (kiln/runtime/kernels/lookahead.py: proposal, the
-commit, the KV move; kiln/runtime/kernels/ngram.py: proposal, the commit; plus the
-sampling kernels, kiln/runtime/kernels/sampling.py):
-no host sync, capturable. Elsewhere the same steps run as the state's torch ops on the
-entries that hold a slot (the reference the kernels are tested against). What a step
-commits comes back as ``SpecOutput`` (device tensors); the worker reads it with one host
-copy.
+On CUDA a proposer's steps are kernels of fixed shape (kiln/runtime/kernels/lookahead.py,
+ngram.py, sampling.py): no host sync, capturable. Elsewhere the same steps run as the
+state's torch ops on the entries that hold a slot (the reference the kernels are tested
+against); each proposer chooses once, at construction. What a step commits comes back as
+``SpecOutput`` (device tensors); the worker reads it with one host copy.
 
 The state is advanced in place when the step runs. A step that fails after that fails its
 requests (LLMEngine.step: every request of a failed step fails, and its slot is released),
@@ -44,16 +44,17 @@ so no request goes on with a state its tokens do not match.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.speculative.device_draft import DeviceDraft
-from kiln.runtime.speculative.device_lookahead import DeviceLookahead, StepVerdict
-from kiln.runtime.speculative.device_ngram import DeviceNgram, verify_chains
-from kiln.runtime.speculative.draft import NO_WARP
+from kiln.runtime.speculative.verify import step_targets
 
 
 @dataclass
@@ -68,7 +69,7 @@ class SpecEntries:
     flight committed beyond one (``DeviceSpecStep.last_count``, same entry row).
 
     ``inv_temp`` [B] float32 (0: greedy) and ``key`` [B] long (a Philox key below 2**31):
-    how each plan is verified (``row_targets``); None: every plan greedy. ``warp`` [B, 3]
+    how each plan is verified (``verify.row_targets``); None: every plan greedy. ``warp`` [B, 3]
     float32: each plan's top_k (0: off), top_p, min_p (``NO_WARP`` where it has none);
     None: no plan warps.
     """
@@ -109,114 +110,150 @@ class SpecOutput:
 
 
 @dataclass
-class _Proposal:
+class Proposal:
+    """What ``DeviceProposer.propose_step`` proposed, for its ``commit_step``."""
+
     tokens: torch.Tensor  # [B, T] (rows of entries without a plan: unset)
-    valid: torch.Tensor  # lookahead: [B, G] real candidates; prompt lookup: [B] draft lengths
+    valid: torch.Tensor | None  # lookahead: [B, G] real candidates; prompt lookup: [B]
+    # draft lengths; a draft model: None (its drafts are all real)
     active: torch.Tensor | None = None  # torch path: indices of the entries with a slot
 
 
+class DeviceProposer(ABC):
+    """One speculative mode on the device: its per-slot state, its proposal and the commit
+    of what verification accepted. ``DeviceSpecStep`` runs every proposer the same way and
+    never asks which mode it is; the engine makes one at start-up (``workers.make_proposer``,
+    from the mode recorded at build: ``DEVICE_PROPOSERS``).
+
+    Attributes every proposer has: ``num_slots`` (S: requests whose state it holds, and
+    the most entries of a step), ``num_tokens`` (T: input rows of one plan), ``commit_width``
+    (the most tokens a step commits), ``verify_offsets`` [T] (each row's depth in its plan
+    where it verifies, -1 where it does not: ``verify.row_targets``), ``last_count`` [S] (what the
+    last step committed per entry row, for a step launched ahead) and ``kernels`` (the Triton
+    kernels, else the torch ops they are tested against; chosen at construction: CUDA).
+
+    Host side, once per request (outside the step; a tensor-parallel engine replays these
+    on every rank): ``admit`` a request's prompt into a free slot, ``fold`` the tokens its
+    plain steps committed, ``release`` the slot. Device side, inside the step (and its CUDA
+    graph; fixed shapes, no host sync): ``propose_step`` writes every plan's T tokens into the
+    step's input rows, ``commit_step`` takes the rows' target tokens and commits what they
+    accept, updating the state in place."""
+
+    name: ClassVar[str]  # the speculative mode (``SpeculativeConfig.mode``)
+    default_on: ClassVar[bool] = False  # its state on the device unless the runtime says
+
+    def __init__(self, num_slots: int, num_tokens: int, commit_width: int,
+                 verify_offsets: torch.Tensor, device: torch.device):
+        self.num_slots = num_slots
+        self.num_tokens = num_tokens
+        self.commit_width = commit_width
+        self.device = torch.device(device)
+        self.verify_offsets = verify_offsets.to(self.device)
+        self.last_count = torch.ones(num_slots, dtype=torch.long, device=self.device)
+        self.use_kernels(self.device.type == "cuda")
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
+                    device: torch.device) -> DeviceProposer | None:
+        """The proposer of an engine built with ``spec`` (its mode is ``cls.name``) for
+        ``num_slots`` requests of up to ``max_seq_len`` tokens, or None where this mode's
+        setting keeps its state on the host."""
+
+    def use_kernels(self, on: bool) -> None:
+        """Run the steps (and ``fold``) through the Triton kernels, else the torch ops.
+        Chosen at construction; tests call it to run the kernels on the CPU (interpreted)."""
+        self.kernels = on
+
+    def admit(self, slot: int, prompt: list[int], seed: int | None) -> None:
+        """Load a request's initial state into ``slot`` from its ``prompt`` (``seed``: its
+        sampling seed). A proposer without per-slot state loads nothing."""
+
+    def fold(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """``tokens[b, :count[b]]`` ([B, K] long), committed by plain steps of the requests
+        in ``slots`` [B], join their state."""
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` left the engine (the next ``admit`` overwrites it)."""
+
+    def warm(self) -> None:
+        """Compile what the proposer runs outside the step's CUDA graph (engine start-up)."""
+
+    @abstractmethod
+    def propose_step(self, entries: SpecEntries, input_ids: torch.Tensor) -> Proposal:
+        """Each plan's T tokens, from its slot, written at ``input_ids[q0 : q0 + T]``."""
+
+    @abstractmethod
+    def commit_step(self, entries: SpecEntries, proposal: Proposal, targets: torch.Tensor,
+                    slot_mapping: torch.Tensor, cache: KVCache
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify each plan against ``targets`` [B, T] (every row's target token,
+        ``verify.step_targets``), fold what it accepted into the state and keep only the accepted
+        rows' KV (``slot_mapping``: the cache slot of every input row). Returns (committed
+        [B, commit_width]: accepted drafts then the bonus token, count [B]: 0 for entries
+        without a plan)."""
+
+    # -- the torch path's shared steps ------------------------------------------------------
+    def _propose_active(self, entries: SpecEntries, input_ids: torch.Tensor,
+                        propose: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                        ) -> Proposal:
+        """``propose(slots)`` (the state's torch ops) for the entries that hold a slot,
+        their tokens written into their input rows."""
+        active = torch.nonzero(entries.slots >= 0)[:, 0]
+        tokens, valid = propose(entries.slots[active])
+        rows = entries.q0[active, None] + torch.arange(self.num_tokens, device=self.device)
+        input_ids[rows.reshape(-1)] = tokens.reshape(-1).to(input_ids.dtype)
+        return Proposal(tokens, valid, active)
+
+    def _scatter(self, entries: SpecEntries, active: torch.Tensor, committed: torch.Tensor,
+                 count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active entries' verdict as every entry's (count 0 where no plan)."""
+        b = entries.slots.shape[0]
+        out = torch.zeros(b, self.commit_width, dtype=torch.long, device=self.device)
+        counts = torch.zeros(b, dtype=torch.long, device=self.device)
+        out[active], counts[active] = committed, count
+        return out, counts
+
+
 class DeviceSpecStep:
-    """Proposal before and verification after one forward, for the slots of ``state``.
+    """Proposal before and verification after one forward, for the slots of one
+    ``DeviceProposer``; the same for every mode."""
 
-    A draft model's plans (``DeviceDraft``) are not proposed here: their drafts are in the
-    step's input rows already (``DraftModelWorker.fill``); the prologue reads them back."""
+    def __init__(self, proposer: DeviceProposer):
+        self.proposer = proposer
 
-    def __init__(self, state: DeviceLookahead | DeviceNgram | DeviceDraft):
-        self.state = state
-        self.drafted = isinstance(state, DeviceDraft)  # a draft model's chains
-        self.chain = isinstance(state, DeviceNgram)  # prompt lookup: one causal chain
-        self.kernels = state.device.type == "cuda"
-        # what the last step committed per entry row (its count), for a step launched ahead
-        self.last_count = (state.last_count if self.drafted else
-                           torch.ones(state.num_slots, dtype=torch.long, device=state.device))
+    @property
+    def last_count(self) -> torch.Tensor:
+        """[S] what the last step committed per entry row (its count)."""
+        return self.proposer.last_count
+
+    @property
+    def kernels(self) -> bool:
+        return self.proposer.kernels
+
+    @kernels.setter
+    def kernels(self, on: bool) -> None:
+        self.proposer.use_kernels(on)
 
     def prologue(self, entries: SpecEntries, input_ids: torch.Tensor,
-                 staged: StagedRows | None = None) -> _Proposal:
+                 staged: StagedRows | None = None) -> Proposal:
         """Propose each entry's step from its slot; write its T tokens at
         ``input_ids[q0 : q0 + T]``. With ``staged``, plans staged ahead (``entries.shift``)
         first move on by the last step's extra committed tokens."""
-        st = self.state
+        p = self.proposer
         if staged is not None and entries.shift is not None:
-            shift_rows(entries, staged, self.last_count, st.num_tokens, self.kernels)
-        if self.drafted:  # x and the drafts are in the plans' rows: read them back
-            rows = entries.q0[:, None] + torch.arange(st.num_tokens, device=st.device)
-            return _Proposal(input_ids[rows.clamp(max=input_ids.shape[0] - 1)].long(), None)
-        if self.kernels and self.chain:
-            from kiln.runtime.kernels.ngram import ngram_propose
+            shift_rows(entries, staged, p.last_count, p.num_tokens, p.kernels)
+        return p.propose_step(entries, input_ids)
 
-            return _Proposal(*ngram_propose(st, entries.slots, input_ids, entries.q0))
-        if self.kernels:
-            from kiln.runtime.kernels.lookahead import lookahead_propose
-
-            return _Proposal(*lookahead_propose(st.tables, entries.slots, input_ids,
-                                                entries.q0))
-        active = torch.nonzero(entries.slots >= 0)[:, 0]
-        tokens, valid = st.propose(entries.slots[active])
-        rows = entries.q0[active, None] + torch.arange(st.num_tokens, device=st.device)
-        input_ids[rows.reshape(-1)] = tokens.reshape(-1).to(input_ids.dtype)
-        return _Proposal(tokens, valid, active)
-
-    def epilogue(self, entries: SpecEntries, proposal: _Proposal, logits: torch.Tensor,
+    def epilogue(self, entries: SpecEntries, proposal: Proposal, logits: torch.Tensor,
                  slot_mapping: torch.Tensor, cache: KVCache) -> SpecOutput:
         """Verification of each entry's step from ``logits`` (its T rows from ``r0``;
-        greedy or sampled, ``row_targets``), the state update, and the KV move of the
+        greedy or sampled, ``verify.row_targets``), the state update, and the KV move of the
         accepted rows (``slot_mapping``: the cache slot of every input row)."""
-        st = self.state
-        t = st.num_tokens
-        rows = entries.r0[:, None] + torch.arange(t, device=st.device)
-        if self.drafted:
-            return self._verify_drafts(entries, proposal, logits, rows)
-        if self.kernels:
-            targets = row_targets(logits, entries, st.verify_offsets)
-            argmax = targets[rows.clamp(max=targets.shape[0] - 1)]  # no-plan rows: any row
-            if self.chain:
-                from kiln.runtime.kernels.ngram import ngram_commit
-
-                verdict = ngram_commit(st, entries.slots, proposal.tokens, proposal.valid,
-                                       argmax)
-            else:
-                from kiln.runtime.kernels.lookahead import lookahead_commit, lookahead_move_kv
-
-                verdict = StepVerdict(*lookahead_commit(st.tables, entries.slots,
-                                                        proposal.tokens, argmax))
-                lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, verdict.count,
-                                  verdict.src_rows)
-            self.last_count[: verdict.count.shape[0]].copy_(verdict.count)
-            return SpecOutput(verdict.committed, verdict.count)
-        a = proposal.active
-        slots, q0 = entries.slots[a], entries.q0[a]
-        argmax = row_targets_torch(logits, rows[a], entries, a, st.verify_offsets)
-        verdict = st.verify(proposal.tokens, argmax, proposal.valid)
-        st.update(slots, proposal.tokens, argmax, verdict)
-        if verdict.src_rows is not None:  # a chain's accepted rows are in place already
-            move_accepted_kv(cache, slot_mapping, q0, verdict)
-        b = entries.slots.shape[0]
-        committed = torch.zeros(b, st.commit_width, dtype=torch.long, device=st.device)
-        count = torch.zeros(b, dtype=torch.long, device=st.device)
-        committed[a], count[a] = verdict.committed, verdict.count
-        self.last_count[:b].copy_(count)
-        return SpecOutput(committed, count)
-
-    def _verify_drafts(self, entries: SpecEntries, proposal: _Proposal,
-                       logits: torch.Tensor, rows: torch.Tensor) -> SpecOutput:
-        """A draft model's chains: each draft accepted while it equals the row's target
-        (``row_targets``), then the target after them; recorded for the next step
-        (``DeviceDraft.record``). Fixed shapes, no host sync (captured in masked buckets'
-        graphs)."""
-        st = self.state
-        has = entries.slots >= 0
-        if self.kernels:
-            targets = row_targets(logits, entries, st.verify_offsets)
-            argmax = targets[rows.clamp(max=targets.shape[0] - 1)]
-        else:
-            a = torch.nonzero(has)[:, 0]
-            argmax = torch.zeros_like(rows)
-            argmax[a] = row_targets_torch(logits, rows[a], entries, a, st.verify_offsets)
-        k = st.max_draft_len
-        lens = torch.full_like(entries.slots, k)
-        committed, count = verify_chains(proposal.tokens[:, 1:], lens, argmax)
-        count = torch.where(has, count, 0)
-        st.record(proposal.tokens, committed, count)
+        p = self.proposer
+        targets = step_targets(logits, entries, p.verify_offsets, p.num_tokens, p.kernels)
+        committed, count = p.commit_step(entries, proposal, targets, slot_mapping, cache)
+        p.last_count[: count.shape[0]].copy_(count)
         return SpecOutput(committed, count)
 
 
@@ -230,7 +267,9 @@ def shift_rows(entries: SpecEntries, staged: StagedRows, last_count: torch.Tenso
     if kernels:
         from kiln.runtime.kernels.lookahead import shift_staged_rows
 
-        shift_staged_rows(entries, staged, last_count, t)
+        shift_staged_rows(entries.shift, entries.slots, entries.seq, entries.q0, last_count,
+                          staged.positions, staged.slots, staged.context_lens,
+                          staged.block_tables, staged.block_size, t)
         return
     delta = torch.where((entries.shift > 0) & (entries.slots >= 0),
                         last_count[: entries.shift.shape[0]] - 1, 0)
@@ -262,77 +301,3 @@ def plan_warp(params: SamplingParams) -> tuple[float, float, float]:
     """A sampled plan's ``SpecEntries.warp`` row: (top_k (0: off), top_p, min_p)."""
     return (float(max(0, params.top_k)), float(params.top_p),
             float(params.min_p))
-
-
-def row_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor
-                ) -> torch.Tensor:
-    """Every logits row's target token [R] (the sampling kernels): its argmax (the first
-    maximum), except the verification rows of sampled plans, which draw by Gumbel-max at
-    the plan's ``inv_temp`` among the tokens its ``warp`` keeps. ``offsets`` [T]: each
-    row's depth in its plan (its position offset from x) where the row verifies, -1 where
-    it does not (lookahead's window rows keep their argmax: the Jacobi iteration is
-    greedy). A row draws with Philox key ``key + depth * 2**32``: fresh noise per step and
-    depth, the same for the rows of one plan at one depth. The sampling kernels find each
-    row's plan themselves (``sample_plan_rows``): no launch builds per-row arrays, and a
-    greedy step costs what an argmax does. No host sync (a masked bucket's graph captures
-    it). A row that is not finite gives token 0 (the draw's -1, clamped: a valid id for
-    the state)."""
-    from kiln.runtime.kernels.sampling import sample_plan_rows
-
-    if entries.inv_temp is None:
-        return logits.argmax(-1)
-    return sample_plan_rows(logits, entries.slots, entries.r0, entries.inv_temp, entries.key,
-                            offsets, entries.warp).clamp_(min=0)
-
-
-def gumbel_noise(key: int, depths: int, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [depths, V] from a CPU generator seeded with ``key``, row d for
-    depth d (the torch path's stand-in for the kernel's Philox streams: the same key gives
-    the same noise). One generator per key, not one per key + depth * 2**32: torch's CPU
-    generator seeds from the low 32 bits alone, so those would all draw the same noise."""
-    u = torch.rand(depths, vocab, generator=torch.Generator().manual_seed(key),
-                   dtype=torch.float64)
-    return -torch.log(-torch.log(u))
-
-
-def row_targets_torch(logits: torch.Tensor, rows: torch.Tensor, entries: SpecEntries,
-                      active: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``row_targets``' rule as torch ops on the active entries' rows ``rows`` [A, T]:
-    [A, T] target tokens, with the noise of ``gumbel_noise`` (per key, a row per depth)."""
-    from kiln.runtime.kernels.sampling import sample_tokens_ref
-    from kiln.runtime.layers.sampler import warp_batch
-
-    targets = logits.argmax(-1)[rows]
-    if entries.inv_temp is None:
-        return targets
-    inv, keys = entries.inv_temp[active].tolist(), entries.key[active].tolist()
-    warps = (entries.warp[active].tolist() if entries.warp is not None
-             else [NO_WARP] * len(inv))
-    verifying = [(j, int(o)) for j, o in enumerate(offsets.tolist()) if o >= 0]
-    depths = max(o for _, o in verifying) + 1
-    for i in (i for i, v in enumerate(inv) if v > 0):
-        noise = gumbel_noise(keys[i], depths, logits.shape[-1]).float()
-        top_k, top_p, min_p = warps[i]
-        params = SamplingParams(temperature=1.0 / inv[i], top_k=int(top_k), top_p=top_p,
-                                min_p=min_p)
-        for j, o in verifying:
-            row = logits[rows[i, j]][None]
-            if tuple(warps[i]) != NO_WARP:  # the tokens the warp drops never win
-                row = row.masked_fill(warp_batch(row.float(), [params]) == 0, float("-inf"))
-            tok = sample_tokens_ref(row, inv[i], noise[o : o + 1])
-            targets[i, j] = tok.clamp(min=0)[0]
-    return targets
-
-
-def move_accepted_kv(cache: KVCache, slot_mapping: torch.Tensor, q0: torch.Tensor,
-                     verdict: StepVerdict) -> None:
-    """``lookahead_move_kv`` as torch ops: the KV of accepted draft k (input row
-    ``q0 + src_rows[k]``) moves to x's index + 1 + k (input row ``q0 + 1 + k``); rows not
-    accepted are copied onto themselves."""
-    n1 = verdict.src_rows.shape[1]
-    k = torch.arange(n1, device=q0.device)
-    dst_rows = q0[:, None] + 1 + k
-    src_rows = torch.where(k < verdict.count[:, None] - 1, q0[:, None] + verdict.src_rows,
-                           dst_rows)
-    sm = slot_mapping.long()
-    cache.move_slots(sm[src_rows.reshape(-1)], sm[dst_rows.reshape(-1)])

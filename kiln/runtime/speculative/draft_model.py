@@ -54,10 +54,12 @@ from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.device_draft import DeviceDraft
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.pace import BreakEven, DraftPace
+from kiln.runtime.speculative.verify import reject_sampled
 from kiln.runtime.speculative.worker import DraftWorker, OnError
 from kiln.runtime.step import sample_logits
 
 if TYPE_CHECKING:
+    from kiln.artifact.speculative import SpeculativeConfig
     from kiln.runtime.model_runner import ModelRunner
 
 MAX_FAILURES = 3  # draft forwards that may fail for one request before it decodes plainly
@@ -334,6 +336,14 @@ class DraftModelWorker(DraftWorker):
         self.draft_model = draft
         self.k = max_draft_len
 
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, device: DeviceDraft | None,
+                    draft: DraftModel | None) -> DraftModelWorker:
+        if draft is None:
+            raise ValueError("a draft-model engine needs its draft model: load the engine "
+                             "with LLMEngine.from_engine_dir (it reads ENGINE/draft)")
+        return cls(draft, spec.max_draft_len, device)
+
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         k = req.params.max_draft_len
         st = DraftState(k=self.k if k is None else k, epoch=req.metrics.num_preemptions)
@@ -519,12 +529,6 @@ def race_noise(reqs: list[Request], vocab: int, device: torch.device) -> torch.T
     return noise.clamp_min_(1e-20)  # E = 0 would make 0 / 0
 
 
-def accept_drafts(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
-    """The standard rule's acceptances [m, K] (bool): draft i is accepted with probability
-    min(1, p_i(d) / q_i(d)), i.e. when u * q < p for u ~ U(0, 1)."""
-    return u * q_d < p_d
-
-
 def verify_sampled(reqs: list[Request], fwd, state: DeviceDraft) -> None:
     """The standard rule (``DraftModelWorker._rejection``'s) on the device for sampled
     requests' device plans of a step, in place of the epilogue's greedy verdict: accept
@@ -551,26 +555,14 @@ def verify_sampled(reqs: list[Request], fwd, state: DeviceDraft) -> None:
             qf[i, : q.shape[0], :w] = q[:, :w]
     d = torch.stack([r.spec_state.device_drafts if ok else
                      torch.zeros(k, dtype=torch.long, device=dev) for r, ok in zip(reqs, drew)])
-    p_d = p[:, :k].gather(2, d[..., None])[..., 0]
-    if not all(drew):  # no draft is accepted (u * 0 < 0 never holds)
-        p_d = p_d * to_device(drew, torch.float32, dev)[:, None]
-    q_d = qf.gather(2, d[..., None])[..., 0]
     u = to_device([x for r in reqs for x in torch.rand(k, generator=r.generator,
                                                          dtype=torch.float64).tolist()],
                   torch.float32, dev).view(m, k)
-    a = accept_drafts(u, p_d, q_d).long().cumprod(1).sum(1)  # accepted, 0..K
-    idx = torch.arange(m, device=dev)
-    p_a = p[idx, a]
-    resid = (p_a - qf[idx, a.clamp(max=k - 1)]).clamp_(min=0)
-    resid = torch.where((a < k)[:, None], resid, p_a)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)  # p == q to rounding
-    t = (resid / race_noise(reqs, v, dev)).argmax(-1)
-    col = torch.arange(k + 1, device=dev)[None, :]
-    d_pad = torch.cat([d, torch.zeros_like(d[:, :1])], 1)
-    committed = torch.where(col < a[:, None], d_pad,
-                            torch.where(col == a[:, None], t[:, None], 0))
+    committed, count = reject_sampled(
+        p, qf, d, None if all(drew) else to_device(drew, torch.float32, dev), u,
+        race_noise(reqs, v, dev))
     e = to_device([fwd.spec_entries[r] for r in reqs], torch.long, dev)
     fwd.spec.committed[e] = committed.to(fwd.spec.committed.dtype)
-    fwd.spec.count[e] = (a + 1).to(fwd.spec.count.dtype)
+    fwd.spec.count[e] = count.to(fwd.spec.count.dtype)
     state.last_tokens[e, 1:] = committed
-    state.last_count[e] = a + 1
+    state.last_count[e] = count

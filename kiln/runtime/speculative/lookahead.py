@@ -13,11 +13,11 @@ verification alone decides what is committed.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import torch
 
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.layers.sampler import warp
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
@@ -27,6 +27,7 @@ from kiln.runtime.speculative.lookahead_math import (
     NgramPool,
     StepLayout,
     greedy_verify,
+    initial_window,
     step_layout,
     verify_position,
 )
@@ -99,22 +100,26 @@ class LookaheadWorker(DraftWorker):
     def __init__(self, device: DeviceLookahead | None = None) -> None:
         super().__init__(device)
 
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, device: DeviceLookahead | None,
+                    draft=None) -> LookaheadWorker:
+        warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
+        return cls(device)
+
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         w, n, g = window
         prompt = req.prompt_token_ids
-        rng = random.Random(0 if req.params.seed is None else req.params.seed)
-        levels = max(n - 1, 1)
-        grid = [[rng.choice(prompt) for _ in range(w)] for _ in range(levels)]
         dev = self.device
         slot = (self.take_slot() if self.may_take_slot(req) and (w, n, g) == dev.window_size
                 else None)
-        pool = NgramPool(n, g, dev.buckets if slot is not None else POOL_BUCKETS)
-        pool.seed_from_tokens(prompt)
         if slot is not None:  # the device slot holds the window and pool from here on
-            self.admit_to(slot, lambda s: dev.admit(s, grid, pool, prompt))
+            self.admit_to(slot, lambda s: dev.admit(s, prompt, req.params.seed))
             req.spec_state = LookaheadState(w, n, g, [], None, slot=slot)
-        else:
-            req.spec_state = LookaheadState(w, n, g, grid, pool, fed=len(prompt))
+            return
+        pool = NgramPool(n, g, POOL_BUCKETS)
+        pool.seed_from_tokens(prompt)
+        req.spec_state = LookaheadState(w, n, g, initial_window(prompt, w, n, req.params.seed),
+                                        pool, fed=len(prompt))
 
     def shadow_proposer(self, req: Request) -> PoolShadow:
         st: LookaheadState = req.spec_state

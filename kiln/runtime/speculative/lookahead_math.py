@@ -15,6 +15,7 @@ T = (W+g)(N-1) tokens for N > 1 (= tokens_per_step when g == G); T = 1 for N == 
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -134,6 +135,14 @@ def build_step_layout(w: int, n: int, g_actual: int) -> StepLayout:
 
 
 POOL_BUCKETS = 4096  # hash buckets of a request's n-gram pool (key token % buckets)
+
+
+def initial_window(prompt: Sequence[int], w: int, n: int, seed: int | None) -> list[list[int]]:
+    """A request's first Jacobi window [max(N-1, 1)][W]: prompt tokens drawn with
+    ``random.Random(seed)`` (0 when the request has no seed), so a request starts from the
+    same window on the host and on the device, and on every rank."""
+    rng = random.Random(0 if seed is None else seed)
+    return [[rng.choice(prompt) for _ in range(w)] for _ in range(max(n - 1, 1))]
 
 
 class NgramPool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_ngram import DeviceNgram
@@ -101,12 +102,18 @@ class NgramWorker(DraftWorker):
         self.max_match = max_match
         self.min_match = min_match
 
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, device: DeviceNgram | None,
+                    draft=None) -> NgramWorker:
+        return cls(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match, device)
+
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         slot = self.take_slot() if self.may_take_slot(req) else None
         if slot is None:
             req.spec_state = LookupIndex(self.max_match, self.min_match, self.max_draft_len)
             return
-        self.admit_to(slot, lambda s: self.device.admit(s, req.prompt_token_ids))
+        self.admit_to(slot, lambda s: self.device.admit(s, req.prompt_token_ids,
+                                                        req.params.seed))
         req.spec_state = NgramSlot(slot)
 
     def shadow_proposer(self, req: Request) -> LookupShadow:

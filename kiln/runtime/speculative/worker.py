@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,10 +21,14 @@ from kiln.runtime.kv_cache import KVCache, slot_of
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
-from kiln.runtime.speculative.device_step import device_verifiable, plan_warp
+from kiln.runtime.speculative.device_step import DeviceProposer, device_verifiable, plan_warp
 from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.pace import BreakEven, DraftPace, Shadow, SpecPace
 from kiln.runtime.step import StepResult
+
+if TYPE_CHECKING:
+    from kiln.artifact.speculative import SpeculativeConfig
+    from kiln.runtime.speculative.draft_model import DraftModel
 
 OnError = Callable[[Request, str, BaseException], None]
 
@@ -33,15 +38,23 @@ class DraftWorker(SpeculativeWorker):
 
     name = "draft"
 
-    def __init__(self, device=None) -> None:
+    def __init__(self, device: DeviceProposer | None = None) -> None:
         super().__init__()
         self.full_steps = False  # pad every host proposal to the step's worst case (full T:
         # the break-even measurement, speculative/break_even.py)
-        # the engine's device slots (a DeviceLookahead or a DeviceNgram), or None: requests
-        # that take a slot keep their state there (``req.spec_state.slot``) and their plans
-        # are proposed and verified on the device (``DeviceSpecStep``)
+        # the engine's device proposer (its slots), or None: requests that take a slot keep
+        # their state there (``req.spec_state.slot``) and their plans are proposed and
+        # verified on the device (``DeviceSpecStep``)
         self.device = device
         self._free_slots = list(range(device.num_slots))[::-1] if device is not None else []
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, spec: SpeculativeConfig, device: DeviceProposer | None,
+                    draft: DraftModel | None) -> DraftWorker:
+        """The worker of an engine built with ``spec`` (its mode is ``cls.name``);
+        ``device``: the mode's proposer (None: every request on the host); ``draft``: a
+        draft-model engine's draft model."""
 
     @abstractmethod
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
@@ -140,6 +153,7 @@ class DraftWorker(SpeculativeWorker):
         device slot)."""
         st = req.spec_state
         if getattr(st, "slot", None) is not None:
+            self.device.release(st.slot)
             self._free_slots.append(st.slot)
             st.slot = None
 

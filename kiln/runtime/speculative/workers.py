@@ -10,44 +10,43 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative.device_draft import DeviceDraft
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.device_ngram import DeviceNgram
+from kiln.runtime.speculative.device_step import DeviceProposer
 from kiln.runtime.speculative.draft_model import DraftModel, DraftModelWorker
-from kiln.runtime.speculative.lookahead import LookaheadWorker, warm_layouts
+from kiln.runtime.speculative.lookahead import LookaheadWorker
 from kiln.runtime.speculative.ngram import NgramWorker
 from kiln.runtime.speculative.worker import DraftWorker
 
+# mode -> (its host worker, its device proposer): a new mode is its modules and one line here
+MODES: dict[str, tuple[type[DraftWorker], type[DeviceProposer]]] = {
+    "lookahead": (LookaheadWorker, DeviceLookahead),
+    "ngram": (NgramWorker, DeviceNgram),
+    "draft": (DraftModelWorker, DeviceDraft),
+}
 
-def make_worker(spec: SpeculativeConfig,
-                device_state: DeviceLookahead | DeviceNgram | DeviceDraft | None = None,
+
+def make_worker(spec: SpeculativeConfig, device_state: DeviceProposer | None = None,
                 draft: DraftModel | None = None) -> DraftWorker | None:
     """The engine's speculative worker for its recorded mode (None: plain decoding);
-    ``device_state``: the slots that keep greedy requests' state on the device; ``draft``:
-    the draft model of a draft-model engine."""
-    if spec.mode == "lookahead":
-        warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
-        return LookaheadWorker(device_state)
-    if spec.mode == "ngram":
-        return NgramWorker(spec.max_draft_len, spec.ngram_max_match, spec.ngram_min_match,
-                           device_state)
-    if spec.mode == "draft":
-        if draft is None:
-            raise ValueError("a draft-model engine needs its draft model: load the engine "
-                             "with LLMEngine.from_engine_dir (it reads ENGINE/draft)")
-        return DraftModelWorker(draft, spec.max_draft_len, device_state)
-    return None
+    ``device_state``: the mode's proposer, whose slots keep requests' state on the device;
+    ``draft``: the draft model of a draft-model engine."""
+    if spec.mode not in MODES:
+        return None
+    return MODES[spec.mode][0].from_config(spec, device_state, draft)
 
 
 def make_device_state(spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
-                      device: torch.device) -> DeviceLookahead | DeviceNgram | DeviceDraft | None:
-    """The device slots of an engine whose speculation runs on the device (lookahead with
-    N >= 2, prompt lookup, or a draft model's verification), or None."""
-    if spec.mode == "draft":
-        return DeviceDraft(num_slots, spec.max_draft_len, device)
-    if spec.mode == "lookahead" and spec.lookahead[1] >= 2:
-        return DeviceLookahead(num_slots, spec.lookahead, device)
-    if spec.mode == "ngram":
-        return DeviceNgram(num_slots, spec.max_draft_len, spec.ngram_max_match,
-                           spec.ngram_min_match, max_seq_len + spec.tokens_per_step, device)
-    return None
+                      device: torch.device) -> DeviceProposer | None:
+    """The device proposer of an engine whose speculation runs on the device (lookahead
+    with N >= 2, prompt lookup, or a draft model's verification), or None."""
+    if spec.mode not in MODES:
+        return None
+    return MODES[spec.mode][1].from_config(spec, num_slots, max_seq_len, device)
+
+
+def device_by_default(spec: SpeculativeConfig) -> bool:
+    """Whether the mode keeps its requests' state on the device unless the runtime says
+    otherwise (``DeviceProposer.default_on``; on CUDA)."""
+    return spec.mode in MODES and MODES[spec.mode][1].default_on
 
 
 def request_window(spec: SpeculativeConfig, params: SamplingParams) -> tuple[int, int, int] | None:

@@ -1,0 +1,216 @@
+"""Device verification, one module for every proposer: each row's target token, greedy chain
+and tree verification, the standard rule for a draft model's sampled chains, and the KV move
+of accepted rows.
+
+A row's *target* is its argmax for a greedy plan and a draw from its distribution for a
+sampled one (``row_targets``: the sampling kernels; ``row_targets_torch``: the same rule as
+torch ops). Accepting the longest prefix of drafts equal to their targets, then the target
+after it, is exact for both (device_step's module docstring says why); a chain is verified by
+``verify_chains`` (prompt lookup, a draft model's greedy plans), lookahead's tree by
+``verify_tree`` (on CUDA inside ``lookahead_commit``'s kernel). A draft model's sampled
+chains, whose drafts were drawn from the draft's own distribution q, take the standard rule
+instead (``reject_sampled``). Lookahead's accepted rows sit at tree positions: their KV
+moves to the committed indices (``move_accepted_kv``; on CUDA ``lookahead_move_kv``); a
+chain's rows are in place already. Fixed shapes, no host sync, except the torch path's
+sampled targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.speculative.draft import NO_WARP
+
+if TYPE_CHECKING:
+    from kiln.runtime.speculative.device_step import SpecEntries
+
+
+@dataclass
+class StepVerdict:
+    """What one verified step commits, per request of the batch.
+
+    committed [B, N]  accepted draft tokens then the bonus token; 0 past ``count``
+    count     [B]     tokens committed (1 .. N)
+    src_rows  [B, N-1] in-step rows whose KV belongs at offsets 1 .. N-1 from x (the best
+                      candidate's rows; only the first ``count - 1`` are moved); None for
+                      a chain, whose accepted rows are in place
+    """
+
+    committed: torch.Tensor
+    count: torch.Tensor
+    src_rows: torch.Tensor | None
+
+
+def row_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor
+                ) -> torch.Tensor:
+    """Every logits row's target token [R] (the sampling kernels): its argmax (the first
+    maximum), except the verification rows of sampled plans, which draw by Gumbel-max at
+    the plan's ``inv_temp`` among the tokens its ``warp`` keeps. ``offsets`` [T]: each
+    row's depth in its plan (its position offset from x) where the row verifies, -1 where
+    it does not (lookahead's window rows keep their argmax: the Jacobi iteration is
+    greedy). A row draws with Philox key ``key + depth * 2**32``: fresh noise per step and
+    depth, the same for the rows of one plan at one depth. The sampling kernels find each
+    row's plan themselves (``sample_plan_rows``): no launch builds per-row arrays, and a
+    greedy step costs what an argmax does. No host sync (a masked bucket's graph captures
+    it). A row that is not finite gives token 0 (the draw's -1, clamped: a valid id for
+    the state)."""
+    from kiln.runtime.kernels.sampling import sample_plan_rows
+
+    if entries.inv_temp is None:
+        return logits.argmax(-1)
+    return sample_plan_rows(logits, entries.slots, entries.r0, entries.inv_temp, entries.key,
+                            offsets, entries.warp).clamp_(min=0)
+
+
+def gumbel_noise(key: int, depths: int, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [depths, V] from a CPU generator seeded with ``key``, row d for
+    depth d (the torch path's stand-in for the kernel's Philox streams: the same key gives
+    the same noise). One generator per key, not one per key + depth * 2**32: torch's CPU
+    generator seeds from the low 32 bits alone, so those would all draw the same noise."""
+    u = torch.rand(depths, vocab, generator=torch.Generator().manual_seed(key),
+                   dtype=torch.float64)
+    return -torch.log(-torch.log(u))
+
+
+def row_targets_torch(logits: torch.Tensor, rows: torch.Tensor, entries: SpecEntries,
+                      active: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``row_targets``' rule as torch ops on the active entries' rows ``rows`` [A, T]:
+    [A, T] target tokens, with the noise of ``gumbel_noise`` (per key, a row per depth)."""
+    from kiln.runtime.kernels.sampling import sample_tokens_ref
+    from kiln.runtime.layers.sampler import warp_batch
+
+    targets = logits.argmax(-1)[rows]
+    if entries.inv_temp is None:
+        return targets
+    inv, keys = entries.inv_temp[active].tolist(), entries.key[active].tolist()
+    warps = (entries.warp[active].tolist() if entries.warp is not None
+             else [NO_WARP] * len(inv))
+    verifying = [(j, int(o)) for j, o in enumerate(offsets.tolist()) if o >= 0]
+    depths = max(o for _, o in verifying) + 1
+    for i in (i for i, v in enumerate(inv) if v > 0):
+        noise = gumbel_noise(keys[i], depths, logits.shape[-1]).float()
+        top_k, top_p, min_p = warps[i]
+        params = SamplingParams(temperature=1.0 / inv[i], top_k=int(top_k), top_p=top_p,
+                                min_p=min_p)
+        for j, o in verifying:
+            row = logits[rows[i, j]][None]
+            if tuple(warps[i]) != NO_WARP:  # the tokens the warp drops never win
+                row = row.masked_fill(warp_batch(row.float(), [params]) == 0, float("-inf"))
+            tok = sample_tokens_ref(row, inv[i], noise[o : o + 1])
+            targets[i, j] = tok.clamp(min=0)[0]
+    return targets
+
+
+def step_targets(logits: torch.Tensor, entries: SpecEntries, offsets: torch.Tensor, t: int,
+                 kernels: bool) -> torch.Tensor:
+    """Every plan's rows' target tokens [B, T] (``row_targets``; rows of entries without a
+    plan: any row's on the kernels' path, 0 on the torch path)."""
+    rows = entries.r0[:, None] + torch.arange(t, device=entries.r0.device)
+    if kernels:
+        targets = row_targets(logits, entries, offsets)
+        return targets[rows.clamp(max=targets.shape[0] - 1)]
+    a = torch.nonzero(entries.slots >= 0)[:, 0]
+    out = torch.zeros_like(rows)
+    out[a] = row_targets_torch(logits, rows[a], entries, a, offsets)
+    return out
+
+
+def verify_chains(drafts: torch.Tensor, draft_lens: torch.Tensor, argmax: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain verification for a batch: argmax [B, D+1] holds the model's token after
+    each draft prefix. Returns (accepted [B, D+1] long, 0 past counts, counts [B] long)."""
+    d = drafts.shape[1]
+    idx = torch.arange(d + 1, device=argmax.device)
+    ok = (argmax[:, :d] == drafts) & (idx[None, :d] < draft_lens[:, None])
+    num_matched = ok.long().cumprod(dim=1).sum(dim=1)
+    # accepted drafts equal argmax at their rows, and the bonus token is argmax[num_matched]
+    accepted = torch.where(idx[None, :] <= num_matched[:, None], argmax.long(), 0)
+    return accepted, num_matched + 1
+
+
+def verify_tree(tokens: torch.Tensor, argmax: torch.Tensor, valid: torch.Tensor,
+                cand_rows: torch.Tensor, n: int) -> StepVerdict:
+    """Greedy verification of a lookahead step (``lookahead_math.greedy_verify`` per row):
+    the longest matching valid candidate (first on ties), its matched tokens plus the
+    bonus. ``tokens`` [B, T] the step's input ids, ``argmax`` [B, T] each row's target,
+    ``valid`` [B, G] real candidates, ``cand_rows`` [G, N-1] the candidates' in-step rows."""
+    b, n1 = tokens.shape[0], n - 1
+    g = cand_rows.shape[0]
+    dev = tokens.device
+    x_next = argmax[:, 0]
+    if not g:
+        committed = torch.zeros(b, n, dtype=torch.long, device=dev)
+        committed[:, 0] = x_next
+        return StepVerdict(committed, torch.ones(b, dtype=torch.long, device=dev),
+                           torch.zeros(b, n1, dtype=torch.long, device=dev))
+    cand = tokens[:, cand_rows]  # [B, G, N-1]
+    after = argmax[:, cand_rows]  # model's token after each candidate token
+    target = torch.cat([x_next[:, None, None].expand(-1, g, 1), after[:, :, :-1]], 2)
+    match = (cand == target) & valid[:, :, None]
+    mlen = match.long().cumprod(2).sum(2)  # [B, G]
+    best = mlen.argmax(1)  # first of the longest
+    m = mlen.gather(1, best[:, None])[:, 0]
+    best_cand = cand[torch.arange(b, device=dev), best]  # [B, N-1]
+    best_after = after[torch.arange(b, device=dev), best]
+    bonus = torch.where(m > 0, best_after.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0],
+                        x_next)
+    k = torch.arange(n, device=dev)[None, :]
+    padded = torch.cat([best_cand, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
+    committed = torch.where(k < m[:, None], padded,
+                            torch.where(k == m[:, None], bonus[:, None], 0))
+    return StepVerdict(committed, m + 1, cand_rows[best])
+
+
+def accept_drafts(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """The standard rule's acceptances [m, K] (bool): draft i is accepted with probability
+    min(1, p_i(d) / q_i(d)), i.e. when u * q < p for u ~ U(0, 1)."""
+    return u * q_d < p_d
+
+
+def reject_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                   drew: torch.Tensor | None, u: torch.Tensor, noise: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard rule (Leviathan et al. 2023; Chen et al. 2023) for m sampled chains of K
+    drafts: accept draft i with probability min(1, p_i(d) / q_i(d)); at the first rejection
+    draw from norm(max(0, p_i - q_i)), after K acceptances from p_K, by an exponential race.
+    ``p`` [m, K+1, V] the target's probabilities at x and after each draft, ``q`` [m, K, V]
+    the draft's, ``drafts`` [m, K], ``drew`` [m] float32 (0: the chain's draft failed, it
+    accepts nothing; None: every chain drew), ``u`` [m, K] uniforms, ``noise`` [m, V] the
+    races' exponential noise. Returns (committed [m, K+1]: accepted drafts then the drawn
+    token, 0 past it; count [m]). No host sync."""
+    m, k = drafts.shape
+    dev = p.device
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    if drew is not None:  # no draft is accepted (u * 0 < 0 never holds)
+        p_d = p_d * drew[:, None]
+    q_d = q.gather(2, drafts[..., None])[..., 0]
+    a = accept_drafts(u, p_d, q_d).long().cumprod(1).sum(1)  # accepted, 0..K
+    idx = torch.arange(m, device=dev)
+    p_a = p[idx, a]
+    resid = (p_a - q[idx, a.clamp(max=k - 1)]).clamp_(min=0)
+    resid = torch.where((a < k)[:, None], resid, p_a)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)  # p == q to rounding
+    t = (resid / noise).argmax(-1)
+    col = torch.arange(k + 1, device=dev)[None, :]
+    d_pad = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1)
+    committed = torch.where(col < a[:, None], d_pad,
+                            torch.where(col == a[:, None], t[:, None], 0))
+    return committed, a + 1
+
+
+def move_accepted_kv(cache: KVCache, slot_mapping: torch.Tensor, q0: torch.Tensor,
+                     count: torch.Tensor, src_rows: torch.Tensor) -> None:
+    """``lookahead_move_kv`` as torch ops: the KV of accepted draft k (input row
+    ``q0 + src_rows[k]``) moves to x's index + 1 + k (input row ``q0 + 1 + k``); rows not
+    accepted are copied onto themselves. ``count`` [B], ``src_rows`` [B, N-1]: a verdict's."""
+    n1 = src_rows.shape[1]
+    k = torch.arange(n1, device=q0.device)
+    dst_rows = q0[:, None] + 1 + k
+    src = torch.where(k < count[:, None] - 1, q0[:, None] + src_rows, dst_rows)
+    sm = slot_mapping.long()
+    cache.move_slots(sm[src.reshape(-1)], sm[dst_rows.reshape(-1)])
