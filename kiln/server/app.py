@@ -3,7 +3,8 @@
 ``create_app(engine, config)`` returns an app whose lifespan starts the engine thread. Every
 error is ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (validation errors
 name the field), 401 bad key, 404 unknown model or route, 413 oversize body, 429 queue full,
-503 engine dead.
+503 engine dead. A client that leaves a non-streaming request before its answer is counted
+as 499 in /metrics (its engine requests are aborted); nothing is sent to it.
 """
 
 from __future__ import annotations

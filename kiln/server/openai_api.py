@@ -331,9 +331,10 @@ async def respond(request: Request, gen: Generation, stream: bool):
         if not collect.done():
             collect.cancel()
             gen.abort()
-    if collect.cancelled():
+    if not collect.done():  # the client left first (cancel() takes effect later)
         return JSONResponse({"error": {"message": "client disconnected", "type": "aborted",
-                                       "param": None, "code": None}}, status_code=499)
+                                       "param": None, "code": "client_disconnected"}},
+                            status_code=499)
     try:
         return JSONResponse(collect.result())
     except RequestEndedError as e:  # engine dead (503), a choice failed (500), shutdown (503)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import time
 
 import pytest
 
@@ -259,3 +262,38 @@ def test_metrics(client):
         assert name in text, name
     assert 'kiln_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'status="400"' in text
+
+
+def _requests_total(client, status: str) -> float:
+    text = client.get("/metrics").text
+    m = re.search(r'^kiln_requests_total\{endpoint="/v1/completions",status="%s"\} (\S+)$'
+                  % status, text, re.MULTILINE)
+    return float(m[1]) if m else 0.0
+
+
+def test_dropped_non_streaming_client_is_not_a_server_error(client, server):
+    """A client that leaves a non-streaming request is counted as 499, not 500, and the
+    server logs no traceback for it."""
+    before = (_requests_total(client, "499"), _requests_total(client, "500"), len(server.log))
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "long", "max_tokens": 240, "ignore_eos": True,
+                "n": 4}))
+            while not (await c.get("/debug/kv")).json()["has_unfinished"]:
+                assert not task.done(), "finished before it could be abandoned"
+                await asyncio.sleep(0.01)
+            task.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    deadline = time.monotonic() + 10
+    while _requests_total(client, "499") < before[0] + 1:
+        assert time.monotonic() < deadline, client.get("/metrics").text
+        time.sleep(0.05)
+    assert _requests_total(client, "500") == before[1]
+    log = "\n".join(server.log[before[2]:])
+    assert "Traceback" not in log and "InvalidStateError" not in log, log
