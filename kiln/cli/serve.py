@@ -86,7 +86,8 @@ def serve(
         "directory's name)."),
     max_queue: int = typer.Option(1024, "--max-queue",
                                   help="Most engine requests (an HTTP request makes prompts "
-                                  "x n) waiting beyond the batch's slots; more get 429."),
+                                  "x n) waiting beyond the batch's slots; more get 429 (400 when "
+                                  "one request alone needs more than the slots + this)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes",
                                        help="Largest request body; larger ones get 413."),
     shutdown_timeout: float = typer.Option(

@@ -28,6 +28,7 @@ from kiln.server import tool_calls
 from kiln.server.echo import MIN_LOGPROB, PromptPart, prompt_logprobs_json, prompt_only
 from kiln.server.engine_thread import (
     EngineThread,
+    OverCapacityError,
     RequestEndedError,
     RequestFailedError,
     ShuttingDownError,
@@ -115,7 +116,8 @@ class Generation:
                     n: int, want_text: bool, prompt_param: str,
                     guided_param: str | None) -> None:
         """Add the ``len(prompts) x n`` engine requests at once, all or none: a request that
-        would overfill the queue gets ``QueueFullError`` (429) with nothing added."""
+        would overfill the queue now gets ``QueueFullError`` (429) with nothing added, one
+        that could never fit a 400 naming ``n`` (or the prompt list when n is 1)."""
         requests, choices = [], {}
         for p, ids in enumerate(prompts):
             self.prompt_tokens += len(ids)
@@ -126,6 +128,9 @@ class Generation:
                 choices[rid] = Choice(idx, len(ids))
         try:
             await self.et.add_many(requests, want_text, self.queue)
+        except OverCapacityError as e:
+            raise BadRequest(str(e), "n" if n > 1 else prompt_param,
+                             code="over_capacity") from None
         except RequestError as e:
             raise BadRequest(str(e), _add_param(e, prompt_param, guided_param)) from None
         except ValueError as e:  # untyped: still this request's alone, naming no field

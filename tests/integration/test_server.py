@@ -297,3 +297,19 @@ def test_dropped_non_streaming_client_is_not_a_server_error(client, server):
     assert _requests_total(client, "500") == before[1]
     log = "\n".join(server.log[before[2]:])
     assert "Traceback" not in log and "InvalidStateError" not in log, log
+
+
+def test_never_admissible_request_is_a_400_naming_n_and_the_limit(client):
+    """1,600 engine requests (100 prompts x n=16) against a server that holds 16 batch slots +
+    --max-queue 1024: no retry can succeed, so a 400, not a 429 with Retry-After."""
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["hi"] * 100,
+                                             "n": 16, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["code"] == "over_capacity", err
+    assert "1600" in err["message"] and "1040" in err["message"], err
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [[1, 2]] * 1041,
+                                             "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    completion(client, max_tokens=2)  # the server still serves
