@@ -80,7 +80,9 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to bind; 0 picks a free one."),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="KILN_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 routes (env KILN_API_KEY)."),
+        help="Require 'Authorization: Bearer KEY' on /v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize and /debug/kv; /health, /version, /metrics, "
+        "/openapi.json and /docs stay open (env KILN_API_KEY)."),
     served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="Model name clients send (default: the engine "
         "directory's name)."),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,9 +178,13 @@ def create_app(engine: Any, config: ServerConfig,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        code = "not_found" if e.status_code == 404 else None
-        return error_response(e.status_code, str(e.detail), None, "invalid_request_error",
-                              code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = str(e.detail)
+        allow = (e.headers or {}).get("Allow")
+        if e.status_code == 405 and allow:
+            message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
+        return error_response(e.status_code, message, None, "invalid_request_error", code,
+                              e.headers)  # 405: Allow lists the methods the route takes
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
@@ -189,10 +194,13 @@ def create_app(engine: Any, config: ServerConfig,
     def check_auth(request: Request) -> None:
         if config.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                key.strip().encode(), config.api_key.encode()):
             raise BadRequest("invalid or missing API key; send 'Authorization: Bearer KEY'",
                              None, status=401, type_="authentication_error",
-                             code="invalid_api_key")
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(model: str | None) -> None:
         if model is not None and model != config.served_model_name \

@@ -294,6 +294,11 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra={  # a tool message names the call it answers
+        "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+        "then": {"required": ["tool_call_id"],
+                 "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}})
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = Field(
         None, description='a string or a list of text parts [{"type": "text", "text": "..."}]')
@@ -323,6 +328,10 @@ class ChatMessage(_Body):
                 raise BadRequest(f"messages[{index}] has role {self.role!r}: only assistant "
                                  "messages carry tool_calls", f"messages[{index}].tool_calls")
             out["tool_calls"] = [self._call(index, j, c) for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool" and not self.tool_call_id:
+            raise BadRequest(f"messages[{index}] has role 'tool' but no tool_call_id; a tool "
+                             "message answers one call: send the id of the assistant's "
+                             "tool call it answers", f"messages[{index}].tool_call_id")
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:

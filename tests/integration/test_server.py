@@ -313,3 +313,48 @@ def test_never_admissible_request_is_a_400_naming_n_and_the_limit(client):
                                              "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     completion(client, max_tokens=2)  # the server still serves
+
+
+PROTECTED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+             ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+             ("GET", "/debug/kv")]
+OPEN = ["/health", "/version", "/metrics", "/openapi.json", "/docs"]
+
+
+def test_http_details_strict_clients_rely_on(client, server):
+    # 405 names the methods the route takes in Allow
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", (r.headers, r.text)
+    assert r.json()["error"]["code"] == "method_not_allowed" and "POST" in r.text
+    r = client.post("/v1/models", json={})
+    assert r.status_code == 405 and "GET" in r.headers["allow"], r.headers
+    # 401 says which scheme to use; the scheme is matched case-insensitively
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.headers
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    for auth in ("Basic " + KEY, "Bearer", KEY, f"Bearer {KEY}x"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": auth})
+        assert r.status_code == 401, auth
+    # --api-key's help names exactly the routes it protects, and those that stay open
+    for method, path in PROTECTED:
+        r = httpx.request(method, server.url + path, json={})
+        assert r.status_code == 401, (path, r.status_code)
+    for path in OPEN:
+        assert httpx.get(server.url + path).status_code == 200, path
+    from typer.testing import CliRunner
+
+    from kiln.cli.app import app
+
+    res = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(res.output.replace("│", " ").split())
+    api_key_help = text[text.index("--api-key"):text.index("KILN_API_KEY")]
+    for path in [p for _, p in PROTECTED] + OPEN:
+        assert path in api_key_help, (path, api_key_help)
+    # a tool message must name the call it answers, as in OpenAI's API
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "tool", "content": "4"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[1].tool_call_id" and "tool_call_id" in err["message"]
