@@ -105,8 +105,10 @@ def serve(
                                       "default cuda when available."),
     as_json: bool = typer.Option(False, "--json",
                                  help="Print the ready line as one JSON object."),
-    log_level: str = typer.Option("warning", "--log-level",
-                                  help="uvicorn log level (info shows each request)."),
+    log_level: str = typer.Option(
+        "warning", "--log-level", help="Log level: critical, error, warning, info, debug or "
+        "trace; info and below log one line per request (id, route, status, prompt and "
+        "output tokens, seconds)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
     adaptive_spec: bool | None = typer.Option(
@@ -130,6 +132,7 @@ def serve(
 
     if max_queue < 1:
         raise KilnError(f"--max-queue {max_queue} must be >= 1")
+    _log_requests(log_level)
     try:  # before loading: a bad value fails now
         ServerConfig("check", tool_parser=tool_parser)
     except ValueError as e:
@@ -195,6 +198,25 @@ def serve(
         raise KilnError(f"the engine stopped: {type(et.dead).__name__}: {et.dead}")
     if not server.started:
         raise KilnError(f"could not start the server on {host}:{port}")
+
+
+def _log_requests(log_level: str) -> None:
+    """Send the server's request log (kiln.server, one line per request at INFO) to stderr
+    at ``log_level``, formatted as uvicorn's own lines are."""
+    import logging
+
+    from uvicorn.config import LOG_LEVELS
+    from uvicorn.logging import DefaultFormatter
+
+    if log_level not in LOG_LEVELS:
+        raise KilnError(f"--log-level {log_level!r} is not a log level; use one of "
+                        f"{', '.join(LOG_LEVELS)}")
+    log = logging.getLogger("kiln.server")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    log.handlers = [handler]
+    log.setLevel(LOG_LEVELS[log_level])
+    log.propagate = False
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +82,11 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 class _CountRequests:
-    """ASGI middleware: count responses by path and status (streams too, no buffering)."""
+    """ASGI middleware: count responses by path and status (streams too, no buffering), and
+    log one line per request at INFO on ``kiln.server`` (``kiln serve --log-level info``): its
+    id, method and path, status, prompt and output tokens (completions), and seconds. A
+    generation route puts its ``Generation`` in ``scope["kiln.generation"]``; its id (the
+    response's ``id``) and token counts are read once the response is done."""
 
     def __init__(self, app: Any, metrics: ServerMetrics):
         self.app = app
@@ -91,6 +97,7 @@ class _CountRequests:
             await self.app(scope, receive, send)
             return
         status = [500]
+        t0 = time.perf_counter()
 
         async def send_status(msg: dict) -> None:
             if msg["type"] == "http.response.start":
@@ -102,6 +109,25 @@ class _CountRequests:
         finally:
             path = scope["path"] if scope["path"] in _KNOWN_PATHS else "other"
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
+            if request_log.isEnabledFor(logging.INFO):
+                request_log.info(_log_line(scope, status[0], time.perf_counter() - t0))
+
+
+request_log = logging.getLogger("kiln.server")
+
+
+def _log_line(scope: dict, status: int, seconds: float) -> str:
+    gen = scope.get("kiln.generation")
+    if gen is not None:
+        usage = gen.usage()
+        rid, tokens = gen.id, (f"prompt_tokens={usage['prompt_tokens']} "
+                               f"output_tokens={usage['completion_tokens']} ")
+    else:
+        rid, tokens = "req-" + uuid.uuid4().hex[:12], ""
+    client = scope.get("client")
+    peer = f"{client[0]}:{client[1]} " if client else ""
+    return (f"{rid} {peer}{scope['method']} {scope['path']} {status} {tokens}"
+            f"{seconds:.3f}s")
 
 
 def record_startup(app: FastAPI, total_s: float, phases: dict[str, float]) -> None:

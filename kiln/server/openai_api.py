@@ -324,7 +324,9 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def respond(request: Request, gen: Generation, stream: bool):
-    """Stream or collect ``gen``; abort its engine requests if the client leaves."""
+    """Stream or collect ``gen``; abort its engine requests if the client leaves. ``gen``
+    goes into the request's scope for the request log (app._CountRequests)."""
+    request.scope["kiln.generation"] = gen
     if stream:
         return AbortingStreamingResponse(gen.sse(), gen.abort)
     collect = asyncio.ensure_future(gen.collect())

@@ -30,7 +30,7 @@ def engine_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(engine_dir):
     with ServerProcess(engine_dir, "--api-key", KEY, "--served-model-name", "tiny",
-                       "--max-body-bytes", "65536") as s:
+                       "--max-body-bytes", "65536", "--log-level", "info") as s:
         yield s
 
 
@@ -358,3 +358,30 @@ def test_http_details_strict_clients_rely_on(client, server):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages[1].tool_call_id" and "tool_call_id" in err["message"]
+
+
+def _log_lines(server, needle: str, timeout: float = 10) -> list[str]:
+    """The server's log lines holding ``needle``, once there is at least one."""
+    deadline = time.monotonic() + timeout
+    while not (lines := [ln for ln in list(server.log) if needle in ln]):
+        assert time.monotonic() < deadline, (needle, server.log[-20:])
+        time.sleep(0.05)
+    return lines
+
+
+def test_log_level_info_logs_one_line_per_request(client, server):
+    out = completion(client, prompt="Hello", max_tokens=3, ignore_eos=True)
+    [line] = _log_lines(server, out["id"] + " ")
+    assert re.search(r"INFO: .*POST /v1/completions 200 prompt_tokens=5 output_tokens=3 "
+                     r"\d+\.\d{3}s$", line), line
+    chunks, _ = sse(client, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "ignore_eos": True, "stream": True})
+    [line] = _log_lines(server, chunks[0]["id"] + " ")
+    assert "POST /v1/chat/completions 200 prompt_tokens=" in line and "output_tokens=2 " in line
+    client.post("/v1/completions", json={"model": "tiny", "prompt": "a", "top_p": 9})
+    assert _log_lines(server, "POST /v1/completions 400 ")
+    n = len(_log_lines(server, "GET /version 200 "))
+    client.get("/version")
+    time.sleep(0.3)
+    assert len(_log_lines(server, "GET /version 200 ")) == n + 1
