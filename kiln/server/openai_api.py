@@ -449,8 +449,8 @@ async def chat_completions(request: Request, et: EngineThread, body: ChatComplet
     """``tool_parser``: the tool-call family this server reads calls in (None: no tools)."""
     tools = tool_calls.plan_tools(body, tool_parser)
     if tools is not None:
-        param = "tools" if tools.mode == "auto" else "tool_choice"
-        guided, guided_param = await _compile(tools.guided(), param, compile_guided)
+        guided_param = "tools" if tools.mode == "auto" else "tool_choice"
+        guided = await tool_calls.compile_tools(tools, guided_param, compile_guided)
     else:
         guided, guided_param = await _prepare(et, body, compile_guided)
     if tools is not None and tools.parser.keeps_special_tokens:
