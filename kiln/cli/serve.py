@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import sys
 import time
@@ -122,6 +123,15 @@ def serve(
     ),
 ) -> None:
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
+    if max_queue < 1:
+        raise KilnError(f"--max-queue {max_queue} must be >= 1")
+    _log_requests(log_level)
+    # Before torch and the engine are even imported (seconds) or loaded (minutes): a busy port
+    # fails at once. A follower rank torchrun started serves nothing (launched() below reads
+    # the same variables, and checks them).
+    follower = "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0"
+    sock = None if follower else bind(host, port)
+
     import uvicorn
 
     from kiln.cli.generate import exit_on_rank_failure, runtime_config
@@ -130,18 +140,12 @@ def serve(
     from kiln.server.app import ServerConfig, create_app, record_startup
     from kiln.server.lifecycle import END_GRACE_S, DrainingServer, Timeouts, http_protocol
 
-    if max_queue < 1:
-        raise KilnError(f"--max-queue {max_queue} must be >= 1")
-    _log_requests(log_level)
     try:  # before loading: a bad value fails now
         ServerConfig("check", tool_parser=tool_parser)
     except ValueError as e:
         raise KilnError(str(e)) from None
     timeouts = Timeouts(header_timeout, body_timeout, shutdown_timeout)
-    # before loading: a busy port fails now, not after the load; a follower rank torchrun
-    # started (kiln.runtime.parallel.launch) serves nothing and leaves in from_engine_dir
-    launch = launched()
-    sock = bind(host, port) if launch is None or launch.rank == 0 else None
+    launched()  # under torchrun: its variables are complete (a follower leaves in the load)
     engine_dir, _ = engine_dir_for(engine_or_source, device)
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(

@@ -159,6 +159,24 @@ def test_busy_port_fails_before_loading_the_engine(tmp_path):
         assert "building" not in r.stderr and not (cache / "engines").exists()
 
 
+def test_busy_port_fails_before_torch_is_imported(tmp_path):
+    """The port is checked before torch is imported (seconds on its own), so a busy one fails
+    within a second or two: here torch cannot even be imported."""
+    blocker = tmp_path / "blocker" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    path = os.pathsep.join(p for p in (str(blocker.parent), os.environ.get("PYTHONPATH")) if p)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _serve(["random:tiny-llama", "--port", str(port)],
+                   {"KILN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": path})
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"error: port {port} on 127.0.0.1 is in use; pick another with --port"), r.stderr
+
+
 def _recv_all(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
     """Everything the server sends until it closes the connection, and when it closed."""
     sock.settimeout(limit_s)
