@@ -119,6 +119,14 @@ def test_install_says_how_to_install_on_cpu_only_and_cuda_machines():
     assert re.search(r"CPU-only", text) and re.search(r"CUDA", text)
 
 
+def test_speculative_section_says_bf16_greedy_can_differ_from_plain_greedy():
+    """Rounding, not a bug: said where speculative decoding is described, so nobody files it."""
+    text = " ".join(section("Speculative decoding").split())
+    assert ("In bfloat16 (and float16) a speculative engine's greedy output can differ from "
+            "the same engine's plain greedy output") in text
+    assert "not a bug" in text and "--dtype float32" in text
+
+
 # --- Run it on the built-in model ------------------------------------------------------------
 
 
