@@ -228,7 +228,10 @@ class CompletionRequest(SamplingFields):
         "logprob, its rank and this many alternatives, 0 to 20"))
     suffix: str | None = Field(None, description="not supported: must be empty or null",
                                json_schema_extra={"maxLength": 0})
-    best_of: int | None = Field(None, ge=1, description="not supported: must equal n")
+    # The schema says null only: best_of equal to n is accepted too, but JSON Schema cannot
+    # compare two fields (and test generators cannot follow the 16-way anyOf that could).
+    best_of: int | None = Field(None, ge=1, description="not supported: null, or equal to n",
+                                json_schema_extra={"anyOf": [{"type": "null"}]})
 
     def check(self) -> None:
         if self.max_tokens == 0 and not self.echo:
@@ -284,7 +287,11 @@ class NamedToolChoice(_Body):
 
 class FunctionCall(_Body):
     name: str
-    arguments: str = Field(description="the arguments object as JSON text")
+    # JSON Schema cannot say "valid JSON text": the pattern refuses what is not shaped as an
+    # object, contentMediaType/contentSchema say the rest
+    arguments: str = Field(description="the arguments object as JSON text", json_schema_extra={
+        "pattern": r"^\s*\{[\s\S]*\}\s*$", "contentMediaType": "application/json",
+        "contentSchema": {"type": "object"}})
 
 
 class ToolCallIn(_Body):
