@@ -32,7 +32,9 @@ def build(
         "qwen2.5-1.5b, qwen2.5-7b, llama-3-70b).",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Engine directory to write."),
-    dtype: Dtype = typer.Option(Dtype.bfloat16, "--dtype", help="Weight and activation dtype."),
+    dtype: Dtype | None = typer.Option(
+        None, "--dtype", help="Weight and activation dtype (default: bfloat16 when CUDA is "
+        "available, float32 without, as serve and generate build a source)."),
     max_batch_size: int | None = typer.Option(
         None, "--max-batch-size",
         help="Most sequences in one step (default 256; serve runs fewer when the KV memory "
@@ -155,7 +157,11 @@ def build(
     from kiln.artifact.spec import QuantConfig
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
+    from kiln.cli.engine_source import default_dtype
 
+    chosen = dtype is None
+    if dtype is None:
+        dtype = Dtype(default_dtype())
     speculative = SpeculativeConfig.from_cli(
         speculative_decoding_mode,
         lookahead_config=lookahead_config,
@@ -192,6 +198,9 @@ def build(
                                       ("max_input_len", max_input_len),
                                       ("max_num_tokens", max_num_tokens)) if value is not None}
     typer.echo(f"kiln build: {spec.limits.describe(spec.model, given)}", err=True)
+    if chosen and dtype is Dtype.float32:
+        typer.echo("kiln build: no CUDA device, so float32 (bfloat16 is slow on most CPUs); "
+                   "pass --dtype bfloat16 for an engine to run on a GPU", err=True)
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))
 

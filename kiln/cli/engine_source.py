@@ -71,16 +71,22 @@ def cached_engine_dir(source: str, dtype: str) -> Path:
     return cache_dir() / "engines" / f"{safe.strip('_')}-{dtype}"
 
 
+def default_dtype(device: str | None = None) -> str:
+    """The dtype of a build that names none: bfloat16 for CUDA (``device``, default: CUDA
+    when available), float32 for the CPU (bfloat16 matmuls are slow on most CPUs)."""
+    import torch
+
+    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    return "bfloat16" if on_cuda else "float32"
+
+
 def engine_dir_for(source: str, device: str | None) -> tuple[Path, bool]:
     """(engine dir, built now) for ENGINE_OR_SOURCE; builds a source into the cache."""
     check_engine_or_source(source)
     path = Path(source).expanduser()
     if (path / ENGINE_JSON).is_file():
         return path, False
-    import torch
-
-    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    dtype = "bfloat16" if on_cuda else "float32"
+    dtype = default_dtype(device)
     out = cached_engine_dir(source, dtype)
     stale = _older_sections(out / ENGINE_JSON)
     if (out / ENGINE_JSON).is_file() and not stale:

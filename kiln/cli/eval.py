@@ -32,7 +32,8 @@ def perplexity(
     """Token-weighted perplexity of ENGINE over the built-in eval set (or --data)."""
     from kiln.eval.perplexity import perplexity as run
 
-    result = run(engine, data=data, seq_len=seq_len, device=device, progress=not as_json)
+    # the bar goes to stderr and shows only on a terminal, so --json output stays clean
+    result = run(engine, data=data, seq_len=seq_len, device=device, progress=True)
     if as_json:
         typer.echo(json.dumps({"perplexity": result["perplexity"], "tokens": result["tokens"]}))
         return

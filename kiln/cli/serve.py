@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import sys
 import time
@@ -80,13 +81,16 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to bind; 0 picks a free one."),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="KILN_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 routes (env KILN_API_KEY)."),
+        help="Require 'Authorization: Bearer KEY' on /v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize and /debug/kv; /health, /version, /metrics, "
+        "/openapi.json and /docs stay open (env KILN_API_KEY)."),
     served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="Model name clients send (default: the engine "
         "directory's name)."),
     max_queue: int = typer.Option(1024, "--max-queue",
                                   help="Most engine requests (an HTTP request makes prompts "
-                                  "x n) waiting beyond the batch's slots; more get 429."),
+                                  "x n) waiting beyond the batch's slots; more get 429 (400 when "
+                                  "one request alone needs more than the slots + this)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes",
                                        help="Largest request body; larger ones get 413."),
     shutdown_timeout: float = typer.Option(
@@ -102,8 +106,10 @@ def serve(
                                       "default cuda when available."),
     as_json: bool = typer.Option(False, "--json",
                                  help="Print the ready line as one JSON object."),
-    log_level: str = typer.Option("warning", "--log-level",
-                                  help="uvicorn log level (info shows each request)."),
+    log_level: str = typer.Option(
+        "warning", "--log-level", help="Log level: critical, error, warning, info, debug or "
+        "trace; info and below log one line per request (id, route, status, prompt and "
+        "output tokens, seconds)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help=ENFORCE_EAGER_HELP),
     no_async: bool = typer.Option(False, "--no-async-scheduling", help=NO_ASYNC_HELP),
     adaptive_spec: bool | None = typer.Option(
@@ -117,6 +123,15 @@ def serve(
     ),
 ) -> None:
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
+    if max_queue < 1:
+        raise KilnError(f"--max-queue {max_queue} must be >= 1")
+    _log_requests(log_level)
+    # Before torch and the engine are even imported (seconds) or loaded (minutes): a busy port
+    # fails at once. A follower rank torchrun started serves nothing (launched() below reads
+    # the same variables, and checks them).
+    follower = "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0"
+    sock = None if follower else bind(host, port)
+
     import uvicorn
 
     from kiln.cli.generate import exit_on_rank_failure, runtime_config
@@ -125,17 +140,12 @@ def serve(
     from kiln.server.app import ServerConfig, create_app, record_startup
     from kiln.server.lifecycle import END_GRACE_S, DrainingServer, Timeouts, http_protocol
 
-    if max_queue < 1:
-        raise KilnError(f"--max-queue {max_queue} must be >= 1")
     try:  # before loading: a bad value fails now
         ServerConfig("check", tool_parser=tool_parser)
     except ValueError as e:
         raise KilnError(str(e)) from None
     timeouts = Timeouts(header_timeout, body_timeout, shutdown_timeout)
-    # before loading: a busy port fails now, not after the load; a follower rank torchrun
-    # started (kiln.runtime.parallel.launch) serves nothing and leaves in from_engine_dir
-    launch = launched()
-    sock = bind(host, port) if launch is None or launch.rank == 0 else None
+    launched()  # under torchrun: its variables are complete (a follower leaves in the load)
     engine_dir, _ = engine_dir_for(engine_or_source, device)
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(
@@ -192,6 +202,25 @@ def serve(
         raise KilnError(f"the engine stopped: {type(et.dead).__name__}: {et.dead}")
     if not server.started:
         raise KilnError(f"could not start the server on {host}:{port}")
+
+
+def _log_requests(log_level: str) -> None:
+    """Send the server's request log (kiln.server, one line per request at INFO) to stderr
+    at ``log_level``, formatted as uvicorn's own lines are."""
+    import logging
+
+    from uvicorn.config import LOG_LEVELS
+    from uvicorn.logging import DefaultFormatter
+
+    if log_level not in LOG_LEVELS:
+        raise KilnError(f"--log-level {log_level!r} is not a log level; use one of "
+                        f"{', '.join(LOG_LEVELS)}")
+    log = logging.getLogger("kiln.server")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    log.handlers = [handler]
+    log.setLevel(LOG_LEVELS[log_level])
+    log.propagate = False
 
 
 def register(app: typer.Typer) -> None:

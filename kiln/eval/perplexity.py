@@ -15,17 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
-from kiln.quantize.calib import load_text_set, token_stream
-
 DEFAULT_SEQ_LEN = 512
 
 
 def window_nll(engine: Any, ids: list[int]) -> float:
     """Sum of next-token NLLs of ``ids[1:]`` given their prefixes, one prefill through
     ``engine.model`` into ``engine.cache`` (slots 0..len-1; the engine must be idle)."""
+    import torch
+    import torch.nn.functional as F
+
     from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 
     dev = engine.device
@@ -42,35 +40,28 @@ def perplexity(
     engine_dir: str | Path, *, data: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
     device: str | None = None, progress: bool = True,
 ) -> dict[str, Any]:
-    """{"perplexity", "tokens" (scored), "windows", "seq_len", "data", "seconds"}."""
+    """{"perplexity", "tokens" (scored), "windows", "seq_len", "data", "seconds"}.
+    ``progress``: a bar on stderr, from the first import to the last window (shown only
+    when stderr is a terminal)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from kiln.artifact.loader import load_engine
-    from kiln.errors import KilnError
-    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     t0 = time.perf_counter()
-    spec = load_engine(engine_dir).spec
-    seq_len = min(seq_len, spec.limits.max_seq_len)
-    if seq_len < 2:
-        raise KilnError(f"--seq-len must be >= 2, got {seq_len}")
-    block_size = RuntimeConfig().block_size
-    # a KV cache of one max_seq_len sequence: windows reuse slots 0..seq_len-1
-    engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
-        device=device, block_size=block_size,
-        num_kv_blocks=-(-spec.limits.max_seq_len // block_size), enable_prefix_caching=False))
-    text = load_text_set(data, "eval")
-    ids = token_stream(engine.tokenizer, text.documents)
-    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
-    windows = [w for w in windows if len(w) >= 2]
-    if not windows:
-        raise KilnError(f"{text.name} has fewer than 2 tokens")
-    bar = Progress(TextColumn("[bold]Perplexity[/]"), BarColumn(), MofNCompleteColumn(),
-                   console=Console(stderr=True), transient=True, disable=not progress)
-    nll, count = 0.0, 0
-    with bar:
-        task = bar.add_task("windows", total=len(windows))
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                   disable=not progress)
+    with bar:  # loading takes seconds (torch, weights, CUDA graphs) before the first window
+        loading = bar.add_task(f"Loading {engine_dir}", total=None)
+        engine, spec, text, windows, seq_len = _load(engine_dir, data, seq_len, device)
+        bar.remove_task(loading)
+        nll, count = 0.0, 0
+        task = bar.add_task("[bold]Perplexity[/]", total=len(windows))
         for w in windows:
             nll += window_nll(engine, w)
             count += len(w) - 1
@@ -89,3 +80,29 @@ def perplexity(
         "device": str(engine.device),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _load(engine_dir: str | Path, data: str | Path | None, seq_len: int,
+          device: str | None) -> tuple[Any, Any, Any, list[list[int]], int]:
+    """(engine, its spec, the text set, the windows of token ids, the window length)."""
+    from kiln.artifact.loader import load_engine
+    from kiln.errors import KilnError
+    from kiln.quantize.calib import load_text_set, token_stream
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+
+    spec = load_engine(engine_dir).spec
+    seq_len = min(seq_len, spec.limits.max_seq_len)
+    if seq_len < 2:
+        raise KilnError(f"--seq-len must be >= 2, got {seq_len}")
+    block_size = RuntimeConfig().block_size
+    # a KV cache of one max_seq_len sequence: windows reuse slots 0..seq_len-1
+    engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
+        device=device, block_size=block_size,
+        num_kv_blocks=-(-spec.limits.max_seq_len // block_size), enable_prefix_caching=False))
+    text = load_text_set(data, "eval")
+    ids = token_stream(engine.tokenizer, text.documents)
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise KilnError(f"{text.name} has fewer than 2 tokens")
+    return engine, spec, text, windows, seq_len

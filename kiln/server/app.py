@@ -3,14 +3,18 @@
 ``create_app(engine, config)`` returns an app whose lifespan starts the engine thread. Every
 error is ``{"error": {"message", "type", "param", "code"}}``: 400 bad input (validation errors
 name the field), 401 bad key, 404 unknown model or route, 413 oversize body, 429 queue full,
-503 engine dead.
+503 engine dead. A client that leaves a non-streaming request before its answer is counted
+as 499 in /metrics (its engine requests are aborted); nothing is sent to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +82,11 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 class _CountRequests:
-    """ASGI middleware: count responses by path and status (streams too, no buffering)."""
+    """ASGI middleware: count responses by path and status (streams too, no buffering), and
+    log one line per request at INFO on ``kiln.server`` (``kiln serve --log-level info``): its
+    id, method and path, status, prompt and output tokens (completions), and seconds. A
+    generation route puts its ``Generation`` in ``scope["kiln.generation"]``; its id (the
+    response's ``id``) and token counts are read once the response is done."""
 
     def __init__(self, app: Any, metrics: ServerMetrics):
         self.app = app
@@ -89,6 +97,7 @@ class _CountRequests:
             await self.app(scope, receive, send)
             return
         status = [500]
+        t0 = time.perf_counter()
 
         async def send_status(msg: dict) -> None:
             if msg["type"] == "http.response.start":
@@ -100,6 +109,25 @@ class _CountRequests:
         finally:
             path = scope["path"] if scope["path"] in _KNOWN_PATHS else "other"
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
+            if request_log.isEnabledFor(logging.INFO):
+                request_log.info(_log_line(scope, status[0], time.perf_counter() - t0))
+
+
+request_log = logging.getLogger("kiln.server")
+
+
+def _log_line(scope: dict, status: int, seconds: float) -> str:
+    gen = scope.get("kiln.generation")
+    if gen is not None:
+        usage = gen.usage()
+        rid, tokens = gen.id, (f"prompt_tokens={usage['prompt_tokens']} "
+                               f"output_tokens={usage['completion_tokens']} ")
+    else:
+        rid, tokens = "req-" + uuid.uuid4().hex[:12], ""
+    client = scope.get("client")
+    peer = f"{client[0]}:{client[1]} " if client else ""
+    return (f"{rid} {peer}{scope['method']} {scope['path']} {status} {tokens}"
+            f"{seconds:.3f}s")
 
 
 def record_startup(app: FastAPI, total_s: float, phases: dict[str, float]) -> None:
@@ -176,9 +204,13 @@ def create_app(engine: Any, config: ServerConfig,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        code = "not_found" if e.status_code == 404 else None
-        return error_response(e.status_code, str(e.detail), None, "invalid_request_error",
-                              code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = str(e.detail)
+        allow = (e.headers or {}).get("Allow")
+        if e.status_code == 405 and allow:
+            message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
+        return error_response(e.status_code, message, None, "invalid_request_error", code,
+                              e.headers)  # 405: Allow lists the methods the route takes
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
@@ -188,10 +220,13 @@ def create_app(engine: Any, config: ServerConfig,
     def check_auth(request: Request) -> None:
         if config.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                key.strip().encode(), config.api_key.encode()):
             raise BadRequest("invalid or missing API key; send 'Authorization: Bearer KEY'",
                              None, status=401, type_="authentication_error",
-                             code="invalid_api_key")
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(model: str | None) -> None:
         if model is not None and model != config.served_model_name \

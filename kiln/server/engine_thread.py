@@ -74,7 +74,13 @@ class ShuttingDownError(RequestEndedError):
 
 
 class QueueFullError(RuntimeError):
-    """More requests would wait for a batch slot than ``max_queue`` allows."""
+    """More requests would wait for a batch slot than ``max_queue`` allows now (429: a later
+    try can succeed)."""
+
+
+class OverCapacityError(ValueError):
+    """One request needs more engine requests than the server ever holds at once (batch
+    slots + ``max_queue``): no retry can succeed, so it is the client's error (400)."""
 
 
 @dataclass
@@ -156,12 +162,13 @@ class EngineThread:
 
     def admit(self, k: int) -> None:
         """Raise ``QueueFullError`` unless ``k`` more engine requests leave at most
-        ``max_queue`` waiting for a batch slot."""
+        ``max_queue`` waiting for a batch slot; ``OverCapacityError`` when ``k`` alone is
+        more than the server ever holds."""
         live = len(self._streams)
         waiting = live + k - self.max_num_seqs
         most = self.max_num_seqs + self.max_queue
         if k > most:
-            raise QueueFullError(
+            raise OverCapacityError(
                 f"this request needs {k} engine requests (prompts x n), more than this server "
                 f"ever holds at once ({self.max_num_seqs} batch slots + --max-queue "
                 f"{self.max_queue} = {most}); send fewer prompts or a smaller n")
@@ -202,8 +209,9 @@ class EngineThread:
         their ``StreamItem``s (or an exception) arrive on (``queue`` when given: the n choices
         of one HTTP request share one).
 
-        Raises ``QueueFullError`` (nothing added), ``ShuttingDownError``, ``EngineDeadError``,
-        or the engine's ``ValueError`` for one of them (then the others are aborted).
+        Raises ``QueueFullError`` or ``OverCapacityError`` (nothing added),
+        ``ShuttingDownError``, ``EngineDeadError``, or the engine's ``ValueError`` for one of
+        them (then the others are aborted).
         """
         if self._ended is not None:
             raise ShuttingDownError(self._ended)

@@ -28,6 +28,7 @@ from kiln.server import tool_calls
 from kiln.server.echo import MIN_LOGPROB, PromptPart, prompt_logprobs_json, prompt_only
 from kiln.server.engine_thread import (
     EngineThread,
+    OverCapacityError,
     RequestEndedError,
     RequestFailedError,
     ShuttingDownError,
@@ -115,7 +116,8 @@ class Generation:
                     n: int, want_text: bool, prompt_param: str,
                     guided_param: str | None) -> None:
         """Add the ``len(prompts) x n`` engine requests at once, all or none: a request that
-        would overfill the queue gets ``QueueFullError`` (429) with nothing added."""
+        would overfill the queue now gets ``QueueFullError`` (429) with nothing added, one
+        that could never fit a 400 naming ``n`` (or the prompt list when n is 1)."""
         requests, choices = [], {}
         for p, ids in enumerate(prompts):
             self.prompt_tokens += len(ids)
@@ -126,6 +128,9 @@ class Generation:
                 choices[rid] = Choice(idx, len(ids))
         try:
             await self.et.add_many(requests, want_text, self.queue)
+        except OverCapacityError as e:
+            raise BadRequest(str(e), "n" if n > 1 else prompt_param,
+                             code="over_capacity") from None
         except RequestError as e:
             raise BadRequest(str(e), _add_param(e, prompt_param, guided_param)) from None
         except ValueError as e:  # untyped: still this request's alone, naming no field
@@ -319,7 +324,9 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def respond(request: Request, gen: Generation, stream: bool):
-    """Stream or collect ``gen``; abort its engine requests if the client leaves."""
+    """Stream or collect ``gen``; abort its engine requests if the client leaves. ``gen``
+    goes into the request's scope for the request log (app._CountRequests)."""
+    request.scope["kiln.generation"] = gen
     if stream:
         return AbortingStreamingResponse(gen.sse(), gen.abort)
     collect = asyncio.ensure_future(gen.collect())
@@ -331,9 +338,10 @@ async def respond(request: Request, gen: Generation, stream: bool):
         if not collect.done():
             collect.cancel()
             gen.abort()
-    if collect.cancelled():
+    if not collect.done():  # the client left first (cancel() takes effect later)
         return JSONResponse({"error": {"message": "client disconnected", "type": "aborted",
-                                       "param": None, "code": None}}, status_code=499)
+                                       "param": None, "code": "client_disconnected"}},
+                            status_code=499)
     try:
         return JSONResponse(collect.result())
     except RequestEndedError as e:  # engine dead (503), a choice failed (500), shutdown (503)
@@ -441,8 +449,8 @@ async def chat_completions(request: Request, et: EngineThread, body: ChatComplet
     """``tool_parser``: the tool-call family this server reads calls in (None: no tools)."""
     tools = tool_calls.plan_tools(body, tool_parser)
     if tools is not None:
-        param = "tools" if tools.mode == "auto" else "tool_choice"
-        guided, guided_param = await _compile(tools.guided(), param, compile_guided)
+        guided_param = "tools" if tools.mode == "auto" else "tool_choice"
+        guided = await tool_calls.compile_tools(tools, guided_param, compile_guided)
     else:
         guided, guided_param = await _prepare(et, body, compile_guided)
     if tools is not None and tools.parser.keeps_special_tokens:

@@ -228,7 +228,10 @@ class CompletionRequest(SamplingFields):
         "logprob, its rank and this many alternatives, 0 to 20"))
     suffix: str | None = Field(None, description="not supported: must be empty or null",
                                json_schema_extra={"maxLength": 0})
-    best_of: int | None = Field(None, ge=1, description="not supported: must equal n")
+    # The schema says null only: best_of equal to n is accepted too, but JSON Schema cannot
+    # compare two fields (and test generators cannot follow the 16-way anyOf that could).
+    best_of: int | None = Field(None, ge=1, description="not supported: null, or equal to n",
+                                json_schema_extra={"anyOf": [{"type": "null"}]})
 
     def check(self) -> None:
         if self.max_tokens == 0 and not self.echo:
@@ -284,7 +287,11 @@ class NamedToolChoice(_Body):
 
 class FunctionCall(_Body):
     name: str
-    arguments: str = Field(description="the arguments object as JSON text")
+    # JSON Schema cannot say "valid JSON text": the pattern refuses what is not shaped as an
+    # object, contentMediaType/contentSchema say the rest
+    arguments: str = Field(description="the arguments object as JSON text", json_schema_extra={
+        "pattern": r"^\s*\{[\s\S]*\}\s*$", "contentMediaType": "application/json",
+        "contentSchema": {"type": "object"}})
 
 
 class ToolCallIn(_Body):
@@ -294,6 +301,11 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra={  # a tool message names the call it answers
+        "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+        "then": {"required": ["tool_call_id"],
+                 "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}})
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = Field(
         None, description='a string or a list of text parts [{"type": "text", "text": "..."}]')
@@ -323,6 +335,10 @@ class ChatMessage(_Body):
                 raise BadRequest(f"messages[{index}] has role {self.role!r}: only assistant "
                                  "messages carry tool_calls", f"messages[{index}].tool_calls")
             out["tool_calls"] = [self._call(index, j, c) for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool" and not self.tool_call_id:
+            raise BadRequest(f"messages[{index}] has role 'tool' but no tool_call_id; a tool "
+                             "message answers one call: send the id of the assistant's "
+                             "tool call it answers", f"messages[{index}].tool_call_id")
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:

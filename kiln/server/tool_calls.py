@@ -9,12 +9,15 @@ build, overridable with ``kiln serve --tool-parser``.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.guided import GuidedSpec
 from kiln.server.protocol import BadRequest, ChatCompletionRequest, NamedToolChoice
+from kiln.server.schema_check import dotted, schema_problem
 from kiln.tools import PARSERS, ToolDelta, ToolMode, ToolParser, get_parser
 
 
@@ -66,8 +69,51 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None) -> ToolPlan
     else:
         mode, name = choice or "auto", None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    for i, tool in enumerate(tools):
+        _check_parameters(i, tool["function"])
     parallel = body.parallel_tool_calls is not False
     return ToolPlan(get_parser(parser_name), tools, mode, parallel, name)
+
+
+def _check_parameters(i: int, function: dict[str, Any]) -> None:
+    """A 400 naming the tool and the path of the first mistake in its ``parameters``."""
+    params = function.get("parameters")
+    problem = None if params is None else schema_problem(params)
+    if problem is not None:
+        where, what = problem
+        param = f"tools[{i}].function.parameters" + (f".{dotted(where)}" if where else "")
+        raise BadRequest(f"tool {function['name']!r}: {param}: {what}; fix the tool's "
+                         "parameters schema", param.replace(".[", "["))
+
+
+async def compile_tools(plan: ToolPlan, param: str,
+                        compile_guided: Callable[[Any], Any] | None) -> GuidedSpec | None:
+    """``plan.guided()`` compiled (the compiler's cache warmed); when it cannot be, a 400
+    naming the tool whose ``parameters`` the compiler refuses alone (the grammar of all the
+    calls is an internal detail), else one naming ``param``."""
+    guided = plan.guided()
+    if guided is None:
+        return None
+    if compile_guided is None:
+        raise BadRequest("tool calls need xgrammar (pip install xgrammar)", param)
+    try:
+        await asyncio.to_thread(compile_guided, guided)
+        return guided
+    except ValueError as e:
+        whole = str(e).removeprefix(f"invalid {guided.kind}: ")
+    for i, f in enumerate(plan.functions):
+        if f.get("parameters") is None:
+            continue
+        try:
+            await asyncio.to_thread(compile_guided, GuidedSpec("json_schema",
+                                                               json.dumps(f["parameters"])))
+        except ValueError as e:
+            where = f"tools[{i}].function.parameters"
+            raise BadRequest(f"tool {f['name']!r}: {where} cannot be compiled into a grammar "
+                             f"({str(e).removeprefix('invalid json_schema: ')}); fix the "
+                             "tool's parameters schema", where) from None
+    raise BadRequest(f"the grammar for these tools' calls cannot be compiled ({whole}); "
+                     "check the tools' parameters schemas", param)
 
 
 def call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:

@@ -11,8 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def kiln(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def kiln(*args: str, timeout: float = 300,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "kiln", *args],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
@@ -66,3 +68,17 @@ def test_build_smollm2_builtin(tmp_path, smollm2_gguf):
     assert "smollm2-135m" in r.stdout and "weights.safetensors" in r.stdout
     assert (out / "tokenizer" / "chat_template.jinja").exists() or json.loads(
         (out / "tokenizer" / "tokenizer_config.json").read_text()).get("chat_template")
+
+
+def test_build_without_dtype_and_without_cuda_is_float32(tmp_path):
+    """As `kiln serve SOURCE` builds on the CPU: bfloat16 is slow on most CPUs."""
+    r = kiln("build", "random:tiny-llama", "-o", str(tmp_path / "e"), "--max-seq-len", "128",
+             "--json", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["dtype"] == "float32"
+    assert ("kiln build: no CUDA device, so float32 (bfloat16 is slow on most CPUs); pass "
+            "--dtype bfloat16 for an engine to run on a GPU") in r.stderr.splitlines()
+    r = kiln("build", "random:tiny-llama", "-o", str(tmp_path / "b"), "--max-seq-len", "128",
+             "--dtype", "bfloat16", "--json", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0 and json.loads(r.stdout)["dtype"] == "bfloat16", r.stderr
+    assert "no CUDA device" not in r.stderr

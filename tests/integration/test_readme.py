@@ -119,6 +119,48 @@ def test_install_says_how_to_install_on_cpu_only_and_cuda_machines():
     assert re.search(r"CPU-only", text) and re.search(r"CUDA", text)
 
 
+_STUB = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$STUB_LOG"
+case "$*" in "-c import torch") exit 1 ;; esac
+"""
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "nvidia"])
+def test_quickstart_installs_the_right_torch_then_serves(tmp_path, gpu):
+    """`bash quickstart.sh` (the Install section's one command), with the venv's python and
+    kiln stubbed to log their arguments: torch from the CPU index without an NVIDIA GPU,
+    PyPI's with one, then kiln, then `kiln serve smollm2-135m ARGS`."""
+    assert ["bash", "quickstart.sh"] in [c for b in code_blocks(section("Install"))
+                                         for c in commands(b)]
+    venv, bin_dir, log = tmp_path / "venv", tmp_path / "bin", tmp_path / "log"
+    (venv / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    stubs = [venv / "bin" / "python", venv / "bin" / "kiln"]
+    if gpu:
+        stubs.append(bin_dir / "nvidia-smi")
+    for stub in stubs:
+        stub.write_text(_STUB)
+        stub.chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"])
+    r = subprocess.run(["bash", str(REPO / "quickstart.sh"), "--port", "0"], capture_output=True,
+                       text=True, timeout=60, env={"PATH": path, "KILN_VENV": str(venv),
+                                                   "STUB_LOG": str(log), "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    torch = ["python -m pip install torch"] if gpu else [
+        "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"]
+    calls = [c for c in log.read_text().splitlines() if not c.startswith("nvidia-smi")]
+    assert calls == ["python -c import torch", *torch, "python -m pip install -e .",
+                     "kiln serve smollm2-135m --port 0"], calls
+
+
+def test_speculative_section_says_bf16_greedy_can_differ_from_plain_greedy():
+    """Rounding, not a bug: said where speculative decoding is described, so nobody files it."""
+    text = " ".join(section("Speculative decoding").split())
+    assert ("In bfloat16 (and float16) a speculative engine's greedy output can differ from "
+            "the same engine's plain greedy output") in text
+    assert "not a bug" in text and "--dtype float32" in text
+
+
 # --- Run it on the built-in model ------------------------------------------------------------
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import time
 
 import pytest
 
@@ -27,7 +30,7 @@ def engine_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(engine_dir):
     with ServerProcess(engine_dir, "--api-key", KEY, "--served-model-name", "tiny",
-                       "--max-body-bytes", "65536") as s:
+                       "--max-body-bytes", "65536", "--log-level", "info") as s:
         yield s
 
 
@@ -259,3 +262,126 @@ def test_metrics(client):
         assert name in text, name
     assert 'kiln_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'status="400"' in text
+
+
+def _requests_total(client, status: str) -> float:
+    text = client.get("/metrics").text
+    m = re.search(r'^kiln_requests_total\{endpoint="/v1/completions",status="%s"\} (\S+)$'
+                  % status, text, re.MULTILINE)
+    return float(m[1]) if m else 0.0
+
+
+def test_dropped_non_streaming_client_is_not_a_server_error(client, server):
+    """A client that leaves a non-streaming request is counted as 499, not 500, and the
+    server logs no traceback for it."""
+    before = (_requests_total(client, "499"), _requests_total(client, "500"), len(server.log))
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "long", "max_tokens": 240, "ignore_eos": True,
+                "n": 4}))
+            while not (await c.get("/debug/kv")).json()["has_unfinished"]:
+                assert not task.done(), "finished before it could be abandoned"
+                await asyncio.sleep(0.01)
+            task.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    deadline = time.monotonic() + 10
+    while _requests_total(client, "499") < before[0] + 1:
+        assert time.monotonic() < deadline, client.get("/metrics").text
+        time.sleep(0.05)
+    assert _requests_total(client, "500") == before[1]
+    log = "\n".join(server.log[before[2]:])
+    assert "Traceback" not in log and "InvalidStateError" not in log, log
+
+
+def test_never_admissible_request_is_a_400_naming_n_and_the_limit(client):
+    """1,600 engine requests (100 prompts x n=16) against a server that holds 16 batch slots +
+    --max-queue 1024: no retry can succeed, so a 400, not a 429 with Retry-After."""
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["hi"] * 100,
+                                             "n": 16, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["code"] == "over_capacity", err
+    assert "1600" in err["message"] and "1040" in err["message"], err
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [[1, 2]] * 1041,
+                                             "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    completion(client, max_tokens=2)  # the server still serves
+
+
+PROTECTED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+             ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+             ("GET", "/debug/kv")]
+OPEN = ["/health", "/version", "/metrics", "/openapi.json", "/docs"]
+
+
+def test_http_details_strict_clients_rely_on(client, server):
+    # 405 names the methods the route takes in Allow
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", (r.headers, r.text)
+    assert r.json()["error"]["code"] == "method_not_allowed" and "POST" in r.text
+    r = client.post("/v1/models", json={})
+    assert r.status_code == 405 and "GET" in r.headers["allow"], r.headers
+    # 401 says which scheme to use; the scheme is matched case-insensitively
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.headers
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    for auth in ("Basic " + KEY, "Bearer", KEY, f"Bearer {KEY}x"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": auth})
+        assert r.status_code == 401, auth
+    # --api-key's help names exactly the routes it protects, and those that stay open
+    for method, path in PROTECTED:
+        r = httpx.request(method, server.url + path, json={})
+        assert r.status_code == 401, (path, r.status_code)
+    for path in OPEN:
+        assert httpx.get(server.url + path).status_code == 200, path
+    from typer.testing import CliRunner
+
+    from kiln.cli.app import app
+
+    res = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(res.output.replace("│", " ").split())
+    api_key_help = text[text.index("--api-key"):text.index("KILN_API_KEY")]
+    for path in [p for _, p in PROTECTED] + OPEN:
+        assert path in api_key_help, (path, api_key_help)
+    # a tool message must name the call it answers, as in OpenAI's API
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "tool", "content": "4"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[1].tool_call_id" and "tool_call_id" in err["message"]
+
+
+def _log_lines(server, needle: str, timeout: float = 10) -> list[str]:
+    """The server's log lines holding ``needle``, once there is at least one."""
+    deadline = time.monotonic() + timeout
+    while not (lines := [ln for ln in list(server.log) if needle in ln]):
+        assert time.monotonic() < deadline, (needle, server.log[-20:])
+        time.sleep(0.05)
+    return lines
+
+
+def test_log_level_info_logs_one_line_per_request(client, server):
+    out = completion(client, prompt="Hello", max_tokens=3, ignore_eos=True)
+    [line] = _log_lines(server, out["id"] + " ")
+    assert re.search(r"INFO: .*POST /v1/completions 200 prompt_tokens=5 output_tokens=3 "
+                     r"\d+\.\d{3}s$", line), line
+    chunks, _ = sse(client, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "ignore_eos": True, "stream": True})
+    [line] = _log_lines(server, chunks[0]["id"] + " ")
+    assert "POST /v1/chat/completions 200 prompt_tokens=" in line and "output_tokens=2 " in line
+    client.post("/v1/completions", json={"model": "tiny", "prompt": "a", "top_p": 9})
+    assert _log_lines(server, "POST /v1/completions 400 ")
+    n = len(_log_lines(server, "GET /version 200 "))
+    client.get("/version")
+    time.sleep(0.3)
+    assert len(_log_lines(server, "GET /version 200 ")) == n + 1

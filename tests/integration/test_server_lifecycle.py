@@ -159,6 +159,24 @@ def test_busy_port_fails_before_loading_the_engine(tmp_path):
         assert "building" not in r.stderr and not (cache / "engines").exists()
 
 
+def test_busy_port_fails_before_torch_is_imported(tmp_path):
+    """The port is checked before torch is imported (seconds on its own), so a busy one fails
+    within a second or two: here torch cannot even be imported."""
+    blocker = tmp_path / "blocker" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    path = os.pathsep.join(p for p in (str(blocker.parent), os.environ.get("PYTHONPATH")) if p)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _serve(["random:tiny-llama", "--port", str(port)],
+                   {"KILN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": path})
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"error: port {port} on 127.0.0.1 is in use; pick another with --port"), r.stderr
+
+
 def _recv_all(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
     """Everything the server sends until it closes the connection, and when it closed."""
     sock.settimeout(limit_s)
@@ -274,16 +292,30 @@ def test_queue_limit_counts_only_requests_beyond_the_batch(engine_dir):
             return float(m.group(1)) if m else 0.0
 
         before = aborted()
-        # 3 prompts x n=8 = 24 engine requests: 16 run, 8 would wait, more than --max-queue 4.
+        # 3 prompts x n=8 = 24 engine requests, more than 16 slots + --max-queue 4 ever hold:
+        # no retry can help, so a 400 naming n (not a 429 a client would retry forever).
         r = httpx.post(s.url + "/v1/completions", timeout=60, json={
             "prompt": ["a", "b", "c"], "n": 8, "max_tokens": 200, "ignore_eos": True})
-        assert r.status_code == 429, r.text
-        assert r.headers["retry-after"] == "1"
-        err = _error(r.json(), "queue_full")
+        assert r.status_code == 400, r.text
+        assert "retry-after" not in r.headers
+        err = _error(r.json(), "over_capacity")
+        assert err["param"] == "n"
         assert "24" in err["message"] and "--max-queue 4" in err["message"]
         assert aborted() == before  # all or nothing: none of the 24 was added
         kv = httpx.get(s.url + "/debug/kv", timeout=10).json()
         assert kv["all_free"] and not kv["has_unfinished"], kv
+        # Busy now: with one request running, 2 x n=10 = 20 more leave 5 waiting, more than
+        # --max-queue 4: 429 with Retry-After, and none of the 20 is added.
+        busy = Stream(s.url, {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True})
+        assert busy.first.wait(30)
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+            "prompt": ["a", "b"], "n": 10, "max_tokens": 4})
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        err = _error(r.json(), "queue_full")
+        assert "20" in err["message"] and "--max-queue 4" in err["message"]
+        busy.thread.join(60)
+        assert busy.status == 200 and aborted() == before
         # 20 = 16 running + 4 waiting fits.
         r = httpx.post(s.url + "/v1/completions", timeout=60, json={
             "prompt": ["a", "b"], "n": 10, "max_tokens": 4})

@@ -1,6 +1,7 @@
 """`kiln serve` against its own /openapi.json: schemathesis generates requests from the served
-schema (valid and invalid ones) and checks that no response is a 5xx and that every status
-code, content type and JSON body is one the schema documents.
+schema (valid and invalid ones) and checks that no response is a 5xx, that every status
+code, content type and JSON body is one the schema documents, that other methods get 405
+with Allow, and that protected routes refuse requests without the key.
 
 Bounded: a tiny random float32 engine with a 64-token context (so max_tokens <= 63 in the
 schema), derandomized generation, a fixed number of examples per operation, no shrinking.
@@ -16,18 +17,23 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import (
+    allow_header_conformance,
     content_type_conformance,
+    ignored_auth,
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
+    unsupported_method,
 )
 
 from kiln.server.testing import ServerProcess
 
 KEY = "sk-schema"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# + a method a path does not take is a 405 whose Allow header lists the ones it does, and a
+# protected route refuses a request without the key
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance,
-          content_type_conformance]
+          content_type_conformance, unsupported_method, allow_header_conformance, ignored_auth]
 EXAMPLES = 40  # per operation, on top of schemathesis's coverage cases (boundary values)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -37,3 +38,8 @@ def test_ready_line_health_and_metrics(tmp_path):
         value = re.search(r"^kiln_startup_seconds ([0-9.e+-]+)$", metrics, re.MULTILINE)
         assert value and float(value.group(1)) == pytest.approx(health["startup_s"], abs=1e-3)
         assert 'kiln_startup_phase_seconds{phase="server"}' in metrics
+        # the default --log-level (warning) logs no line per request
+        httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2},
+                   timeout=30)
+        time.sleep(0.3)
+        assert not [ln for ln in s.log if "/v1/completions" in ln or "/health" in ln], s.log

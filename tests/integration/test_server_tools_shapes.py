@@ -143,3 +143,37 @@ def test_serve_rejects_an_unknown_parser(engine_dir):
 
 def test_no_traceback(server):
     assert not [line for line in server.log if "Traceback" in line], "\n".join(server.log)
+
+
+BAD_SCHEMAS = [
+    # (parameters, the path in the schema the 400 names)
+    ({"type": "object", "properties": {"color": {"type": "colour"}}}, "properties.color.type"),
+    ({"type": "nope"}, "type"),
+    ({"type": "object", "required": "ok"}, "required"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": "1"}}},
+     "properties.n.minimum"),
+    ({"type": "object", "anyOf": [{"type": "string"}, 5]}, "anyOf[1]"),
+]
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+@pytest.mark.parametrize("params, where", BAD_SCHEMAS, ids=[w for _, w in BAD_SCHEMAS])
+def test_invalid_tool_schema_names_the_tool_and_the_path(server, params, where, choice):
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "broken", "parameters": params}}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": MESSAGES, "tools": tools, "tool_choice": choice, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"tools[1].function.parameters.{where}".replace(".[", "["), err
+    assert "'broken'" in err["message"] and "structural_tag" not in err["message"], err
+
+
+def test_a_schema_xgrammar_cannot_compile_names_the_tool(server):
+    params = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    tools = [{"type": "function", "function": {"name": "dangling", "parameters": params}}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": MESSAGES, "tools": tools, "tool_choice": "required", "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools[0].function.parameters", err
+    assert "'dangling'" in err["message"] and "structural_tag" not in err["message"], err

@@ -294,6 +294,42 @@ def test_tool_call_history(client):
     assert "only assistant" in err["message"]
 
 
+def _history(arguments: str) -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+
+
+SCHEMA_CASES = [
+    # (path, body, the server accepts it, /openapi.json admits it): what the schema admits
+    # the server accepts; what the server refuses the schema does not admit
+    (COMP, {"prompt": "a", "best_of": 2}, False, False),
+    (COMP, {"prompt": "a", "best_of": 1, "n": 2}, False, False),
+    (COMP, {"prompt": "a", "best_of": None, "n": 3}, True, True),
+    (COMP, {"prompt": "a", "best_of": 2, "n": 2}, True, False),  # no field compares to n
+    (CHAT, {"messages": _history("{}")}, True, True),
+    (CHAT, {"messages": _history(' {"a": [1, {"b": null}]}\n')}, True, True),
+    (CHAT, {"messages": _history("{bad")}, False, False),
+    (CHAT, {"messages": _history("[1]")}, False, False),
+    (CHAT, {"messages": _history("")}, False, False),
+    (CHAT, {"messages": _history("42")}, False, False),
+]
+
+
+@pytest.mark.parametrize("path, body, accepted, admitted", SCHEMA_CASES,
+                         ids=[str(i) for i in range(len(SCHEMA_CASES))])
+def test_openapi_states_what_the_server_accepts(server, client, path, body, accepted,
+                                                admitted):
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = httpx.get(server.url + "/openapi.json").json()
+    name = "CompletionRequest" if path == COMP else "ChatCompletionRequest"
+    root = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+    valid = jsonschema.Draft202012Validator(root).is_valid(body)
+    r = post(client, path, {**body, "max_tokens": 1})
+    assert (valid, r.status_code) == (admitted, 200 if accepted else 400), r.text
+
+
 # -- 7. bounds -------------------------------------------------------------------------------
 BAD = [
     # (path, body or raw bytes, param)

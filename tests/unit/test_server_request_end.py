@@ -18,6 +18,7 @@ from starlette.requests import Request
 from kiln.runtime.outputs import RequestMetrics, RequestOutput
 from kiln.server.engine_thread import EngineThread, QueueFullError, ShuttingDownError
 from kiln.server.openai_api import Generation, respond
+from kiln.server.protocol import BadRequest
 
 
 class GatedEngine:
@@ -75,14 +76,22 @@ def test_a_fan_out_request_is_admitted_all_or_nothing():
         et = EngineThread(eng, max_queue=4)
         et.start(asyncio.get_running_loop())
         gen = Generation(et, "tiny", chat=False, include_usage=False)
-        with pytest.raises(QueueFullError) as e:  # 3 prompts x n=8 = 24 > 16 slots + 4
+        # 3 prompts x n=8 = 24 > 16 slots + 4: never admissible, a 400 naming n
+        with pytest.raises(BadRequest) as e:
             await gen.start([[1], [2], [3]], lambda i: None, 8, False, "prompt", None)
+        assert e.value.status == 400 and e.value.param == "n"
         assert "24" in str(e.value) and "--max-queue 4" in str(e.value)
         await et.call(lambda e: None)  # every command sent so far has run
         assert eng.added == [] and not gen.choices
         gen = Generation(et, "tiny", chat=False, include_usage=False)
         await gen.start([[1], [2]], lambda i: None, 10, False, "prompt", None)  # 20 fits
         assert len(eng.added) == 20 and len(gen.choices) == 20
+        # busy now: 2 more would leave 6 waiting, more than 4; none of them is added
+        gen = Generation(et, "tiny", chat=False, include_usage=False)
+        with pytest.raises(QueueFullError, match="--max-queue 4"):
+            await gen.start([[1], [2]], lambda i: None, 1, False, "prompt", None)
+        await et.call(lambda e: None)
+        assert len(eng.added) == 20 and not gen.choices
         et.stop()
 
     asyncio.run(asyncio.wait_for(main(), 20))
