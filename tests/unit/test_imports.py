@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kiln"
 # [project.optional-dependencies] test, plus what pytest itself brings in.
-TEST_ONLY = ("pytest", "_pytest", "openai", "jsonschema", "schemathesis", "hypothesis")
+TEST_ONLY = ("pytest", "_pytest", "openai", "schemathesis", "hypothesis")
 # Packages of optional extras (CUDA-only backends such as flash-attn), import name -> extra:
 # kiln may import them only inside the functions that use them.
 OPTIONAL_LAZY: dict[str, str] = {"flash_attn": "flash-attn"}
