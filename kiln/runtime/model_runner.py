@@ -13,12 +13,8 @@ from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
 from kiln.runtime.models.llama import LlamaModel
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.device_step import (
-    DeviceSpecStep,
-    SpecEntries,
-    SpecOutput,
-    shift_rows,
-)
+from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecOutput, shift_rows
+from kiln.runtime.speculative.verify import SpecEntries
 from kiln.runtime.staging import StepStager
 
 

@@ -23,7 +23,8 @@ import torch
 from kiln.runtime.kv_cache import slot_of
 from kiln.runtime.layers.triton_attention import TritonAttentionMetadata
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.device_step import SpecEntries, StagedRows
+from kiln.runtime.speculative.device_step import StagedRows
+from kiln.runtime.speculative.verify import SpecEntries
 from kiln.runtime.speculative.draft import NO_WARP
 
 

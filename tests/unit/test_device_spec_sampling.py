@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.speculative import device_step, verify
-from kiln.runtime.speculative.device_step import SpecEntries
+from kiln.runtime.speculative.verify import SpecEntries
 from kiln.runtime.speculative.draft import NO_WARP
 
 V, T = 8, 4

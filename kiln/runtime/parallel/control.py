@@ -40,7 +40,7 @@ from kiln.runtime.staging import Staged
 @dataclass(frozen=True)
 class Forward:
     """``LlamaModel.forward``'s inputs (its cache is each rank's own); ``entries``: the
-    step's device speculation plans (kiln.runtime.speculative.device_step.SpecEntries),
+    step's device speculation plans (kiln.runtime.speculative.verify.SpecEntries),
     whose proposal and verification every rank runs around the forward, or None."""
 
     input_ids: torch.Tensor

@@ -26,8 +26,8 @@ import torch
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
-from kiln.runtime.speculative.verify import verify_chains
+from kiln.runtime.speculative.device_step import DeviceProposer, Proposal
+from kiln.runtime.speculative.verify import SpecEntries, verify_chains
 
 
 class DeviceDraft(DeviceProposer):

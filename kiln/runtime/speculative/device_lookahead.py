@@ -35,14 +35,14 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
+from kiln.runtime.speculative.device_step import DeviceProposer, Proposal
 from kiln.runtime.speculative.lookahead_math import (
     POOL_BUCKETS,
     NgramPool,
     initial_window,
     step_layout,
 )
-from kiln.runtime.speculative.verify import StepVerdict, move_accepted_kv, verify_tree
+from kiln.runtime.speculative.verify import SpecEntries, StepVerdict, move_accepted_kv, verify_tree
 
 
 class DeviceLookahead(DeviceProposer):

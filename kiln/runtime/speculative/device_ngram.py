@@ -13,8 +13,8 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.speculative.device_step import DeviceProposer, Proposal, SpecEntries
-from kiln.runtime.speculative.verify import StepVerdict, verify_chains
+from kiln.runtime.speculative.device_step import DeviceProposer, Proposal
+from kiln.runtime.speculative.verify import SpecEntries, StepVerdict, verify_chains
 
 
 def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, min_match: int,

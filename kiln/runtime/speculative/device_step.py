@@ -54,34 +54,7 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.speculative.verify import step_targets
-
-
-@dataclass
-class SpecEntries:
-    """One row per possible plan of a step (device tensors, long): ``slots`` [B] (-1: no
-    plan), ``q0`` [B] input row of the plan's x, ``r0`` [B] logits row of x.
-
-    Launched ahead (the async pipeline), a step is staged before the step in flight has
-    committed: its plans are laid out as if that step committed one token. ``shift`` [B]
-    (1: so staged) and ``seq`` [B] (the plan's sequence in the step) let ``prologue`` move
-    such a plan's positions, cache slots and context length on by the tokens the step in
-    flight committed beyond one (``DeviceSpecStep.last_count``, same entry row).
-
-    ``inv_temp`` [B] float32 (0: greedy) and ``key`` [B] long (a Philox key below 2**31):
-    how each plan is verified (``verify.row_targets``); None: every plan greedy. ``warp`` [B, 3]
-    float32: each plan's top_k (0: off), top_p, min_p (``NO_WARP`` where it has none);
-    None: no plan warps.
-    """
-
-    slots: torch.Tensor
-    q0: torch.Tensor
-    r0: torch.Tensor
-    shift: torch.Tensor | None = None
-    seq: torch.Tensor | None = None
-    inv_temp: torch.Tensor | None = None
-    key: torch.Tensor | None = None
-    warp: torch.Tensor | None = None
+from kiln.runtime.speculative.verify import SpecEntries, step_targets
 
 
 @dataclass
