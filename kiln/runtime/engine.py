@@ -1,11 +1,11 @@
 """LLMEngine: add_request / step / abort. The only entry point serve and bench use.
 
-A step is schedule -> launch -> collect. The scheduler decides what runs (token budget,
-blocks, admission, preemption); the model runner runs it; the sampler picks tokens on
-the device; collecting commits them to their requests and builds the step's outputs.
-With async scheduling a step whose tokens can be chosen on the device alone is launched
-and, before its tokens are read, the step after it is scheduled (``schedule_ahead``) and
-launched on top: the host's work of one step overlaps the GPU's work of the next.
+Every step is schedule -> launch -> collect. The scheduler decides what runs (token budget,
+blocks, admission, preemption); the model runner runs it; the sampler picks tokens (on the
+device where it can); collecting commits them and builds the step's outputs. Speculation is
+the ``StepProposer``'s (a plain step is one whose proposer proposes nothing). With async
+scheduling, before a launched step's tokens are read, the step after it is scheduled
+(``schedule_ahead``) and launched on top: the host's work overlaps the GPU's.
 """
 
 from __future__ import annotations
