@@ -3,9 +3,13 @@
 Run in its own process (not after tests/unit/test_kernels_*, which switch triton to its
 CPU interpreter):  python -m pytest -q tests/gpu/test_fp8_rows_gpu.py
 
-- the fused norm / SiLU-and-mul / quant kernels' e4m3 rows and per-token scales equal the
-  eager formulation bit for bit at the real shapes (the CPU interpreter's e4m3 cast has
-  rounding faults, so only here is every element compared);
+- the fused SiLU-and-mul / quant kernels' e4m3 rows and per-token scales equal the eager
+  formulation bit for bit at the real shapes (the CPU interpreter's e4m3 cast has rounding
+  faults, so only here is every element compared); the fused norms equal it up to their
+  own y: a norm compiled with an e4m3 store sums its squares in another order than the
+  plain norm (Triton picks the reduction's layout per kernel; H100, 2026-12-06: 1 element
+  in 1.2M one bf16 ulp apart, float32 row scales 1 ulp apart), so each element is the eager
+  quantization of y or of a neighbour one compute-dtype ulp away, and few are not of y;
 - a Linear fed those rows (``Fp8Rows``) gives exactly what the same GEMM gives on the
   unfused path (the kernel's compute-dtype output, then fp8_quant), and captures in a graph;
 - per-token W8A8 (row-wise _scaled_mm, gemv's W8A8 form) equals the dequantized product;
@@ -58,6 +62,45 @@ def _check(q, s, y, static):
     assert not q[m:].view(torch.uint8).any()
 
 
+_MANTISSA = {BF16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def _ulp(y: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of y in y's dtype, as float32 (0 at 0)."""
+    yf = y.float()
+    _, e = torch.frexp(yf)
+    return torch.where(yf == 0, 0.0, torch.ldexp(torch.ones_like(yf), e - 1 - _MANTISSA[y.dtype]))
+
+
+def _check_norm(q, s, y, static):
+    """A fused norm's q, s: the eager quantization of its own y, which may sit one
+    compute-dtype ulp from the plain norm's y (the reduction order): every per-token scale is
+    the scale of max|y| or of a neighbour of it, every element the quantization of y or of a
+    neighbour under that scale, and at most 1 in 10,000 elements not of y itself."""
+    from kiln.runtime.fp8 import FP8_MAX, SCALE_MIN, quantize_fp8
+
+    m = y.shape[0]
+    yf, u = y.float(), _ulp(y)
+    if static is None:
+        amax = y.abs().amax(dim=-1, keepdim=True)
+        au = _ulp(amax)
+        cands = [((amax.float() + d * au) * (1.0 / FP8_MAX)).clamp(min=SCALE_MIN)
+                 for d in (-1, 0, 1)]
+        sk = s[:m]
+        assert ((sk == cands[0]) | (sk == cands[1]) | (sk == cands[2])).all()
+        assert (s[m:] == 1e-12).all()
+    else:
+        sk = static
+        assert torch.equal(s, static.reshape(1))
+    qk = q[:m].view(torch.uint8)
+    exact = qk == quantize_fp8(yf, sk).view(torch.uint8)
+    near = exact | (qk == quantize_fp8(yf - u, sk).view(torch.uint8)) \
+        | (qk == quantize_fp8(yf + u, sk).view(torch.uint8))
+    assert near.all(), int((~near).sum())
+    assert int((~exact).sum()) <= max(1, exact.numel() // 10_000), int((~exact).sum())
+    assert not q[m:].view(torch.uint8).any()
+
+
 @pytest.mark.parametrize("hidden, inter", [(4096, 14336), (576, 1536)])
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
@@ -76,10 +119,10 @@ def test_producers_write_the_eager_e4m3_rows(hidden, inter, m, dtype):
     for scale in (None, static):
         q, s, h2 = rms_norm.fused_add_rms_norm_fp8(x, r, w, 1e-5, scale)
         assert torch.equal(h2, h)
-        _check(q, s, y, scale)
+        _check_norm(q, s, y, scale)
         q, s, h2 = rms_norm.embed_rms_norm_fp8(ids, table, w, 1e-5, scale)
         assert torch.equal(h2, he)
-        _check(q, s, ye, scale)
+        _check_norm(q, s, ye, scale)
         _check(*activation.silu_and_mul_fp8(gu, scale), ys, scale)
         _check(*fp8_quant.quantize_fp8_padded(ys, scale), ys, scale)
 
@@ -99,12 +142,14 @@ def _fp8_layer(n: int, k: int, static: bool, per_row_weight: bool = False):
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
 @pytest.mark.parametrize("m", [2, 16, 300])
 def test_linear_on_kernel_quantized_rows_equals_the_unfused_path(static, m):
-    """linear_add_rms_norm and linear(silu_and_mul=True) on the fused e4m3 rows == the plain
-    kernel's output through the layer (fp8_quant then the same GEMM), bit for bit; and ==
-    the dequantized float32 product within FP8 error. 8B shapes: at M 2 the W8A8 GEMV (large
+    """linear_add_rms_norm == the layer on the fused norm's e4m3 rows, bit for bit, and the
+    plain path (the plain norm, fp8_quant, the same GEMM) but for at most 1 row in 100 (the
+    fused norm's y may sit one ulp from the plain norm's: _check_norm); linear(silu_and_mul=
+    True) == the plain kernel's output through the layer, bit for bit; both == the
+    dequantized float32 product within FP8 error. 8B shapes: at M 2 the W8A8 GEMV (large
     weights), at 16 and 300 _scaled_mm (row-wise for per-token)."""
     from kiln.runtime.kernels import activation, rms_norm
-    from kiln.runtime.layers.linear import linear_add_rms_norm
+    from kiln.runtime.layers.linear import Fp8Rows, linear_add_rms_norm
 
     qkv, _ = _fp8_layer(6144, 4096, static)
     down, _ = _fp8_layer(4096, 14336, static)
@@ -114,7 +159,13 @@ def test_linear_on_kernel_quantized_rows_equals_the_unfused_path(static, m):
     g = (1 + 0.1 * torch.randn(4096, device=DEV)).to(BF16)
     y, h = linear_add_rms_norm(x, r, g, 1e-5, qkv)
     xn, h_ref = rms_norm.fused_add_rms_norm(x, r, g, 1e-5)
-    assert torch.equal(h, h_ref) and torch.equal(y, qkv(xn))
+    assert torch.equal(h, h_ref)
+    if m > 1:
+        q, s, _ = rms_norm.fused_add_rms_norm_fp8(
+            x, r, g, 1e-5, qkv.input_scale if static else None)
+        assert torch.equal(y, qkv(Fp8Rows(q, s, m, BF16)))
+    rows_off = int((y != qkv(xn)).any(dim=-1).sum())
+    assert rows_off <= max(1, m // 100), rows_off
     gu = _rows(m, 2 * 14336)
     assert torch.equal(down(gu, silu_and_mul=True), down(activation.silu_and_mul(gu)))
     # the product: the layer's quantized activations times the dequantized weight
