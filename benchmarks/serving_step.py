@@ -47,7 +47,8 @@ def main(argv: list[str]) -> None:
     engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig())
     rng = random.Random(0)
     vocab = min(engine.model_config.vocab_size, 30000)
-    params = SamplingParams(max_tokens=4 * length, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max(1, engine.limits.max_seq_len - length), temperature=0,
+                            ignore_eos=True)
 
     def add(n: int) -> None:
         for _ in range(n):
