@@ -8,8 +8,8 @@ CPU interpreter):  python -m pytest -q tests/gpu/test_fp8_rows_gpu.py
   faults, so only here is every element compared); the fused norms equal it up to their
   own y: a norm compiled with an e4m3 store sums its squares in another order than the
   plain norm (Triton picks the reduction's layout per kernel; H100, 2026-12-06: 1 element
-  in 1.2M one bf16 ulp apart, float32 row scales 1 ulp apart), so each element is the eager
-  quantization of y or of a neighbour one compute-dtype ulp away, and few are not of y;
+  in 1.2M one bf16 ulp apart, float32 row scales ulps apart), so each element lies between
+  the quantizations of y's near neighbours, and few are not of y itself;
 - a Linear fed those rows (``Fp8Rows``) gives exactly what the same GEMM gives on the
   unfused path (the kernel's compute-dtype output, then fp8_quant), and captures in a graph;
 - per-token W8A8 (row-wise _scaled_mm, gemv's W8A8 form) equals the dequantized product;
@@ -73,30 +73,30 @@ def _ulp(y: torch.Tensor) -> torch.Tensor:
 
 
 def _check_norm(q, s, y, static):
-    """A fused norm's q, s: the eager quantization of its own y, which may sit one
-    compute-dtype ulp from the plain norm's y (the reduction order): every per-token scale is
-    the scale of max|y| or of a neighbour of it, every element the quantization of y or of a
-    neighbour under that scale, and at most 1 in 10,000 elements not of y itself."""
-    from kiln.runtime.fp8 import FP8_MAX, SCALE_MIN, quantize_fp8
+    """A fused norm's q, s: the eager quantization of its own y, which may sit a few
+    compute-dtype ulps from the plain norm's y (the sum of squares in another order moves
+    1 / rms by an ulp or two: one ulp of y after rounding to bf16 / fp16, up to 4 in float32):
+    each per-token scale lies between the scales of max|y| -+ that many ulps, each element
+    between the quantizations of y -+ that many ulps under the kernel's scale (both are
+    monotone), and at most 1 in 10,000 elements is not the quantization of y itself."""
+    from kiln.runtime.fp8 import FP8_MAX, SCALE_MIN, fp8_scale_per_token, quantize_fp8
 
-    m = y.shape[0]
-    yf, u = y.float(), _ulp(y)
+    m, k = y.shape[0], 4 if y.dtype == torch.float32 else 1
+    yf, u = y.float(), k * _ulp(y)
     if static is None:
         amax = y.abs().amax(dim=-1, keepdim=True)
-        au = _ulp(amax)
-        cands = [((amax.float() + d * au) * (1.0 / FP8_MAX)).clamp(min=SCALE_MIN)
-                 for d in (-1, 0, 1)]
+        au = k * _ulp(amax)
+        lo, hi = (((amax.float() + d * au) * (1.0 / FP8_MAX)).clamp(min=SCALE_MIN) for d in (-1, 1))
         sk = s[:m]
-        assert ((sk == cands[0]) | (sk == cands[1]) | (sk == cands[2])).all()
+        assert ((lo <= sk) & (sk <= hi)).all(), (sk - fp8_scale_per_token(y)).abs().max()
         assert (s[m:] == 1e-12).all()
     else:
         sk = static
         assert torch.equal(s, static.reshape(1))
-    qk = q[:m].view(torch.uint8)
-    exact = qk == quantize_fp8(yf, sk).view(torch.uint8)
-    near = exact | (qk == quantize_fp8(yf - u, sk).view(torch.uint8)) \
-        | (qk == quantize_fp8(yf + u, sk).view(torch.uint8))
-    assert near.all(), int((~near).sum())
+    qk = q[:m].float()
+    between = (quantize_fp8(yf - u, sk).float() <= qk) & (qk <= quantize_fp8(yf + u, sk).float())
+    assert between.all(), int((~between).sum())
+    exact = q[:m].view(torch.uint8) == quantize_fp8(yf, sk).view(torch.uint8)
     assert int((~exact).sum()) <= max(1, exact.numel() // 10_000), int((~exact).sum())
     assert not q[m:].view(torch.uint8).any()
 
