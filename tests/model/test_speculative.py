@@ -245,7 +245,8 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     (most recent prompt n-gram's) outcome and must fail the bound by a wide margin
     (measured: correct verifier 0.038 / 0.040, wrong rule 0.555 / 0.556, lookahead /
     ngram; suffix decoding, whose drafts also come from earlier requests' outputs in its
-    shared cache, verifies its chains with prompt lookup's rule). Seeds are fixed, so the result is deterministic for a given implementation.
+    shared cache, verifies its chains with prompt lookup's rule). Seeds are fixed, so the
+    result is deterministic for a given implementation.
     """
     out = build_bigram_engine(bigram_source, tmp_path / "engine", mode, max_num_tokens=8192,
                               max_batch_size=1024)

@@ -68,7 +68,7 @@ def request_window(spec: SpeculativeConfig, params: SamplingParams) -> tuple[int
             return None
     elif spec.mode == "lookahead":
         w, n, g = spec.lookahead
-    elif spec.mode in ("ngram", "draft", "suffix"):
+    elif spec.mode in MODES:  # the chain modes: a request names no window
         w, n, g = 1, 1, 0
     else:
         return None
@@ -91,8 +91,8 @@ def validate_request_draft_len(spec: SpeculativeConfig, k: int) -> int:
         raise RequestError(
             f"max_draft_len {k} is not available: this engine was built with speculative "
             f"decoding mode {spec.mode!r}, and a request's max_draft_len applies to draft-model "
-            f"engines and suffix engines (kiln build --speculative-decoding-mode draft --draft-model "
-            f"SOURCE, or suffix); "
+            f"engines and suffix engines (kiln build --speculative-decoding-mode draft "
+            f"--draft-model SOURCE, or suffix); "
             f"drop it or send 0 (plain decoding)", "max_draft_len")
     if k > spec.max_draft_len:
         raise RequestError(
