@@ -28,6 +28,7 @@ def _tree_counts(tree):
     out, stack = {}, [((), tree.root)]
     while stack:
         path, node = stack.pop()
+        assert node.total == sum(c.count for c in node.children.values()), path
         for t, child in node.children.items():
             out[path + (t,)] = child.count
             stack.append((path + (t,), child))

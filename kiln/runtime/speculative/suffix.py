@@ -39,10 +39,11 @@ MIN_TOKEN_PROB = 0.1
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "total", "children")
 
     def __init__(self) -> None:
         self.count = 0  # occurrences of the node's string (as a substring, its end counted)
+        self.total = 0  # the children's counts summed: occurrences with a continuation
         self.children: dict[int, _Node] = {}
 
 
@@ -77,6 +78,7 @@ class SuffixTree:
                     child = node.children[t] = _Node()
                     self.num_nodes += 1
                 child.count += 1
+                node.total += 1
                 nxt.append(child)
             active = nxt
         return active[:keep]
@@ -89,6 +91,7 @@ class SuffixTree:
             for node in [self.root, *active[:keep]]:
                 child = node.children[t]
                 child.count -= 1
+                node.total -= 1
                 if child.count == 0:  # no occurrence left: neither of its descendants'
                     del node.children[t]
                     self.num_nodes -= 1
@@ -108,6 +111,8 @@ class SuffixTree:
         """The best draft after ``context``'s last tokens (see the module docstring)."""
         best = Speculation()
         for m in range(min(len(context), self.depth - 1), min_match - 1, -1):
+            if best.score >= min(max_tokens, math.ceil(m * SPEC_FACTOR)):
+                break  # no shorter match can draft enough to score higher
             node = self.find(context[len(context) - m:])
             if node is None or not node.children:
                 continue
@@ -115,9 +120,8 @@ class SuffixTree:
             s = Speculation(match_len=m)
             prob = 1.0
             while node.children and len(s.tokens) < budget:
-                total = sum(c.count for c in node.children.values())
                 tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-                prob *= child.count / total
+                prob *= child.count / node.total
                 if prob < MIN_TOKEN_PROB:
                     break
                 s.tokens.append(tok)
