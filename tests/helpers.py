@@ -131,13 +131,17 @@ BIGRAM_PROMPT = list(range(CYCLE)) * 2 + [0, 2, 3, 5, 6, 8, 9, 11]  # ends at 11
 
 
 def build_bigram_engine(source: Path, out: Path, mode: str, **limits) -> Path:
-    """The bigram model's float32 engine with lookahead (4,3,4) or prompt lookup (draft 4,
-    match 2): drafts from BIGRAM_PROMPT's n-grams are accepted often."""
+    """The bigram model's float32 engine with lookahead (4,3,4), prompt lookup (draft 4,
+    match 2) or suffix decoding (draft 4, depth 8, match 2+): drafts from BIGRAM_PROMPT's
+    n-grams are accepted often."""
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
 
-    spec = (SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None) if mode == "lookahead"
-            else SpeculativeConfig.from_cli("ngram", None, 4, 2))
+    spec = {"lookahead": lambda: SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None),
+            "ngram": lambda: SpeculativeConfig.from_cli("ngram", None, 4, 2),
+            "suffix": lambda: SpeculativeConfig.from_cli(
+                "suffix", max_draft_len=4, suffix={"suffix_tree_depth": 8,
+                                                   "suffix_min_match": 2})}[mode]()
     build_engine(str(source), out, dtype="float32", max_seq_len=128, speculative=spec,
                  progress=False, **limits)
     return out
