@@ -21,7 +21,7 @@ from typing import Any
 
 from kiln.errors import RequestError
 
-MODES = ("none", "lookahead", "ngram", "draft")
+MODES = ("none", "lookahead", "ngram", "draft", "suffix")
 # Most tokens a draft model proposes per step: each is one sequential forward of the draft,
 # so past a few the acceptance rate (the product of per-token agreement) no longer pays.
 MAX_DRAFT_MODEL_LEN = 16
@@ -32,7 +32,19 @@ MODE_ALIASES = {
     "prompt_lookup": "ngram",
     "draft_target": "draft",
     "draft_model": "draft",
+    "suffix_decoding": "suffix",
 }
+# Mode "suffix" (suffix decoding): a suffix tree of bounded depth over the request's prompt
+# and output, and one over a bounded cache of earlier responses. The depth bounds the match
+# plus the draft (a path of the tree); the cache is counted in responses (memory: about
+# tokens x depth tree nodes per response, so it is the one size that bounds it).
+SUFFIX_DEFAULTS = {"max_draft_len": 16, "suffix_tree_depth": 24, "suffix_min_match": 2,
+                   "suffix_cache_requests": 256}
+MAX_SUFFIX_TREE_DEPTH = 64
+SUFFIX_FIELDS = ("suffix_tree_depth", "suffix_min_match", "suffix_cache_requests")
+SUFFIX_FLAGS = {"suffix_tree_depth": "--suffix-tree-depth",
+                "suffix_min_match": "--suffix-min-match",
+                "suffix_cache_requests": "--suffix-cache-requests"}
 DRAFT_EXAMPLE = "e.g. --draft-model qwen2.5-coder-0.5b for qwen2.5-coder-1.5b"
 FORMULA = "max_draft_len = (N-2 if N>1 else 0) + (W-1+G)*(N-1)"
 PLAIN = (1, 1, 0)
@@ -131,7 +143,7 @@ def parse_window(text: str, flag: str = "--lookahead-config") -> tuple[int, int,
 class SpeculativeConfig:
     """Speculative decoding as recorded in engine.json.
 
-    mode "none" | "lookahead" | "ngram" | "draft". Lookahead records its (W, N, G) window
+    mode "none" | "lookahead" | "ngram" | "draft" | "suffix". Lookahead records its (W, N, G) window
     and the max_draft_len it implies; ngram (prompt lookup) records max_draft_len and the
     n-gram match sizes it tries, longest first (ngram_max_match down to ngram_min_match).
     Draft records max_draft_len (K, 1..MAX_DRAFT_MODEL_LEN) and its draft model:
@@ -140,6 +152,11 @@ class SpeculativeConfig:
     sha256 of that directory's engine.json. The builder fills the last two (``from_cli``
     leaves them None); the three are None in the other modes and then left out of
     engine.json.
+    Suffix records max_draft_len (the most draft tokens per step), ``suffix_tree_depth``
+    (the longest path of its suffix trees: match + draft <= depth), ``suffix_min_match``
+    (the shortest match that drafts) and ``suffix_cache_requests`` (earlier responses kept
+    in the shared cache, oldest evicted first); the three are None in the other modes and
+    then left out of engine.json.
     Build it through ``from_cli`` (validates); the constructor only checks consistency.
     """
 
@@ -151,6 +168,9 @@ class SpeculativeConfig:
     draft_model: str | None = None
     draft_engine: str | None = None
     draft_sha256: str | None = None
+    suffix_tree_depth: int | None = None
+    suffix_min_match: int | None = None
+    suffix_cache_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.lookahead is not None and not isinstance(self.lookahead, tuple):
@@ -189,6 +209,16 @@ class SpeculativeConfig:
                 f"ngram speculative decoding needs max_draft_len >= 1, got "
                 f"{self.max_draft_len}; pass e.g. --max-draft-len 4"
             )
+        if self.mode == "suffix":
+            self._check_suffix()
+        else:
+            for name in SUFFIX_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} {getattr(self, name)} is set but speculative decoding mode is "
+                        f"{self.mode!r}: it applies to mode 'suffix'; pass "
+                        f"--speculative-decoding-mode suffix or drop {SUFFIX_FLAGS[name]}"
+                    )
         if self.mode == "draft":
             self._check_draft()
         else:
@@ -203,6 +233,45 @@ class SpeculativeConfig:
             raise ValueError(
                 f"ngram match sizes min {self.ngram_min_match} / max {self.ngram_max_match} "
                 f"are invalid: need 1 <= min <= max; pass e.g. --ngram-match 3"
+            )
+
+    def _check_suffix(self) -> None:
+        """Mode "suffix": every setting recorded and in range, match + draft within the
+        tree's depth. Messages name the build flag, since ``from_cli`` reports through here."""
+        for name in SUFFIX_FIELDS:
+            if getattr(self, name) is None:
+                raise ValueError(
+                    f"speculative decoding mode 'suffix' records no {name}: the engine must "
+                    f"store it; rebuild with {SUFFIX_FLAGS[name]} (default "
+                    f"{SUFFIX_DEFAULTS[name]})"
+                )
+        depth, match, k = self.suffix_tree_depth, self.suffix_min_match, self.max_draft_len
+        if not 2 <= depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise ValueError(
+                f"--suffix-tree-depth {depth} is invalid: the suffix trees' depth (the longest "
+                f"match plus draft) must be 2 to {MAX_SUFFIX_TREE_DEPTH} (memory grows with "
+                f"it); pass e.g. --suffix-tree-depth {SUFFIX_DEFAULTS['suffix_tree_depth']}"
+            )
+        if not 1 <= match < depth:
+            raise ValueError(
+                f"--suffix-min-match {match} is invalid: the shortest match that drafts must "
+                f"be >= 1 and leave room for a draft token in --suffix-tree-depth {depth} "
+                f"(1 to {depth - 1}); pass e.g. --suffix-min-match 2"
+            )
+        if not 1 <= k <= depth - match:
+            raise ValueError(
+                f"--max-draft-len {k} is invalid for mode 'suffix': a draft follows a match of "
+                f"at least --suffix-min-match {match} on a tree path of at most "
+                f"--suffix-tree-depth {depth} tokens, so 1 <= max_draft_len <= {depth - match}; "
+                f"pass --max-draft-len {min(max(k, 1), depth - match)} or a deeper tree "
+                f"(--suffix-tree-depth {k + match})"
+            )
+        if self.suffix_cache_requests < 0:
+            raise ValueError(
+                f"--suffix-cache-requests {self.suffix_cache_requests} is invalid: the shared "
+                f"cache keeps that many earlier responses and must be >= 0 (0: the request's "
+                f"own text only); pass e.g. --suffix-cache-requests "
+                f"{SUFFIX_DEFAULTS['suffix_cache_requests']}"
             )
 
     def _check_draft(self) -> None:
@@ -240,6 +309,12 @@ class SpeculativeConfig:
         return self.mode != "none"
 
     @property
+    def request_draft_len(self) -> bool:
+        """Whether a request may send ``max_draft_len`` (0 to the engine's): modes whose
+        draft is a chain of up to max_draft_len tokens chosen per step (draft, suffix)."""
+        return self.mode in ("draft", "suffix")
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens fed per sequence per decode step (1 without speculation)."""
         return self.max_draft_len + 1
@@ -250,7 +325,7 @@ class SpeculativeConfig:
         d = dataclasses.asdict(self)
         if self.lookahead is not None:
             d["lookahead"] = list(self.lookahead)
-        for name in ("draft_model", "draft_engine", "draft_sha256"):
+        for name in ("draft_model", "draft_engine", "draft_sha256", *SUFFIX_FIELDS):
             if d[name] is None:
                 del d[name]
         return d
@@ -271,12 +346,15 @@ class SpeculativeConfig:
         ngram_match: int | None = None,
         beam_width: int = 1,
         draft_model: str | None = None,
+        suffix: dict[str, int | None] | None = None,
     ) -> SpeculativeConfig:
         """Validate the build flags and return the config recorded in engine.json.
 
         Mode "draft" (also "draft_target", "draft_model", "draft-target") needs
         ``draft_model`` (--draft-model) and ``max_draft_len`` 1..MAX_DRAFT_MODEL_LEN; its
         ``draft_engine`` and ``draft_sha256`` are left None for the builder to fill.
+        Mode "suffix" (also "suffix_decoding") takes ``suffix`` {field: value or None}
+        (SUFFIX_FIELDS; None: SUFFIX_DEFAULTS) and ``max_draft_len`` (None: the default).
         Raises ValueError with a message naming the flag, its value, the rule and the fix.
         """
         mode_in = mode
@@ -289,6 +367,13 @@ class SpeculativeConfig:
             )
         if draft_model is not None:
             draft_model = str(draft_model)
+        suffix = {k: v for k, v in (suffix or {}).items() if v is not None}
+        if suffix and mode != "suffix":
+            flags = " and ".join(f"{SUFFIX_FLAGS[k]} {v}" for k, v in suffix.items())
+            raise ValueError(
+                f"{flags} given but speculative decoding mode is {mode!r}: they apply to "
+                f"mode 'suffix'; pass --speculative-decoding-mode suffix or drop them"
+            )
         if mode == "none":
             given = [
                 f for f, v in (
@@ -317,6 +402,17 @@ class SpeculativeConfig:
                 f"--draft-model {draft_model} applies to mode 'draft', not {mode!r}; pass "
                 f"--speculative-decoding-mode draft to draft with it, or drop --draft-model"
             )
+        if mode == "suffix":
+            for flag, value in (("--lookahead-config", lookahead_config),
+                                ("--ngram-match", ngram_match)):
+                if value is not None:
+                    raise ValueError(
+                        f"{flag} {value} does not apply to mode 'suffix' (its match length "
+                        f"adapts, from --suffix-min-match up); drop it"
+                    )
+            k = SUFFIX_DEFAULTS["max_draft_len"] if max_draft_len is None else max_draft_len
+            return cls(mode="suffix", max_draft_len=k,
+                       **{name: suffix.get(name, SUFFIX_DEFAULTS[name]) for name in SUFFIX_FIELDS})
         if mode == "draft":
             return cls._draft_from_cli(lookahead_config, max_draft_len, ngram_match,
                                        draft_model)

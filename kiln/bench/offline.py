@@ -131,7 +131,7 @@ def run_requests(
     done: list[float | None] = [None] * len(ids)
     n_out = [0] * len(ids)
     n_prompt = [len(r.prompt_token_ids) for r in requests]
-    steps = 0
+    steps = preemptions = 0
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
@@ -148,6 +148,7 @@ def run_requests(
             if out.finished:
                 done[i] = now
                 n_prompt[i] = len(out.prompt_token_ids)
+                preemptions += out.metrics.num_preemptions
         if progress is not None and advanced:
             progress(advanced)
     elapsed = time.perf_counter() - start
@@ -161,6 +162,7 @@ def run_requests(
     return {
         "elapsed_s": elapsed,
         "num_steps": steps,
+        "num_preemptions": preemptions,
         "num_requests": len(ids),
         "num_finished": sum(d is not None for d in done),
         "prompt_tokens": sum(n_prompt),
@@ -209,6 +211,7 @@ def run_throughput(
         "output_tokens": r["output_tokens"],
         "elapsed_s": elapsed,
         "num_steps": r["num_steps"],
+        "num_preemptions": r["num_preemptions"],
         "requests_per_s": rate(r["num_finished"], elapsed),
         "output_tokens_per_s": rate(r["output_tokens"], elapsed),
         "total_tokens_per_s": rate(r["prompt_tokens"] + r["output_tokens"], elapsed),

@@ -169,6 +169,8 @@ def render_throughput(result: dict, console: Console | None = None) -> None:
     if result.get("num_steps"):  # where a run's time goes: steps x the mean step
         t.add_row("engine steps", str(result["num_steps"]))
         t.add_row("mean step (ms)", f"{1000 * result['elapsed_s'] / result['num_steps']:.2f}")
+    if "num_preemptions" in result:  # KV blocks ran out: requests recomputed from the start
+        t.add_row("preemptions", str(result["num_preemptions"]))
     console.print(t)
     console.print(_summary_table("Per request (all queued at once)",
                                  [("TTFT", result["ttft_s"]), ("TPOT", result["tpot_s"])]))

@@ -203,8 +203,8 @@ def _record(w: Workload, r: dict, card: str, compare: bool) -> dict:
         "num_requests": r["num_requests"],
         "published_num_requests": w.num_requests,
         **{k: r[k] for k in ("prompt_tokens", "output_tokens", "elapsed_s", "num_steps",
-                             "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
-                             "ttft_s", "tpot_s")},
+                             "num_preemptions", "requests_per_s", "output_tokens_per_s",
+                             "total_tokens_per_s", "ttft_s", "tpot_s")},
         "trtllm_output_tokens_per_s": {c: w.published(c) for c in PUBLISHED_CARDS},
         "ratio": r["output_tokens_per_s"] / published if compare else None,
     }

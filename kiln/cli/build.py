@@ -56,8 +56,9 @@ def build(
     speculative_decoding_mode: str = typer.Option(
         "none",
         "--speculative-decoding-mode",
-        help="Speculative decoding: none, lookahead, ngram (prompt lookup) or draft (a draft "
-        "model, --draft-model).",
+        help="Speculative decoding: none, lookahead, ngram (prompt lookup), draft (a draft "
+        "model, --draft-model) or suffix (suffix decoding: the request's text and a cache "
+        "of earlier responses).",
     ),
     lookahead_config: str | None = typer.Option(
         None,
@@ -67,10 +68,26 @@ def build(
     max_draft_len: int | None = typer.Option(
         None, "--max-draft-len",
         help="Most draft tokens per step: lookahead derives it from --lookahead-config (given "
-        "both, they must match); ngram and draft need it (draft: 1 to 16, e.g. 4).",
+        "both, they must match); ngram and draft need it (draft: 1 to 16, e.g. 4); suffix: "
+        "default 16, at most --suffix-tree-depth minus --suffix-min-match.",
     ),
     ngram_match: int | None = typer.Option(
         None, "--ngram-match", help="Longest n-gram matched by ngram (prompt lookup) mode."
+    ),
+    suffix_tree_depth: int | None = typer.Option(
+        None, "--suffix-tree-depth",
+        help="Suffix decoding: the suffix trees' depth, the longest match plus draft (default "
+        "24, at most 64; memory grows with it).",
+    ),
+    suffix_min_match: int | None = typer.Option(
+        None, "--suffix-min-match",
+        help="Suffix decoding: the shortest match of the request's last tokens that drafts "
+        "(default 2); a draft is at most as long as its match.",
+    ),
+    suffix_cache_requests: int | None = typer.Option(
+        None, "--suffix-cache-requests",
+        help="Suffix decoding: earlier responses kept in the server's shared cache, oldest "
+        "evicted first (default 256; 0: each request's own text only).",
     ),
     draft_model: str | None = typer.Option(
         None, "--draft-model", metavar="SOURCE",
@@ -168,6 +185,8 @@ def build(
         max_draft_len=max_draft_len,
         ngram_match=ngram_match,
         draft_model=draft_model,
+        suffix={"suffix_tree_depth": suffix_tree_depth, "suffix_min_match": suffix_min_match,
+                "suffix_cache_requests": suffix_cache_requests},
     )
     finish = None
     if precompile is not False:  # None (the default) and True: it skips itself without CUDA

@@ -169,7 +169,7 @@ def create_app(engine: Any, config: ServerConfig,
             spec = engine.speculative
             w, n, g = spec.lookahead if spec.mode == "lookahead" else (1, 1, 0)
             maxima = {"token_id": engine.model_config.vocab_size - 1, "w": w, "n": n, "g": g,
-                      "k": spec.max_draft_len if spec.mode == "draft" else 0,
+                      "k": spec.max_draft_len if spec.request_draft_len else 0,
                       # a prompt has >= 1 token: max_tokens <= the context minus one
                       "max_tokens": engine.limits.max_seq_len - 1}
             app.openapi_schema = openapi.openapi(

@@ -175,7 +175,8 @@ class SamplingFields(_Body):
                                       "the output is one of them")
     lookahead: Lookahead | None = None
     max_draft_len: int | None = Field(None, ge=0, description=(
-        "draft-model engines: draft tokens per step for this request, 0 (plain decoding) to "
+        "draft-model and suffix engines: most draft tokens per step for this request, 0 "
+        "(plain decoding) to "
         "the engine's max_draft_len; omitted: the engine's"), json_schema_extra={MAX: "k"})
 
     def guided(self) -> tuple[GuidedSpec | None, str | None]:

@@ -98,8 +98,8 @@ def test_fp8_lm_head_per_row_scale_every_path(shape):
         assert y.dtype == torch.float32 and y.shape == (m, n)
         if m == 1:  # W8A16: x as it is
             ref = x.float() @ wd.t()
-        else:  # W8A8: x quantized per tensor, as fp8_linear does everywhere
-            xs = x.float().abs().amax() / 448
+        else:  # W8A8: x quantized per token (no input scale), as fp8_linear does everywhere
+            xs = x.float().abs().amax(-1, keepdim=True) * (1 / 448)
             ref = ((x.float() / xs).clamp(-448, 448).to(FP8).float() * xs) @ wd.t()
         assert _rel(y, ref) < TOL, (shape, m)
         if m > 1:
@@ -149,8 +149,9 @@ def test_gemv_every_candidate_config(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemv_w8a8_equals_scaled_mm(shape):
     """gemv with e4m3 x (W8A8) computes _scaled_mm's function on the same quantized operands,
-    static and dynamic scales, M 1-8, at the default config and, at M = 1 and 8, every
-    W8A8_CONFIGS x split candidate; fp8_linear at M <= 8 takes it where w8a8_wins says."""
+    static (per-tensor) and dynamic (per-token, row-wise _scaled_mm) scales, M 1-8, at the
+    default config and, at M = 1 and 8, every W8A8_CONFIGS x split candidate; fp8_linear at
+    M <= 8 takes it where w8a8_wins says."""
     from kiln.runtime.kernels import gemv as gm
     from kiln.runtime.kernels import gemv_configs
     from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
@@ -162,16 +163,20 @@ def test_gemv_w8a8_equals_scaled_mm(shape):
         x = torch.randn(m, k, device=DEV).to(BF16)
         for static in (torch.tensor(0.02, device=DEV), None):
             xq, xs = quantize_fp8_padded(x, static)
-            ref = torch._scaled_mm(xq, q.t(), scale_a=xs.reshape(()), scale_b=s.reshape(()),
-                                   out_dtype=BF16)[:m]
+            if static is None:  # per token: [M_pad, 1] scales, row-wise
+                ref = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, 1).expand(
+                    1, n).contiguous(), out_dtype=BF16)[:m]
+            else:
+                ref = torch._scaled_mm(xq, q.t(), scale_a=xs.reshape(()),
+                                       scale_b=s.reshape(()), out_dtype=BF16)[:m]
             assert _rel(gm.gemv(xq[:m], q, s, x_scale=xs), ref) < TOL, (shape, m)
             assert _rel(fp8_linear(x, q, s, static), ref) < TOL, (shape, m, "fp8_linear")
-        if m in (1, 8):
-            for cfg in gemv_configs.W8A8_CONFIGS:
-                for split in gemv_configs.split_candidates(n, k, cfg):
-                    c = dict(cfg, SPLIT_K=split)
-                    assert _rel(gm.gemv(xq[:m], q, s, x_scale=xs, config=c), ref) < TOL, (
-                        shape, m, c)
+            if m in (1, 8):
+                for cfg in gemv_configs.W8A8_CONFIGS:
+                    for split in gemv_configs.split_candidates(n, k, cfg):
+                        c = dict(cfg, SPLIT_K=split)
+                        got = gm.gemv(xq[:m], q, s, x_scale=xs, config=c)
+                        assert _rel(got, ref) < TOL, (shape, m, c, static is None)
 
 
 def test_fp8_linear_small_m_w8a8_captures():
@@ -363,21 +368,31 @@ def test_linear_residual_norm_linear_real_shapes(pair, fp8, form, monkeypatch):
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("k", [576, 4096, 14336])
 def test_fp8_quant_bit_exact(m, k):
+    """Static and per-token quantization (one and two passes over a row) equal the eager
+    formulation bit for bit: values, scales, zero pad rows with scale 1e-12."""
+    from kiln.runtime.fp8 import quantize_fp8, quantize_fp8_per_token
     from kiln.runtime.kernels.fp8_quant import quantize_fp8_padded
-    from kiln.runtime.layers.linear import fp8_scale, quantize_fp8
 
     x = (torch.randn(m, k, device=DEV) * 3).to(BF16)
     x[0, :4] = torch.tensor([1e4, -1e4, 0.0, -0.0])  # saturates with the static scale
+    if m > 1:
+        x[-1] = 0  # an all-zero row: scale 1e-12, zeros
     m_pad = -(-m // 16) * 16
     static = torch.tensor(0.37, device=DEV)
     for scale in (static, None):
-        ref_scale = fp8_scale(x) if scale is None else scale
-        ref = quantize_fp8(x, ref_scale)
+        if scale is None:
+            ref, ref_scale = quantize_fp8_per_token(x)
+        else:
+            ref, ref_scale = quantize_fp8(x, scale), scale.reshape(1)
         q, s = quantize_fp8_padded(x, scale)
         assert q.shape == (m_pad, k) and q.dtype == FP8
         assert torch.equal(q[:m].view(torch.uint8), ref.view(torch.uint8)), scale
         assert not q[m:].view(torch.uint8).any()  # pad rows zero
-        assert torch.equal(s.reshape(()), ref_scale.reshape(()))
+        if scale is None:
+            assert s.shape == (m_pad, 1) and torch.equal(s[:m], ref_scale)
+            assert (s[m:] == 1e-12).all()
+        else:
+            assert torch.equal(s, ref_scale)
 
 
 def test_fp8_linear_fused_quant_matches_eager_and_captures():
@@ -391,12 +406,15 @@ def test_fp8_linear_fused_quant_matches_eager_and_captures():
         for xs in (None, x.abs().amax().float() / 448):
             y = lin.fp8_linear(x, q, s, xs)
             # the eager CUDA formulation (same quantized operands, same _scaled_mm)
-            x_scale = lin.fp8_scale(x) if xs is None else xs
-            xq = lin.quantize_fp8(x, x_scale)
-            xq = torch.cat([xq.view(torch.uint8), torch.zeros(
-                -m % 16, 4096, dtype=torch.uint8, device=DEV)]).view(FP8)
-            ref = torch._scaled_mm(xq, q.t(), scale_a=x_scale.reshape(()),
-                                   scale_b=s.reshape(()), out_dtype=BF16)[:m]
+            if xs is None:  # per token, row-wise
+                xq, x_scale = lin.pad_rows(*lin.quantize_fp8_per_token(x), 16)
+                ref = torch._scaled_mm(xq, q.t(), scale_a=x_scale,
+                                       scale_b=lin.rowwise_weight_scale(s, 4096),
+                                       out_dtype=BF16)[:m]
+            else:
+                xq = lin.pad_rows(lin.quantize_fp8(x, xs), None, 16)[0]
+                ref = torch._scaled_mm(xq, q.t(), scale_a=xs.reshape(()),
+                                       scale_b=s.reshape(()), out_dtype=BF16)[:m]
             assert torch.equal(y, ref)
     x = torch.randn(64, 4096, device=DEV).to(BF16)
     lin.fp8_linear(x, q, s)

@@ -198,6 +198,7 @@ def test_bench_throughput_json(engine_dir, tmp_path):
     # where the time went: the engine's steps and the mean step, printed and recorded
     assert r["num_steps"] >= 5 and "engine steps" in proc.stdout
     assert f"{1000 * r['elapsed_s'] / r['num_steps']:.2f}" in proc.stdout
+    assert r["num_preemptions"] == 0 and "preemptions" in proc.stdout
     assert r["output_tokens"] == 30 and r["prompt_tokens"] == 48
     for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s"):
         assert r[key] > 0

@@ -227,3 +227,41 @@ def test_build_help_documents_the_draft_model():
     out = " ".join(kiln("build", "--help").stdout.split())
     assert "--draft-model SOURCE" in out and "ENGINE/draft" in out
     assert "draft (a draft model, --draft-model)" in out
+
+
+def test_suffix_build_records_its_settings_and_inspect_shows_them(tmp_path):
+    out = tmp_path / "suffix"
+    proc = kiln("build", "random:tiny-llama", "-o", str(out), "--dtype", "float32",
+                "--speculative-decoding-mode", "suffix", "--suffix-tree-depth", "12",
+                "--suffix-cache-requests", "64", "--max-draft-len", "6",
+                "--max-num-tokens", "256", "--max-batch-size", "4", "--no-precompile-kernels")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out / "engine.json").read_text())["speculative"]
+    assert {k: spec[k] for k in ("mode", "max_draft_len", "suffix_tree_depth",
+                                 "suffix_min_match", "suffix_cache_requests")} == {
+        "mode": "suffix", "max_draft_len": 6, "suffix_tree_depth": 12,
+        "suffix_min_match": 2, "suffix_cache_requests": 64}
+    shown = kiln("inspect", str(out))
+    assert shown.returncode == 0, shown.stderr
+    for needle in ("suffix_tree_depth", "suffix_cache_requests", "64"):
+        assert needle in shown.stdout, needle
+    gen = kiln("generate", str(out), "hello hello hello", "--max-tokens", "8",
+               "--temperature", "0")
+    assert gen.returncode == 0, gen.stderr
+    assert "shared cache of up to 64 responses" in gen.stderr
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("--max-draft-len", "30"), ["--max-draft-len 30", "1 <= max_draft_len <= 22",
+                                 "--max-draft-len 22"]),
+    (("--suffix-tree-depth", "1"), ["--suffix-tree-depth 1 is invalid", "2 to 64"]),
+    (("--lookahead-config", "5,5,5"), ["--lookahead-config 5,5,5 does not apply to mode "
+                                       "'suffix'"]),
+])
+def test_suffix_flag_errors_are_one_line(tmp_path, args, needles):
+    out = tmp_path / "never"
+    line = one_line_error(kiln("build", "random:tiny-llama", "-o", str(out),
+                               "--speculative-decoding-mode", "suffix", *args))
+    for needle in needles:
+        assert needle in line, line
+    assert not out.exists()

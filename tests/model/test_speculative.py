@@ -233,7 +233,7 @@ def test_request_window_beyond_engine_is_rejected_naming_both(tiny_reference):
     assert not eng.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("mode", ["lookahead", "ngram"])
+@pytest.mark.parametrize("mode", ["lookahead", "ngram", "suffix"])
 def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_path, mode,
                                                              monkeypatch):
     """Joint distribution of 3 sampled tokens vs the exact one, 1500 seeds each way.
@@ -244,7 +244,9 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     the target gives it any probability, no rejection step): it shifts mass to the drafts'
     (most recent prompt n-gram's) outcome and must fail the bound by a wide margin
     (measured: correct verifier 0.038 / 0.040, wrong rule 0.555 / 0.556, lookahead /
-    ngram). Seeds are fixed, so the result is deterministic for a given implementation.
+    ngram; suffix decoding, whose drafts also come from earlier requests' outputs in its
+    shared cache, verifies its chains with prompt lookup's rule). Seeds are fixed, so the
+    result is deterministic for a given implementation.
     """
     out = build_bigram_engine(bigram_source, tmp_path / "engine", mode, max_num_tokens=8192,
                               max_batch_size=1024)

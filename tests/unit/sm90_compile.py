@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 I32_PTRS = {"bt_ptr", "qsl_ptr", "ctx_ptr", "slot_ptr", "pos_ptr", "mask_off_ptr"}
 F32_PTRS = {"ss_ptr", "scale_ptr", "k_scale_ptr", "v_scale_ptr", "part_ptr", "part_acc_ptr",
-            "part_ml_ptr", "xs_ptr", "amax_ptr", "scale_out_ptr", "cache_ptr"}
+            "part_ml_ptr", "xs_ptr", "scale_out_ptr", "cache_ptr"}
 F32_SCALARS = {"eps", "qk_scale", "inv_temp"}
 
 
@@ -92,17 +92,31 @@ def cases():
                 PREFETCH=False)
     yield "gemv W8A8 tensor cores", gemv_kernel._gemv_kernel, w8a8, {
         "w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv"}, 4
+    yield "gemv W8A8 tensor cores, per-token x scales", gemv_kernel._gemv_kernel, dict(
+        w8a8, X_FP8=2), {"w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv"}, 4
     reduce = {"SPLIT_K": 4, "HAS_SCALE": True, "HAS_BIAS": True, "X_FP8": False,
               "BLOCK": 1024, "PDL": True}
     yield "gemv split-K reduce", gemv_kernel._splitk_reduce_kernel, reduce, None, 4
-    norm = {"HAS_RESIDUAL": True, "GATHER": False, "WRITE_RES": True, "BLOCK": 4096,
-            "PDL": True, "STAGED_EARLY": True}
+    yield "gemv split-K reduce, per-token x scales", gemv_kernel._splitk_reduce_kernel, dict(
+        reduce, X_FP8=2), None, 4
+    norm = {"HAS_RESIDUAL": True, "GATHER": False, "WRITE_RES": True, "FP8_OUT": 0,
+            "BLOCK": 4096, "PDL": True, "STAGED_EARLY": True}
     yield "add+rmsnorm", rms_norm._rms_norm_kernel, norm, None, 8
     yield "embedding + rmsnorm", rms_norm._rms_norm_kernel, dict(
         norm, HAS_RESIDUAL=False, GATHER=True), {"rows_ptr": "*i64"}, 8
     yield "add + logit rows + rmsnorm", rms_norm._rms_norm_kernel, dict(
         norm, GATHER=True, WRITE_RES=False), {"rows_ptr": "*i64"}, 8
+    e4m3_out = {"out_ptr": "*fp8e4nv"}
+    yield "add+rmsnorm, e4m3 out, per-token scales", rms_norm._rms_norm_kernel, dict(
+        norm, FP8_OUT=2), e4m3_out, 8
+    yield "embedding + rmsnorm, e4m3 out, static scale", rms_norm._rms_norm_kernel, dict(
+        norm, HAS_RESIDUAL=False, GATHER=True, FP8_OUT=1), {**e4m3_out, "rows_ptr": "*i64"}, 8
     yield "silu_and_mul", activation._silu_and_mul_kernel, {"BLOCK": 1024, "PDL": True}, None, 4
+    yield "silu_and_mul, e4m3 out, per-token scales (two passes)", \
+        activation._silu_and_mul_fp8_kernel, {"DYNAMIC": True, "BLOCK": 4096,
+                                              "ONE_PASS": False, "PDL": True}, e4m3_out, 8
+    yield "silu_and_mul, e4m3 out, static scale", activation._silu_and_mul_fp8_kernel, {
+        "DYNAMIC": False, "BLOCK": 2048, "ONE_PASS": True, "PDL": True}, e4m3_out, 4
     kv = {"IS_FP8": True, "H_PAD": 8, "D_PAD": 128, "PDL": True}
     yield "kv write fp8", kv_write._kv_write_kernel, kv, {
         "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4
@@ -173,9 +187,10 @@ def cases():
         "PDL": True}, ng_ptrs, 4
     yield "ngram commit (draft 8)", ngram._ngram_commit_kernel, {
         "D": 8, "T_PAD": 16, "PDL": True}, ng_ptrs, 1
-    yield "fp8 amax", fp8_quant._amax_kernel, {"ROWS": 16, "BLOCK_K": 256, "PDL": True}, None, 4
-    yield "fp8 quant", fp8_quant._quant_kernel, {
-        "DYNAMIC": True, "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4
+    yield "fp8 quant, static scale", fp8_quant._quant_kernel, {
+        "ROWS": 4, "BLOCK_K": 1024, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 4
+    yield "fp8 quant, per-token scales", fp8_quant._quant_rows_kernel, {
+        "BLOCK_K": 4096, "ONE_PASS": True, "PDL": True}, {"out_ptr": "*fp8e4nv"}, 8
 
 
 # kernels that read the step's staged metadata before their PDL wait (_pdl.staged_early)

@@ -92,6 +92,23 @@ def test_run_throughput_counts_every_token():
     assert not eng.has_unfinished_requests()
 
 
+def test_run_throughput_counts_preemptions_of_finished_requests():
+    """num_preemptions: the finished requests' preemptions summed (KV blocks ran out and
+    they were recomputed), so a run's report says when its batch outgrew the KV pool."""
+
+    class Preempting(FakeEngine):
+        def step(self):
+            outs = super().step()
+            for o in outs:
+                o.metrics.num_preemptions = 2 if o.finished and o.request_id in ("r1", "r4") else 0
+            return outs
+
+    r = run_throughput(Preempting(), num_prompts=6, input_len=4, output_len=3, warmup=False)
+    assert r["num_preemptions"] == 4
+    assert run_throughput(FakeEngine(), num_prompts=3, input_len=4, output_len=3,
+                          warmup=False)["num_preemptions"] == 0
+
+
 def test_run_throughput_with_given_requests():
     eng = FakeEngine()
     reqs = [BenchRequest([1, 2, 3], 2), BenchRequest([4], 6)]

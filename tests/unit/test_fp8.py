@@ -55,7 +55,9 @@ def test_fp8_linear_cpu_matches_dequantized_reference():
     for input_scale in (None, x.abs().max() / 448):
         y = fp8_linear(x, q, s, input_scale, bias)
         assert y.shape == (5, 3, 32) and y.dtype == x.dtype
-        x_scale = x.abs().max() / 448 if input_scale is None else input_scale
+        # dynamic: one scale per token (row), each row's amax * fp32(1 / 448)
+        x_scale = (x.abs().amax(-1, keepdim=True) * (1 / 448) if input_scale is None
+                   else input_scale)
         xd = (x / x_scale).to(FP8).float() * x_scale
         ref = xd @ (q.float() * s).T + bias
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -277,15 +277,26 @@ def _e4m3_grid(m: int, k: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("m", [1, 5, 16, 21])
 def test_fp8_quant_static_and_dynamic(m):
+    from helpers import assert_e4m3_equal
+
     k = 48
+    m_pad = -(-m // 16) * 16
     # exact: values whose quotient is on the e4m3 grid (power-of-two scale), bf16 input
     x = (_e4m3_grid(m, k) * 0.25).to(torch.bfloat16)
-    for scale in (torch.tensor(0.25), None):
-        q, s = fp8_quant.quantize_fp8_padded(x, scale)
-        rq, rs = fp8_quant.quantize_fp8_padded_ref(x, scale)
-        assert q.shape == (-(-m // 16) * 16, k) and q.dtype == FP8
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))  # pad rows zero too
-        assert s.shape == (1,) and torch.equal(s, rs)
+    q, s = fp8_quant.quantize_fp8_padded(x, torch.tensor(0.25))
+    rq, rs = fp8_quant.quantize_fp8_padded_ref(x, torch.tensor(0.25))
+    assert q.shape == (m_pad, k) and q.dtype == FP8
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))  # pad rows zero too
+    assert s.shape == (1,) and torch.equal(s, rs)
+    # dynamic: per token, each row's scale bit-exact (pad rows 1e-12), values as the
+    # reference's up to the interpreter's e4m3 rounding faults (rows of different ranges)
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 10).to(torch.bfloat16)
+    q, s = fp8_quant.quantize_fp8_padded(x)
+    rq, rs = fp8_quant.quantize_fp8_padded_ref(x)
+    assert q.shape == (m_pad, k) and s.shape == (m_pad, 1) and s.dtype == torch.float32
+    assert torch.equal(s, rs) and (s[m:] == 1e-12).all()
+    assert_e4m3_equal(q[:m], rq[:m], (x.float() / rs[:m]).clamp(-448, 448))
+    assert (q.float()[m:] == 0).all()
     # rounding and saturation: within the interpreter's e4m3 rounding (see
     # test_reshape_and_cache_fp8), against the reference
     x = torch.randn(m, k) * 3

@@ -3,8 +3,8 @@
 The engine's lm_head must be e4m3 + one float32 scale per row, exactly quantize_per_row of the
 engine-dtype head (tied models: of the embedding, which stays), for every source; the runtime
 must run that tensor: its logits and greedy tokens equal a transformers reference whose head
-is the FP8 one (on CPU an FP8 linear also quantizes its activations per tensor, dynamically,
-so the reference does too).
+is the FP8 one (an FP8 linear without an input scale also quantizes its activations,
+dynamically, per token, so the reference does too).
 """
 
 from __future__ import annotations
@@ -106,14 +106,15 @@ def _logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 class Fp8Head(torch.nn.Module):
     """A transformers lm_head that is the FP8 head as kiln's CPU FP8 linear runs it: the
-    activations quantized per tensor (amax / 448), both dequantized, float32 matmul."""
+    activations quantized per token (each row's amax * fp32(1 / 448)), both dequantized,
+    float32 matmul."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         self.weight = weight.float() * scale[:, None]  # [V, H], one scale per row
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        xs = (h.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+        xs = (h.abs().amax(-1, keepdim=True).float() * (1 / FP8_MAX)).clamp(min=1e-12)
         x = (h.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * xs
         return x @ self.weight.T
 

@@ -9,11 +9,11 @@ triton is installed (``kiln.runtime.kernels.available()`` says whether it is).
 |---|---|---|
 | paged_attention | ``paged_attention`` | ``paged_attention_ref`` |
 | kv_write | ``reshape_and_cache`` | ``reshape_and_cache_ref`` |
-| rms_norm | ``rms_norm`` / ``fused_add_rms_norm`` | ``fused_add_rms_norm_ref`` |
+| rms_norm | ``rms_norm`` / ``fused_add_rms_norm`` (``_fp8``: e4m3 output, static or per-token scales) | ``fused_add_rms_norm_ref`` |
 | rotary | ``rotary_embedding_`` (in place) | ``rotary_embedding_ref`` |
-| activation | ``silu_and_mul`` | ``silu_and_mul_ref`` |
+| activation | ``silu_and_mul`` / ``silu_and_mul_fp8`` (e4m3 output, static or per-token scales) | ``silu_and_mul_ref`` |
 | gemv | ``gemv`` (M <= 8 rows, tensor-core tiles up to 128; bf16/fp16 or FP8 W8A16 weights), ``gemv_add_rms_norm`` (one row, the add + RMSNorm as its prologue) | ``gemv_ref`` |
-| fp8_quant | ``quantize_fp8_padded`` (static or dynamic scale) | ``quantize_fp8_padded_ref`` |
+| fp8_quant | ``quantize_fp8_padded`` (static per-tensor or dynamic per-token scales) | ``quantize_fp8_padded_ref`` |
 | sampling | ``sample_tokens`` (greedy argmax / Gumbel-max temperature sampling) | ``sample_tokens_ref`` |
 | lookahead | ``lookahead_propose`` / ``lookahead_commit`` (a lookahead step's proposal; verification, n-gram inserts and window shift; one program per request) | ``DeviceLookahead`` (kiln/runtime/speculative/device_lookahead.py) |
 | ngram | ``ngram_propose`` / ``ngram_commit`` (a prompt-lookup step's draft search over the request's tokens; chain verification and the history update; one program per request) | ``DeviceNgram`` (kiln/runtime/speculative/device_ngram.py) |

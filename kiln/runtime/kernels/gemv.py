@@ -55,8 +55,10 @@ def gemv(
     ``activation.silu_and_mul(x)`` [M, K], computed as the tiles are loaded (one kernel for
     the activation and the down projection).
     W8A8: x already e4m3 (``quantize_fp8_padded``'s output, rows past M unread) with its
-    per-tensor ``x_scale`` and FP8 weights: the FP8 tensor cores' product, scaled by
-    weight_scale * x_scale, returned in ``out_dtype`` (bf16/fp16, default bf16):
+    ``x_scale``, per tensor (0-dim or 1 element) or per row ([M_x, 1] float32, M_x >= M,
+    contiguous: the per-token scales, pad rows unread), and FP8 weights: the FP8 tensor
+    cores' product, scaled by weight_scale * x_scale, returned in ``out_dtype`` (bf16/fp16,
+    default bf16):
     ``_scaled_mm``'s function for the small M where it is faster (``w8a8_wins``);
     tensor-core configs only.
     """
@@ -124,6 +126,19 @@ def _check_scale(name: str, t, device: torch.device, needed_with: str,
                          f"(0-dim or 1 element){also}")
 
 
+def _check_x_scale(x_scale, m: int, device: torch.device) -> None:
+    """W8A8's x_scale: float32 on ``device``, per tensor, or one per row of x ([M_x, 1],
+    M_x >= m, contiguous)."""
+    if not isinstance(x_scale, torch.Tensor):
+        raise ValueError("x_scale is required with FP8 x and weights (a float32 tensor)")
+    check_tensor("x_scale", x_scale, dtypes=(torch.float32,), device=device)
+    per_row = (x_scale.dim() == 2 and x_scale.shape[1] == 1 and x_scale.shape[0] >= m
+               and x_scale.is_contiguous())
+    if x_scale.numel() != 1 and not per_row:
+        raise ValueError(f"x_scale has shape {tuple(x_scale.shape)}; gemv takes a per-tensor "
+                         f"scale (0-dim or 1 element) or one per row of x ([>= {m}, 1])")
+
+
 def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> torch.Tensor:
     """gemv's W8A8 form (x e4m3 with x_scale): checks, then the tensor-core kernel."""
     check_tensor("x", x, ndim=2, dtypes=FP8_DTYPES)
@@ -136,7 +151,7 @@ def _gemv_w8a8(x, weight, weight_scale, bias, x_scale, config, out_dtype) -> tor
     if not 1 <= m <= GEMV_MAX_M:
         raise ValueError(f"x has {m} rows; gemv takes 1 to {GEMV_MAX_M} (use _scaled_mm)")
     _check_scale("weight_scale", weight_scale, x.device, "FP8 x and weights", rows=n)
-    _check_scale("x_scale", x_scale, x.device, "FP8 x and weights")
+    _check_x_scale(x_scale, m, x.device)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(out_dtype,), device=x.device)
         check_shape("bias", bias, (n,))

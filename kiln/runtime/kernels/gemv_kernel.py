@@ -108,8 +108,10 @@ def _gemv_kernel(
             tl.store(p_ptrs, acc, mask=out_ok)
         else:
             acc = _scaled(acc, scale_ptr, rows_n[:, None], HAS_SCALE)
-            if X_FP8:
+            if X_FP8 == 1:  # x's scale per tensor
                 acc = acc * tl.load(xs_ptr)
+            elif X_FP8 == 2:  # per row of x (token): column m of the swapped product
+                acc = acc * tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)[None, :]
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
             y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -256,8 +258,10 @@ def _splitk_reduce_kernel(
     for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
         acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
     acc = _scaled(acc, scale_ptr, tl.where(ok, offs, 0), HAS_SCALE)
-    if X_FP8:
+    if X_FP8 == 1:
         acc = acc * tl.load(xs_ptr)
+    elif X_FP8 == 2:
+        acc = acc * tl.load(xs_ptr + m)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if not X_FP8:  # float32 y: the x-dtype result, widened (x_ptr: only its dtype is used)
@@ -286,12 +290,14 @@ def launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: b
     scale_mode = 0 if not fp8 else 1 if weight_scale.numel() == 1 else 2  # 2: one per row
     b = bias if bias is not None else y
     xs = x_scale if x_scale is not None else y
+    # X_FP8: 0 bf16/fp16 x, 1 e4m3 x with one scale, 2 with one scale per row
+    x_fp8 = 0 if x_scale is None else 1 if x_scale.numel() == 1 else 2
     _gemv_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, block_m))](
         x, weight, scale, b, y, part, xs, m, n, k, k_split, x.stride(0), weight.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         EVEN_K=k == split * k_split, SPLIT=split > 1, HAS_SCALE=scale_mode,
         HAS_BIAS=bias is not None, WIDEN=env.triton_interpret(), ACT=silu_and_mul,
-        X_FP8=x_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        X_FP8=x_fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         PREFETCH=not dot and _pdl.prefetch(), ESIZE=weight.element_size(),
         HINT=PREFETCH_HINT_BYTES, W_EVICT=WEIGHT_EVICT,
         **_norm_args(norm, k, y) | _residual_args(res_epi, prenorm, y),
@@ -301,7 +307,7 @@ def launch(x, weight, weight_scale, bias, y, x_scale, cfg: dict, silu_and_mul: b
         block = min(1024, triton.next_power_of_2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
             part, scale, b, y, xs, x, m, n, y.stride(0), SPLIT_K=split, HAS_SCALE=scale_mode,
-            HAS_BIAS=bias is not None, X_FP8=x_scale is not None, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, X_FP8=x_fp8, BLOCK=block, num_warps=4,
             **_pdl.launch_kwargs(),
         )
 

@@ -6,22 +6,38 @@ An FP8 linear ``prefix`` has, in the weights dict (see kiln/artifact/weights.py)
     {prefix}.weight_scale  [] float32              per-tensor dequantization scale, or [N]:
                                                    one per row (the FP8 lm_head)
     {prefix}.input_scale   [] float32              static activation scale (optional; absent
-                                                   means dynamic per-tensor activation scale)
+                                                   means dynamic per-token activation scales)
     {prefix}.bias          [N]                     optional, engine dtype
 
-CUDA runs ``torch._scaled_mm`` (FP8 tensor cores) after one fused Triton kernel quantizes
-the activations into an M-padded buffer (kiln/runtime/kernels/fp8_quant.py; dynamic scales
-add an amax kernel), or, at M <= 8 on large weights (``gemv_configs.w8a8_wins``), the Triton FP8
-tensor-core skinny GEMM on the same quantized activations; everything else, and shapes
-_scaled_mm refuses, runs the dequantized matmul. Both paths quantize activations the same
-way (x -> e4m3(x / s), bit-exact), so the CPU result is the GPU result up to accumulation
-order. A per-row weight scale (the FP8 lm_head) is applied in the GEMV's epilogue, or after a
-float32 _scaled_mm.
+Activation scheme (``Linear.activation_scheme``), the same on every path:
+
+- ``"static"``: x -> e4m3(x / s) with the calibrated per-tensor ``input_scale`` s
+  (`kiln quantize` checkpoints, random FP8 engines);
+- ``"per-token"`` (dynamic): each row (token) t gets its own s_t = max(max|x_t| * fp32(1 /
+  448), 1e-12) and x_t -> e4m3(x_t / s_t) (``fp8.fp8_scale_per_token``); the product's row
+  t is scaled by s_t (compressed-tensors dynamic checkpoints, the FP8 lm_head).
+
+On CUDA the activations are quantized by the kernel that produces them where the GEMM takes
+e4m3 (``Linear.takes_fp8_rows``): the fused add + RMSNorm before qkv and gate_up (and the
+embedding + norm before layer 0's qkv), SiLU-and-mul before down, each writing e4m3 rows and,
+dynamic, one float32 scale per row from the row it holds (kiln/runtime/kernels/rms_norm.py,
+activation.py); an ``Fp8Rows`` carries them to the layer. Any other input (the attention
+output before o_proj, the final norm's rows before an FP8 lm_head) is quantized by one
+kernel (kiln/runtime/kernels/fp8_quant.py). All of them write [M rounded up to 16, K] with
+zero pad rows. The GEMM (``fp8_gemm``) is ``torch._scaled_mm``: a per-tensor scale_a, or
+per-token scales as its row-wise scale_a [M_pad, 1] with scale_b [1, N] (the weight's scale
+per output column; row-wise needs a bf16 result on older torch / cuBLAS, so other compute
+dtypes take the float32 product and scale it after). At M <= 8 on large weights
+(``gemv_configs.w8a8_wins``) the Triton FP8 tensor-core skinny GEMM takes the same e4m3 rows
+(per-tensor or per-row x scale in its epilogue). A per-row weight scale (the FP8 lm_head) is
+applied in the GEMV's epilogue, as _scaled_mm's row-wise scale_b, or after a float32
+_scaled_mm. The CPU and shapes _scaled_mm refuses quantize the same way in torch and run the
+dequantized matmul, so the CPU result is the GPU result up to accumulation order.
 
 Small batches on CUDA (decode: at most ``GEMV_MAX_M`` rows, bf16/fp16 activations) go to
 the Triton skinny GEMM in kiln/runtime/kernels/gemv.py where it was measured faster than cuBLAS
 (``gemv_configs.gemv_wins``). For FP8 weights that path is W8A16: activations stay bf16/fp16, the
-e4m3 weights are widened in registers and accumulated in float32, and ``input_scale`` is not
+e4m3 weights are widened in registers and accumulated in float32, and no activation scale is
 used, which is at least as accurate as W8A8 (only the weights carry FP8 error). float32
 weights, CPU and every other case keep the paths above unchanged.
 
@@ -42,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.runtime import kernels
-from kiln.runtime.fp8 import FP8, FP8_MAX, fp8_scale, quantize_fp8
+from kiln.runtime.fp8 import FP8, pad_rows, quantize_fp8, quantize_fp8_per_token
 from kiln.runtime.kernels import gemv_configs
 from kiln.runtime.kernels.gemv_configs import GEMV_DTYPES
 
@@ -52,6 +68,18 @@ def scaled_mm_ok(m: int, k: int, n: int) -> bool:
     return k % 16 == 0 and n % 16 == 0 and m > 0
 
 
+class Fp8Rows(NamedTuple):
+    """An FP8 linear's input already quantized by the kernel that produced it (the fused
+    RMSNorm, SiLU-and-mul, or fp8_quant): ``q`` [M_pad, K] e4m3 with zero rows past ``m``,
+    ``scale`` the layer's static scale [1] or per-token scales [M_pad, 1] float32, ``m`` the
+    real rows, ``dtype`` the compute dtype the layer returns."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    m: int
+    dtype: torch.dtype
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -59,7 +87,7 @@ def fp8_linear(
     """y = x @ W.T (+ bias) with FP8 weights; x [..., K] in the compute dtype, returns x.dtype.
 
     Activations are quantized per tensor with ``input_scale`` (static, from calibration) or
-    with their own amax (dynamic).
+    per token with each row's own amax (dynamic), see the module docstring.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [M, K]
@@ -67,24 +95,13 @@ def fp8_linear(
     m = x2.shape[0]
     if x.is_cuda and scaled_mm_ok(m, k, n):
         xq, x_scale = _quantize_padded(x2, input_scale)  # [M rounded up to 16, K] e4m3
-        if _w8a8_gemv_takes(m, n, k, x, weight_scale):
-            # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
-            y = _kernels().gemv.gemv(xq[:m], weight, weight_scale.reshape(-1),
-                                     x_scale=x_scale, out_dtype=x.dtype)
-        elif weight_scale.numel() > 1:  # x's scale per tensor, then each row's scale
-            y = (torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
-                                  scale_b=torch.ones((), device=x.device),
-                                  out_dtype=torch.float32)[:m]
-                 * weight_scale.float().reshape(1, -1)).to(x.dtype)
-        else:
-            # weight is [N, K] row-major: weight.t() is the column-major [K, N] it wants
-            y = torch._scaled_mm(
-                xq, weight.t(), scale_a=x_scale.reshape(()),
-                scale_b=weight_scale.float().reshape(()), out_dtype=x.dtype,
-            )[:m]
+        y = fp8_gemm(xq, x_scale, m, weight, weight_scale, x.dtype)
     else:
-        x_scale = fp8_scale(x2) if input_scale is None else input_scale.float()
-        xq = quantize_fp8(x2, x_scale)  # [M, K] e4m3
+        if input_scale is None:
+            xq, x_scale = quantize_fp8_per_token(x2)  # [M, K] e4m3, [M, 1]
+        else:
+            x_scale = input_scale.float()
+            xq = quantize_fp8(x2, x_scale)
         # The reference: the same quantized activations, dequantized, in the compute dtype
         # (float32 accumulation on CPU).
         acc = torch.float32 if x.device.type == "cpu" else x.dtype
@@ -96,28 +113,64 @@ def fp8_linear(
     return y.reshape(*shape[:-1], n)
 
 
-def _w8a8_gemv_takes(m: int, n: int, k: int, x: torch.Tensor,
+def rowwise_weight_scale(weight_scale: torch.Tensor, n: int) -> torch.Tensor:
+    """A weight's scale as ``_scaled_mm``'s row-wise scale_b: [1, N] float32, contiguous."""
+    return weight_scale.float().reshape(1, -1).expand(1, n).contiguous()
+
+
+def fp8_gemm(
+    xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,
+    weight_scale: torch.Tensor, out_dtype: torch.dtype, scale_b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [m, N] = (xq * x_scale) @ (weight * weight_scale)^T in ``out_dtype`` on CUDA, from
+    e4m3 rows xq [M_pad, K] (rows past m zero) with a per-tensor x_scale ([1] or 0-dim) or
+    per-token ones [M_pad, 1]. ``scale_b``: ``rowwise_weight_scale`` of the weight, made
+    once by the caller (else here, for per-token x)."""
+    n, k = weight.shape
+    per_token = x_scale.numel() != 1
+    if _w8a8_gemv_takes(m, n, k, out_dtype, weight_scale):
+        # small M: the Triton FP8 tensor-core GEMM beats cuBLAS here
+        return _kernels().gemv.gemv(xq[:m], weight, weight_scale.reshape(-1),
+                                    x_scale=x_scale, out_dtype=out_dtype)
+    # weight is [N, K] row-major: weight.t() is the column-major [K, N] _scaled_mm wants
+    if not per_token and weight_scale.numel() == 1:
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
+                                scale_b=weight_scale.float().reshape(()),
+                                out_dtype=out_dtype)[:m]
+    if per_token and out_dtype == torch.bfloat16:  # row-wise scales in the epilogue
+        if scale_b is None:
+            scale_b = rowwise_weight_scale(weight_scale, n)
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale_b,
+                                out_dtype=out_dtype)[:m]
+    # the float32 product, then x's scale per row (or per tensor) and the weight's per column
+    one = torch.ones((), dtype=torch.float32, device=xq.device)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=one if per_token else x_scale.reshape(()),
+                         scale_b=one, out_dtype=torch.float32)[:m]
+    if per_token:
+        y = y * x_scale[:m]
+    return (y * weight_scale.float().reshape(1, -1)).to(out_dtype)
+
+
+def _w8a8_gemv_takes(m: int, n: int, k: int, out_dtype: torch.dtype,
                      weight_scale: torch.Tensor) -> bool:
     """Whether gemv's W8A8 form takes this GEMM (``gemv_configs.w8a8_wins``)."""
-    return (x.dtype in GEMV_DTYPES and weight_scale.dtype == torch.float32 and _triton()
+    return (out_dtype in GEMV_DTYPES and weight_scale.dtype == torch.float32 and _triton()
             and gemv_configs.w8a8_wins(m, n, k))
 
 
 def _quantize_padded(
     x2: torch.Tensor, input_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3(x / s) into [M rounded up to 16, K] with zero pad rows (older torch/cuBLAS want
-    M % 16 too), and s: one Triton kernel (two with a dynamic scale), eager without triton."""
+    """e4m3 of x2 [M, K] into [M rounded up to 16, K] with zero pad rows (older torch/cuBLAS
+    want M % 16 too), and its scale (static [1]) or scales (per token [M_pad, 1]): one Triton
+    kernel, eager without triton."""
     xs = None if input_scale is None else input_scale.float()
     if _triton():
         return _kernels().fp8_quant.quantize_fp8_padded(
             x2 if x2.stride(-1) == 1 else x2.contiguous(), xs)
-    x_scale = fp8_scale(x2) if xs is None else xs
-    xq = quantize_fp8(x2, x_scale)
-    pad = -x2.shape[0] % 16
-    if pad:
-        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
-    return xq, x_scale
+    if xs is None:
+        return pad_rows(*quantize_fp8_per_token(x2), 16)
+    return pad_rows(quantize_fp8(x2, xs), None, 16)[0], xs.reshape(1)
 
 
 @functools.cache
@@ -150,13 +203,16 @@ class Linear:
     ``gemv_dtypes``: the activation dtypes for which gemv's kernels take this weight on
     CUDA: a [N, K] row-major weight in that dtype, or FP8 with a float32 scale per tensor or
     per row; a bias in that dtype. Empty: never (a CPU weight, no triton, float32).
+    ``scale_b``: a per-token FP8 layer's weight scale as _scaled_mm's row-wise scale_b
+    [1, N] (CUDA only).
     """
 
     weight: torch.Tensor  # [N, K]
     bias: torch.Tensor | None = None  # [N]
     weight_scale: torch.Tensor | None = None  # FP8 only: [] or [N] float32
-    input_scale: torch.Tensor | None = None  # FP8 only: static activation scale, or dynamic
+    input_scale: torch.Tensor | None = None  # FP8 only: static scale [] float32, or per-token
     gemv_dtypes: tuple[torch.dtype, ...] = ()
+    scale_b: torch.Tensor | None = None  # [1, N] float32
 
     @classmethod
     def from_weights(cls, w: dict[str, torch.Tensor], prefix: str) -> Linear:
@@ -164,32 +220,68 @@ class Linear:
         ``.weight_scale``, optional ``.input_scale``)."""
         weight = w[prefix + ".weight"]
         bias = w.get(prefix + ".bias")
-        scale = input_scale = None
+        scale = input_scale = scale_b = None
         if weight.dtype == FP8:
             scale, input_scale = w.get(prefix + ".weight_scale"), w.get(prefix + ".input_scale")
             if scale is None:
                 raise ValueError(f"{prefix}.weight is FP8 but the weights have no "
                                  f"{prefix}.weight_scale (its dequantization scale)")
+            if input_scale is not None:
+                input_scale = input_scale.float()
+            elif weight.is_cuda:
+                scale_b = rowwise_weight_scale(scale, weight.shape[0])
         gemv_dtypes = _gemv_dtypes(weight, bias, scale) if weight.is_cuda and _triton() else ()
-        return cls(weight, bias, scale, input_scale, gemv_dtypes)
+        return cls(weight, bias, scale, input_scale, gemv_dtypes, scale_b)
 
     @property
     def fp8(self) -> bool:
         return self.weight.dtype == FP8
 
+    @property
+    def activation_scheme(self) -> str:
+        """How the layer quantizes its input: "static" (per tensor, ``input_scale``),
+        "per-token" (dynamic, each row's own scale), "none" (not FP8)."""
+        if not self.fp8:
+            return "none"
+        return "static" if self.input_scale is not None else "per-token"
+
     def gemv_takes(self, x: torch.Tensor, k: int) -> bool:
         """Whether gemv's kernels take this weight for x (its dtype, K = ``k`` columns)."""
         return x.dtype in self.gemv_dtypes and self.weight.shape[1] == k
 
-    def __call__(self, x: torch.Tensor, silu_and_mul: bool = False,
+    def takes_fp8_rows(self, m: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a call on ``m`` rows of ``dtype`` on ``device`` runs the FP8 GEMM on
+        quantized activations (CUDA, triton, a shape _scaled_mm takes, no small-batch
+        GEMV): then whatever produces its input may quantize it (``Fp8Rows``)."""
+        n, k = self.weight.shape
+        return (self.fp8 and device.type == "cuda" and _triton() and scaled_mm_ok(m, k, n)
+                and not self._gemv_runs(m, dtype))
+
+    def __call__(self, x: torch.Tensor | Fp8Rows, silu_and_mul: bool = False,
                  float_out: bool = False) -> torch.Tensor:
-        """y = x @ W.T (+ bias), x [..., K] in the compute dtype.
+        """y = x @ W.T (+ bias), x [..., K] in the compute dtype, or an FP8 layer's input
+        already quantized (``Fp8Rows``: y [m, N]).
 
         ``silu_and_mul``: x is a gate_up output [..., 2K]; the layer takes silu(gate) * up,
         fused into the small-batch GEMV where that runs, else through the Triton activation
-        kernel. ``float_out``: the result in x's dtype, then ``.float()``; the small-batch
-        GEMV stores that float32 value itself (no conversion kernel after it).
+        kernel (which writes the FP8 GEMM's e4m3 input itself). ``float_out``: the result in
+        x's dtype, then ``.float()``; the small-batch GEMV stores that float32 value itself
+        (no conversion kernel after it).
         """
+        if isinstance(x, Fp8Rows):
+            y = self._fp8_rows(x)
+            return y.float() if float_out else y
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.takes_fp8_rows(m, x.dtype, x.device):
+            # the activations' e4m3 rows from one kernel: the SiLU-and-mul, or the quant
+            x2 = x.reshape(m, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            kern = _kernels()
+            q, s = (kern.activation.silu_and_mul_fp8(x2, self.input_scale) if silu_and_mul
+                    else kern.fp8_quant.quantize_fp8_padded(x2, self.input_scale))
+            y = self._fp8_rows(Fp8Rows(q, s, m, x.dtype)).reshape(*x.shape[:-1], -1)
+            return y.float() if float_out else y
         if silu_and_mul and not (x.is_cuda and self._silu_fuses(x)):
             x, silu_and_mul = _silu_and_mul(x), False  # the fused prologue loses here
         if x.is_cuda:
@@ -204,21 +296,30 @@ class Linear:
             y = fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         return y.float() if float_out else y
 
+    def _fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
+        """The FP8 GEMM on quantized activations (+ bias): [m, N] in x.dtype."""
+        y = fp8_gemm(x.q, x.scale, x.m, self.weight, self.weight_scale, x.dtype, self.scale_b)
+        return y if self.bias is None else y + self.bias
+
+    def _gemv_runs(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether the small-batch GEMV takes m rows of ``dtype`` (``gemv_wins``)."""
+        n, k = self.weight.shape
+        return (dtype in self.gemv_dtypes and 1 <= m <= gemv_configs.GEMM_MAX_M
+                and gemv_configs.gemv_wins(m, n, k, self.fp8))
+
     def _small_m_gemv(self, x: torch.Tensor, silu_and_mul: bool,
                       out_dtype: torch.dtype | None) -> torch.Tensor | None:
         """The Triton skinny GEMM for a small CUDA batch, or None where it does not apply."""
         k = x.shape[-1] // 2 if silu_and_mul else x.shape[-1]
         m = x.numel() // x.shape[-1] if k else 0
-        n = self.weight.shape[0]
-        if not (self.gemv_takes(x, k) and 1 <= m <= gemv_configs.GEMM_MAX_M
-                and gemv_configs.gemv_wins(m, n, k, self.fp8)):
+        if not (self.gemv_takes(x, k) and self._gemv_runs(m, x.dtype)):
             return None
         x2 = x.reshape(m, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = _kernels().gemv.gemv(x2, self.weight, self.weight_scale, self.bias,
                                  silu_and_mul=silu_and_mul, out_dtype=out_dtype)
-        return y.reshape(*x.shape[:-1], n)
+        return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
     def _silu_fuses(self, x: torch.Tensor) -> bool:
         """Whether the SiLU-and-mul of x goes into this layer's GEMV loads."""
@@ -243,15 +344,35 @@ def linear_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(rms_norm(x + residual) * norm_weight), x + residual) on the Triton path: one
     kernel where the GEMV takes the norm as its prologue (``norm_prologue_applies``: batch 1
-    on CUDA), else the fused add + RMSNorm kernel, then the layer."""
+    on CUDA), else the fused add + RMSNorm kernel (writing the layer's e4m3 rows where it
+    takes them, ``Linear.takes_fp8_rows``), then the layer."""
     if (x.is_cuda and x.dim() == 2 and layer.gemv_takes(x, x.shape[1])
             and x.stride(-1) == 1 and residual.stride(-1) == 1
             and gemv_configs.norm_prologue_applies(x.shape[0], layer.weight.shape[0],
                                                    x.shape[1], layer.weight.dtype)):
         return _kernels().gemv.gemv_add_rms_norm(x, residual, norm_weight, eps, layer.weight,
                                                  layer.weight_scale, layer.bias)
+    if layer.takes_fp8_rows(x.shape[0], x.dtype, x.device):  # the norm writes e4m3 rows
+        q, s, h = _kernels().rms_norm.fused_add_rms_norm_fp8(x, residual, norm_weight, eps,
+                                                             layer.input_scale)
+        return layer(Fp8Rows(q, s, x.shape[0], x.dtype)), h
     xn, h = _kernels().rms_norm.fused_add_rms_norm(x, residual, norm_weight, eps)
     return layer(xn), h
+
+
+def linear_embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    layer: Linear,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(rms_norm(table[ids]) * norm_weight), table[ids]) on the Triton path: the
+    embedding rows and the first norm in one kernel, which writes the layer's e4m3 rows
+    where it takes them (``Linear.takes_fp8_rows``), then the layer."""
+    rms_norm = _kernels().rms_norm
+    if layer.takes_fp8_rows(ids.shape[0], table.dtype, table.device):
+        q, s, h = rms_norm.embed_rms_norm_fp8(ids, table, norm_weight, eps, layer.input_scale)
+        return layer(Fp8Rows(q, s, ids.shape[0], table.dtype)), h
+    x, h = rms_norm.embed_rms_norm(ids, table, norm_weight, eps)
+    return layer(x), h
 
 
 def linear_residual_norm_linear(

@@ -9,10 +9,11 @@ fused one (Triton kernels: add+RMSNorm, which at batch 1 the next projection's G
 as its prologue, rotary fused into the KV write, SiLU-and-mul, which the down projection's
 GEMV may take in its loads; the embedding with the first norm, and the last residual add
 with the logit rows and the final norm, each one kernel), used with the Triton attention
-backend. The fused kernels keep the reference's rounding points (the
-residual add is rounded to the compute dtype, RMSNorm statistics in float32) except rotary,
-which computes in float32 and rounds once; float32 results are identical up to FMA
-contraction.
+backend. With FP8 linears the norms and SiLU-and-mul write the next GEMM's e4m3 input
+themselves (kiln/runtime/layers/linear.py). The fused kernels keep the reference's rounding
+points (the residual add is rounded to the compute dtype, RMSNorm statistics in float32)
+except rotary, which computes in float32 and rounds once; float32 results are identical up
+to FMA contraction.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kiln.runtime.layers.attention import AttentionBackend, AttentionMetadata
 from kiln.runtime.layers.linear import (
     Linear,
     linear_add_rms_norm,
+    linear_embed_rms_norm,
     linear_residual_norm_linear,
 )
 from kiln.runtime.layers.norm import rms_norm
@@ -171,17 +173,17 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids, positions, cache, meta, logit_rows) -> torch.Tensor:
         """``forward`` through the Triton kernels (same contract). Graph-safe: no host syncs."""
-        from kiln.runtime.kernels.rms_norm import embed_rms_norm, gather_add_rms_norm
+        from kiln.runtime.kernels.rms_norm import gather_add_rms_norm
 
         cfg, w, lin, eps = self.cfg, self.w, self.linears, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
         if self.parallel:  # the embedding is a sum over the ranks, then the norm
             h = self.embed(input_ids)
-            x = rms_norm(h, w["layers.0.input_norm.weight"], eps)
+            qkv = lin["layers.0.qkv"](rms_norm(h, w["layers.0.input_norm.weight"], eps))
         else:  # the embedding rows (h, the residual) and layer 0's norm: one kernel
-            x, h = embed_rms_norm(input_ids, w["embed_tokens.weight"],
-                                  w["layers.0.input_norm.weight"], eps)
-        qkv = lin["layers.0.qkv"](x)
+            qkv, h = linear_embed_rms_norm(input_ids, w["embed_tokens.weight"],
+                                           w["layers.0.input_norm.weight"], eps,
+                                           lin["layers.0.qkv"])
         project = self._project_parallel if self.parallel else linear_residual_norm_linear
         for i in range(cfg.num_layers):
             p = f"layers.{i}."

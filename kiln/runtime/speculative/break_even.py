@@ -107,7 +107,7 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
     None for engines that do not speculate, that have requests in flight or that cannot
     hold ``batch`` dummy requests."""
     spec = engine.speculative
-    if (spec.mode not in ("lookahead", "ngram", "draft") or engine.has_unfinished_requests()
+    if (not spec.enabled or engine.has_unfinished_requests()
             or batch > engine.scheduler.max_num_seqs):
         return None
     vocab = engine.model_config.vocab_size
