@@ -84,6 +84,20 @@ def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool):
     return out
 
 
+def drain_checking_spec_state(eng, worker) -> dict:
+    """Step ``eng`` until every request finishes, checking after each step that the
+    speculative template left no saved state and no request holds a draft; returns the
+    finished outputs by request id."""
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        assert len(worker.saved) == 0 and not worker.saved.active
+        assert all(r.draft is None for r in eng._requests.values())
+    return done
+
+
 def tv(a: dict, b: dict) -> float:
     """Total variation distance between two histograms (counts or probabilities)."""
     na, nb = sum(a.values()), sum(b.values())

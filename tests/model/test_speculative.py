@@ -16,6 +16,7 @@ import torch
 from helpers import (
     BIGRAM_PROMPT,
     build_bigram_engine,
+    drain_checking_spec_state,
     exact_three_token_distribution,
     mixed_prompts,
     tv,
@@ -416,13 +417,7 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
 
         monkeypatch.setattr(eng.runner, "execute", oom_once)
     ids = [eng.add_request(p, _greedy()) for p in prompts]
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-        assert len(worker.saved) == 0 and not worker.saved.active
-        assert all(r.draft is None for r in eng._requests.values())
+    done = drain_checking_spec_state(eng, worker)
     failed = [i for i in ids if done[i].finish_reason == "error"]
     if fault == "verify":
         assert failed == [calls["victim"]]

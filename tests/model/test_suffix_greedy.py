@@ -10,7 +10,7 @@ no state behind and keeps the failed request's text out of the cache.
 from __future__ import annotations
 
 import pytest
-from helpers import mixed_prompts
+from helpers import drain_checking_spec_state, mixed_prompts
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -110,13 +110,7 @@ def test_a_failing_suffix_verification_fails_its_request_alone(tiny_reference, m
 
     monkeypatch.setattr(type(worker), "verify", flaky)
     ids = [eng.add_request(p, _greedy()) for p in prompts]
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-        assert len(worker.saved) == 0 and not worker.saved.active
-        assert all(r.draft is None for r in eng._requests.values())
+    done = drain_checking_spec_state(eng, worker)
     failed = [i for i in ids if done[i].finish_reason == "error"]
     assert failed == [calls["victim"]]
     assert "speculative verification failed: RuntimeError: injected" in done[failed[0]].error
