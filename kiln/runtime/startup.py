@@ -103,7 +103,8 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                     *(kv_scales or ()))
     blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     scheduler = Scheduler(blocks, max_num_seqs=sizing.max_num_seqs,
-                          max_num_tokens=sizing.max_num_tokens)
+                          max_num_tokens=sizing.max_num_tokens, max_seq_len=limits.max_seq_len,
+                          reserve=config.reserve_kv)
     t_cache = time.perf_counter()
     runner = ModelRunner(model, cache, device)
     # under tp every rank holds the same state and runs the same device steps
