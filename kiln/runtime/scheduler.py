@@ -268,11 +268,14 @@ class Scheduler:
         cont = [r for r in reqs if r.num_computed_tokens == r.num_tokens
                 and not r.ends_on_length_after(1, max_seq_len)]
         rest = [r for r in self.running if r.num_computed_tokens < r.num_tokens]
-        if admit is None and (not cont or (self.waiting and len(cont) < self.max_num_seqs)):
+        # waiting requests the KV reservation holds out (``_held``) would not be admitted by
+        # schedule() either: they do not make the next step wait for the host
+        admits = bool(self.waiting) and not self._held
+        if admit is None and (not cont or (admits and len(cont) < self.max_num_seqs)):
             return None
         if rest and (admit is None or any(r.draft is not None or not admit(r) for r in rest)):
             return None
-        if (admit is not None and self.waiting and len(self.running) < self.max_num_seqs
+        if (admit is not None and admits and len(self.running) < self.max_num_seqs
                 and not admit(self.waiting[0])):
             return None  # the next in line needs the host: schedule() admits it now
         need = sum(self.blocks.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table)
@@ -306,12 +309,12 @@ class Scheduler:
         plan (``req.draft``, set by the worker), staged as if each committed one token
         (``spec_in_flight``); KV is allocated for the worst case, ``max_new`` committed.
         None, allocating nothing, when the next step needs the plain ``schedule``: a
-        request finished or has no device plan, requests wait, a length limit is within
-        reach, or blocks run out."""
+        request finished or has no device plan, requests wait (unless the KV reservation
+        holds them out), a length limit is within reach, or blocks run out."""
         reqs = [r for r, _ in launched.items]
         plain_set = set(plain)
         plans = [r for r in reqs if r not in plain_set]
-        if self.waiting or len(reqs) != len(self.running) or any(
+        if (self.waiting and not self._held) or len(reqs) != len(self.running) or any(
                 r.is_finished or r.ends_on_length_after(1, max_seq_len) for r in plain) or any(
                 r.is_finished or r.draft is None or r.draft.device_slot is None
                 or r.ends_on_length_after(max_new, max_seq_len) for r in plans):

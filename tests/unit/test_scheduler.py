@@ -233,3 +233,31 @@ def test_unknown_lengths_are_expected_at_the_finished_requests_mean():
     off.add(a)
     off.add(b)
     assert [x for x, _ in off.schedule().items] == [a, b]
+
+
+def test_requests_the_reservation_holds_out_do_not_stop_scheduling_ahead():
+    """A waiting request the KV reservation keeps out would not be admitted by schedule()
+    either: the decode step after a launched one is still scheduled ahead (without
+    ``admit``, as speculative engines call it), until a running request finishes."""
+    bm = BlockManager(10, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
+    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    launched = sched.schedule()
+    assert [r for r, _ in launched.items] == reqs[:2] and list(sched.waiting) == [reqs[2]]
+    _run(sched, launched, new_tokens=False)
+    launched = sched.schedule()  # the reservation holds reqs[2] out
+    assert [r for r, _ in launched.items] == reqs[:2]
+    _run(sched, launched, new_tokens=False)
+    ahead = sched.schedule_ahead(launched, max_seq_len=100)
+    assert ahead is not None and [r for r, _ in ahead.items] == reqs[:2]
+    # without the reservation a request waits only for free blocks: schedule() decides
+    off = Scheduler(BlockManager(5, 4), max_num_seqs=8, max_num_tokens=100, reserve=False)
+    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        off.add(r)
+    launched = off.schedule()
+    assert [r for r, _ in launched.items] == reqs[:2] and list(off.waiting) == [reqs[2]]
+    _run(off, launched, new_tokens=False)
+    assert off.schedule_ahead(launched, max_seq_len=100) is None
