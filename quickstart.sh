@@ -28,7 +28,11 @@ elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; the
   "$PY" -m pip install torch
 else
   echo "quickstart: no NVIDIA GPU: installing torch from PyTorch's CPU index" >&2
-  "$PY" -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+  if ! "$PY" -m pip install torch --index-url https://download.pytorch.org/whl/cpu; then
+    # a machine that reaches PyPI only (a proxy, a CI runner): PyPI's build runs on the CPU too
+    echo "quickstart: PyTorch's CPU index is out of reach: installing PyPI's torch" >&2
+    "$PY" -m pip install torch
+  fi
 fi
 "$PY" -m pip install -e .
 

@@ -27,6 +27,10 @@ class RuntimeConfig:
     max_num_seqs: int | None = None
     max_num_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # Admit a waiting request only while the KV pool holds what it and the running requests
+    # are expected to grow to (kiln/runtime/scheduler.py); off: admit while its prompt fits
+    # and preempt (recompute) the newest when blocks run out.
+    reserve_kv: bool = field(default_factory=lambda: env_flag("KILN_RESERVE_KV", True))
     gpu_memory_utilization: float = 0.85
     # "auto": the Triton kernels on CUDA when triton imports, else the torch reference.
     attention_backend: str = field(

@@ -13,6 +13,9 @@ kiln/env.py, which the sources and the CLI read without importing the runtime.
   shorter start-up; default ``1``: graphs for them too).
 - ``KILN_ASYNC_SCHEDULING``: ``0`` waits for a step's tokens before scheduling the next one
   (default ``1``: the next decode step is launched first; same results).
+- ``KILN_RESERVE_KV``: ``0`` admits a waiting request while its prompt fits the KV pool and
+  preempts the newest when blocks run out (default ``1``: admission reserves the KV the
+  running requests are expected to grow to; kiln/runtime/scheduler.py).
 - ``KILN_ADAPTIVE_SPECULATION``: ``0`` always speculates (default ``1``: a request pauses
   speculation while it commits fewer tokens per step than the step costs; same results).
 - ``KILN_DEVICE_SPECULATION``: ``1`` keeps greedy speculative requests' state on the

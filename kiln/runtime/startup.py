@@ -84,7 +84,12 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                        max_positions=limits.max_seq_len + limits.max_num_tokens + 64, tp=tp)
     t_model = time.perf_counter()
     bs = config.block_size
-    block_bytes = KVCache.bytes_per_block(c.num_layers, bs, c.num_kv_heads, c.head_dim, dtype)
+    kv_scales = fp8_kv_scales(weights, c.num_layers)  # None: KV in `dtype`
+    kv_dtype = dtype if kv_scales is None else torch.float8_e4m3fn
+    # the pool is sized at the cache's own element size (an FP8 cache holds twice the tokens
+    # of a bf16 one in the same memory)
+    block_bytes = KVCache.bytes_per_block(c.num_layers, bs, c.num_kv_heads, c.head_dim,
+                                          kv_dtype)
     if draft is not None:  # a block id holds the request's target and draft KV
         dc = draft[0]
         block_bytes += KVCache.bytes_per_block(dc.num_layers, bs, dc.num_kv_heads, dc.head_dim,
@@ -94,13 +99,12 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
         pool = dataclasses.replace(pool, num_blocks=tp.agree_num_blocks(pool.num_blocks))
     sizing = size_engine(limits, pool, config)
     limits, num_blocks = sizing.limits, pool.num_blocks  # the limits it serves
-    kv_scales = fp8_kv_scales(weights, c.num_layers)  # None: KV in `dtype`
-    cache = KVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim,
-                    dtype if kv_scales is None else torch.float8_e4m3fn, device,
+    cache = KVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, kv_dtype, device,
                     *(kv_scales or ()))
     blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     scheduler = Scheduler(blocks, max_num_seqs=sizing.max_num_seqs,
-                          max_num_tokens=sizing.max_num_tokens)
+                          max_num_tokens=sizing.max_num_tokens, max_seq_len=limits.max_seq_len,
+                          reserve=config.reserve_kv)
     t_cache = time.perf_counter()
     runner = ModelRunner(model, cache, device)
     # under tp every rank holds the same state and runs the same device steps

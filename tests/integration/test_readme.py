@@ -122,14 +122,18 @@ def test_install_says_how_to_install_on_cpu_only_and_cuda_machines():
 _STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
 case "$*" in "-c import torch") exit 1 ;; esac
+case "$*" in *download.pytorch.org*) [ -n "$STUB_NO_CPU_INDEX" ] && exit 1 ;; esac
+exit 0
 """
 
 
-@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "nvidia"])
-def test_quickstart_installs_the_right_torch_then_serves(tmp_path, gpu):
+@pytest.mark.parametrize("gpu,cpu_index", [(False, True), (True, True), (False, False)],
+                         ids=["cpu-only", "nvidia", "cpu-only-pypi-only"])
+def test_quickstart_installs_the_right_torch_then_serves(tmp_path, gpu, cpu_index):
     """`bash quickstart.sh` (the Install section's one command), with the venv's python and
-    kiln stubbed to log their arguments: torch from the CPU index without an NVIDIA GPU,
-    PyPI's with one, then kiln, then `kiln serve smollm2-135m ARGS`."""
+    kiln stubbed to log their arguments: torch from the CPU index without an NVIDIA GPU
+    (PyPI's when that index is out of reach, as on a machine that reaches PyPI only), PyPI's
+    with one, then kiln, then `kiln serve smollm2-135m ARGS`."""
     assert ["bash", "quickstart.sh"] in [c for b in code_blocks(section("Install"))
                                          for c in commands(b)]
     venv, bin_dir, log = tmp_path / "venv", tmp_path / "bin", tmp_path / "log"
@@ -144,10 +148,14 @@ def test_quickstart_installs_the_right_torch_then_serves(tmp_path, gpu):
     path = os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"])
     r = subprocess.run(["bash", str(REPO / "quickstart.sh"), "--port", "0"], capture_output=True,
                        text=True, timeout=60, env={"PATH": path, "KILN_VENV": str(venv),
-                                                   "STUB_LOG": str(log), "HOME": str(tmp_path)})
+                                                   "STUB_LOG": str(log), "HOME": str(tmp_path),
+                                                   "STUB_NO_CPU_INDEX": "" if cpu_index else "1"})
     assert r.returncode == 0, r.stderr
     torch = ["python -m pip install torch"] if gpu else [
         "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"]
+    if not cpu_index:
+        torch.append("python -m pip install torch")
+        assert "PyTorch's CPU index is out of reach" in r.stderr
     calls = [c for c in log.read_text().splitlines() if not c.startswith("nvidia-smi")]
     assert calls == ["python -c import torch", *torch, "python -m pip install -e .",
                      "kiln serve smollm2-135m --port 0"], calls

@@ -127,7 +127,7 @@ def test_draft_with_preemption_recomputes_the_draft_kv(engines, device):
     plain = _engine(engines["llama"], None, max_seq_len=256)
     want = [o.token_ids for o in plain.generate(prompts, _greedy(48))]
     eng = _engine(engines["llama"], engines["qwen2"], max_seq_len=256, num_kv_blocks=24,
-                  device_speculation=device)
+                  reserve_kv=False, device_speculation=device)
     got = eng.generate(prompts, _greedy(48))
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert [o.token_ids for o in got] == want

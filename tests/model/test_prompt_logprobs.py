@@ -93,7 +93,7 @@ def test_prompt_logprobs_under_preemption(tiny):
     # a cache far too small for every request (forced recompute preemption) and a
     # 16-token budget: some requests are preempted between prompt chunks or while decoding
     eng = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
-        device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16))
+        device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16, reserve_kv=False))
     outs = eng.generate(prompts, _params(n=24))
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     for prompt, out in zip(prompts, outs):

@@ -78,7 +78,7 @@ def test_mixed_windows_in_one_batch_with_preemption(tiny_reference, on_device):
     plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
     small = LLMEngine.from_engine_dir(
         out, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=80, max_num_tokens=200,
-                           device_speculation=on_device))
+                           reserve_kv=False, device_speculation=on_device))
     windows = [PLAIN, *WINDOWS, None, (4, 3, 4)]  # None: the engine's own (7,7,7)
     params = [_greedy(window=w) for w in windows]
     outs = small.generate(prompts, params)
@@ -164,7 +164,7 @@ def test_device_ngram_in_mixed_batches_with_preemption(tiny_reference):
 
     def run(on_device):
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-            device="cpu", block_size=4, num_kv_blocks=80, max_num_tokens=200,
+            device="cpu", block_size=4, num_kv_blocks=80, max_num_tokens=200, reserve_kv=False,
             device_speculation=on_device))
         outs = eng.generate(prompts, params)
         eng.blocks.check_all_free()

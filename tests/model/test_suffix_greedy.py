@@ -62,7 +62,7 @@ def test_suffix_in_mixed_batches_with_preemption_chunked_prefill_and_an_abort(
     plain = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu")).generate(
         prompts, _greedy(window=PLAIN))
     eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-        device="cpu", block_size=4, num_kv_blocks=90, max_num_tokens=48))
+        device="cpu", block_size=4, num_kv_blocks=90, max_num_tokens=48, reserve_kv=False))
     eng.generate(prompts[:4], _greedy())  # some continuations cached
     params = [_greedy(window=PLAIN if i % 4 == 0 else None) for i in range(len(prompts))]
     params[1] = SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=7,

@@ -35,7 +35,7 @@ LOOKAHEAD = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
 NGRAM = SpeculativeConfig.from_cli("ngram", None, 4, 2)
 # 8 mixed-length prompts, a 16-token budget (chunked prefill) and a cache far too small for
 # all of them (recompute preemption)
-SMALL = dict(device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16)
+SMALL = dict(device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16, reserve_kv=False)
 
 
 def _run(engine_dir, prompts, params=GREEDY, **config):
@@ -288,7 +288,8 @@ def test_smollm2_tp3_equals_tp1(smollm2_gguf, tmp_path):
     build_engine("smollm2-135m", tmp_path / "tp1", **opts)
     spec = build_engine("smollm2-135m", tmp_path / "tp3", tp=3, **opts)
     assert spec.parallel.kv_heads == "split" and spec.parallel.vocab_size_padded == 49152
-    small = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_tokens=32)
+    small = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_tokens=32,
+                 reserve_kv=False)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     eng = LLMEngine.from_engine_dir(tmp_path / "tp1", RuntimeConfig(device="cpu"))
     prompts = [eng.apply_chat_template([{"role": "user", "content": p}])

@@ -36,7 +36,7 @@ def test_greedy_matches_transformers_alone_and_in_a_preempting_batch(tiny):
     # Together: 8 mixed-length requests, a 16-token budget (chunked prefill) and a cache far
     # too small for all of them (forced recompute preemption).
     small = LLMEngine.from_engine_dir(
-        engine_dir, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=32,
+        engine_dir, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=32, reserve_kv=False,
                                   max_num_tokens=16))
     outs = small.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs

@@ -63,8 +63,9 @@ def test_preemption_and_prefix_cache_equal_sync(engine_dir):
     prompts[3] = prompts[1][:16] + prompts[3]  # a shared prefix of 4 full blocks
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     # 40 blocks of 4 tokens: 8 requests of up to 60 tokens cannot all stay resident
-    ref, _, _ = _run(engine_dir, False, prompts, params, num_kv_blocks=40)
-    got, ahead, eng = _run(engine_dir, True, prompts, params, num_kv_blocks=40)
+    ref, _, _ = _run(engine_dir, False, prompts, params, num_kv_blocks=40, reserve_kv=False)
+    got, ahead, eng = _run(engine_dir, True, prompts, params, num_kv_blocks=40,
+                           reserve_kv=False)
     assert got == ref
     assert ahead > 0
     outs = eng.last_outputs

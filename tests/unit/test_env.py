@@ -18,12 +18,14 @@ def test_env_flag_reads_unset_as_the_default_and_0_or_empty_as_off(monkeypatch):
 
 def test_runtime_config_defaults_come_from_the_environment(monkeypatch):
     for name in ("KILN_CUDA_GRAPHS", "KILN_PREFILL_GRAPHS", "KILN_ASYNC_SCHEDULING",
-                 "KILN_ADAPTIVE_SPECULATION", "KILN_ATTENTION_BACKEND"):
+                 "KILN_ADAPTIVE_SPECULATION", "KILN_ATTENTION_BACKEND", "KILN_RESERVE_KV"):
         monkeypatch.delenv(name, raising=False)
     cfg = RuntimeConfig()
     assert cfg.attention_backend == "auto"
     assert cfg.cuda_graphs and cfg.prefill_graphs and cfg.async_scheduling
-    assert cfg.adaptive_speculation
+    assert cfg.adaptive_speculation and cfg.reserve_kv
+    monkeypatch.setenv("KILN_RESERVE_KV", "0")
+    assert not RuntimeConfig().reserve_kv
     monkeypatch.setenv("KILN_ATTENTION_BACKEND", "torch")
     monkeypatch.setenv("KILN_PREFILL_GRAPHS", "0")
     cfg = RuntimeConfig()

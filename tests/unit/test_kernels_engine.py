@@ -71,7 +71,7 @@ def test_staged_graph_path_with_preemption_and_prefix_cache(tiny_reference):
 
     def run(backend):
         eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
-            device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16,
+            device="cpu", block_size=4, num_kv_blocks=32, max_num_tokens=16, reserve_kv=False,
             attention_backend=backend, cuda_graphs=True))
         outs = eng.generate(prompts, params)
         eng.blocks.check_all_free()

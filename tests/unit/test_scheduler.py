@@ -6,8 +6,9 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 
 
-def _req(rid, n):
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=100), frozenset())
+def _req(rid, n, max_tokens=100, ignore_eos=False):
+    return Request(rid, list(range(1, n + 1)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), frozenset())
 
 
 def _run(sched, batch, new_tokens=True):
@@ -52,7 +53,8 @@ def test_max_num_seqs_caps_admission():
 
 def test_preemption_frees_the_newest_and_it_recomputes_later():
     bm = BlockManager(6, 4)  # 24 token slots
-    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
+    # without the admission's KV reservation (which would keep b waiting: see below)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100, reserve=False)
     a, b = _req("a", 8), _req("b", 12)
     sched.add(a)
     sched.add(b)
@@ -95,7 +97,8 @@ def test_schedule_ahead_allocates_one_more_token_or_nothing():
     chunk, waiting requests with a free slot or a request at its length limit leave the
     choice to schedule()."""
     blocks = BlockManager(3, 4)
-    sched = Scheduler(blocks, max_num_seqs=2, max_num_tokens=16)
+    # reserve=False: pools smaller than the admission would reserve
+    sched = Scheduler(blocks, max_num_seqs=2, max_num_tokens=16, reserve=False)
     a, b = _req("a", 4), _req("b", 3)
     sched.add(a)
     sched.add(b)
@@ -127,7 +130,8 @@ def test_schedule_ahead_with_admit_adds_prompt_chunks_and_admissions():
     accepts, within the token budget; a chunk that does not fit the free blocks waits
     (nothing is preempted ahead)."""
     blocks = BlockManager(16, 4)
-    sched = Scheduler(blocks, max_num_seqs=4, max_num_tokens=10)
+    # reserve=False: pools smaller than the admission would reserve
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_tokens=10, reserve=False)
     a, b = _req("a", 3), _req("b", 20)
     sched.add(a)
     sched.add(b)
@@ -161,7 +165,8 @@ def test_schedule_ahead_with_admit_adds_prompt_chunks_and_admissions():
 
 def test_schedule_ahead_with_admit_leaves_a_chunk_that_does_not_fit():
     blocks = BlockManager(4, 4)
-    sched = Scheduler(blocks, max_num_seqs=4, max_num_tokens=10)
+    # reserve=False: pools smaller than the admission would reserve
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_tokens=10, reserve=False)
     a, b = _req("a", 3), _req("b", 15)
     sched.add(a)
     sched.add(b)
@@ -170,3 +175,89 @@ def test_schedule_ahead_with_admit_leaves_a_chunk_that_does_not_fit():
     batch = sched.schedule_ahead(launched, max_seq_len=100, admit=lambda r: True)
     # a's 4th token fits its block; b's last 8 tokens need 2 more blocks, 1 is free
     assert batch.items == [(a, 1)] and blocks.num_free_blocks == 1
+
+
+def test_admission_reserves_the_known_growth_of_running_requests():
+    """ignore_eos requests end at max_tokens: a waiting one is admitted only while the pool
+    holds every running request at its end and it too, so nothing is ever preempted; the
+    one that waits is admitted once a running request finishes."""
+    bm = BlockManager(10, 4)  # 40 token slots; each request ends at 8 + 12 = 20 tokens
+    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
+    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    assert [r for r, _ in sched.schedule().items] == reqs[:2]  # 2 x 5 blocks: the pool
+    assert list(sched.waiting) == [reqs[2]]
+    preempted = 0
+    while reqs[0].num_tokens < 20 or reqs[1].num_tokens < 20:
+        batch = sched.schedule()
+        preempted += len(batch.preempted)
+        assert [r for r, _ in batch.items] == reqs[:2]
+        _run(sched, batch)
+    assert preempted == 0
+    for r in reqs[:2]:
+        r.finish("length")
+        sched.finish(r)
+    assert [r for r, _ in sched.schedule().items] == [reqs[2]]
+    assert sched.expected_tokens(reqs[2]) == 20
+
+
+def test_unknown_lengths_are_expected_at_the_finished_requests_mean():
+    """Without ignore_eos a request may stop any time: its expected end is its prompt plus
+    the mean output of the requests that finished (512 before any), at most max_tokens and
+    max_seq_len, never less than it holds; the admission reserves that much."""
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_tokens=100,
+                      max_seq_len=300)
+    r = _req("r", 10, max_tokens=1000)
+    assert sched.expected_tokens(r) == 300  # 10 + 512, past max_seq_len
+    assert sched.expected_tokens(_req("s", 10, max_tokens=20)) == 30
+    for n, reason in ((10, "stop"), (21, "length"), (99, "abort")):  # aborts do not count
+        done = _req(f"d{n}", 4)
+        done.output_token_ids = [7] * n
+        done.finish(reason)
+        sched.finish(done)
+    assert sched.expected_tokens(r) == 10 + 16  # mean of 10 and 21, rounded up
+    r.output_token_ids = [7] * 30
+    r.all_token_ids += [7] * 30
+    assert sched.expected_tokens(r) == 40  # already past the estimate: what it holds
+    # a running request expected to grow to 80 tokens (20 blocks) keeps a 22-block pool's
+    # admission to what is left beside it
+    sched = Scheduler(BlockManager(22, 4), max_num_seqs=8, max_num_tokens=200)
+    a, b = _req("a", 8, max_tokens=72), _req("b", 8, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    assert [x for x, _ in sched.schedule().items] == [a]  # b needs 4 blocks, 20 + 4 > 22
+    assert list(sched.waiting) == [b]
+    off = Scheduler(BlockManager(22, 4), max_num_seqs=8, max_num_tokens=200, reserve=False)
+    a, b = _req("a", 8, max_tokens=72), _req("b", 8, max_tokens=8)
+    off.add(a)
+    off.add(b)
+    assert [x for x, _ in off.schedule().items] == [a, b]
+
+
+def test_requests_the_reservation_holds_out_do_not_stop_scheduling_ahead():
+    """A waiting request the KV reservation keeps out would not be admitted by schedule()
+    either: the decode step after a launched one is still scheduled ahead (without
+    ``admit``, as speculative engines call it), until a running request finishes."""
+    bm = BlockManager(10, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
+    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    launched = sched.schedule()
+    assert [r for r, _ in launched.items] == reqs[:2] and list(sched.waiting) == [reqs[2]]
+    _run(sched, launched, new_tokens=False)
+    launched = sched.schedule()  # the reservation holds reqs[2] out
+    assert [r for r, _ in launched.items] == reqs[:2]
+    _run(sched, launched, new_tokens=False)
+    ahead = sched.schedule_ahead(launched, max_seq_len=100)
+    assert ahead is not None and [r for r, _ in ahead.items] == reqs[:2]
+    # without the reservation a request waits only for free blocks: schedule() decides
+    off = Scheduler(BlockManager(5, 4), max_num_seqs=8, max_num_tokens=100, reserve=False)
+    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        off.add(r)
+    launched = off.schedule()
+    assert [r for r, _ in launched.items] == reqs[:2] and list(off.waiting) == [reqs[2]]
+    _run(off, launched, new_tokens=False)
+    assert off.schedule_ahead(launched, max_seq_len=100) is None

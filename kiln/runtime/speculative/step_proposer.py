@@ -244,13 +244,13 @@ class SpeculativeProposer(StepProposer):
         flight: ``in_flight``), then each plan request with its next plan (``req.draft``),
         staged as if each committed one token (``spec_in_flight``); KV is allocated for the
         worst case, ``width`` committed. None, allocating nothing, when the next step needs
-        the plain ``schedule``: a request finished or has no device plan, requests wait, a
-        length limit is within reach, or blocks run out."""
+        the plain ``schedule``: a request finished or has no device plan, one waits that
+        schedule() may admit, a length limit is within reach, or blocks run out."""
         sched, blocks, max_len = self.scheduler, self.scheduler.blocks, self.max_seq_len
         reqs = [r for r, _ in launched.items]
         plain_set = set(plain)
         plans = [r for r in reqs if r not in plain_set]
-        if sched.waiting or len(reqs) != len(sched.running) or any(
+        if sched.admission_pending() or len(reqs) != len(sched.running) or any(
                 r.is_finished or r.ends_on_length_after(1, max_len) for r in plain) or any(
                 r.is_finished or r.draft is None or r.draft.device_slot is None
                 or r.ends_on_length_after(self.width, max_len) for r in plans):
