@@ -1,16 +1,15 @@
 """LLMEngine: add_request / step / abort. The only entry point serve and bench use.
 
-A step is schedule -> launch -> collect. The scheduler decides what runs (token budget,
-blocks, admission, preemption); the model runner runs it; the sampler picks tokens on
-the device; collecting commits them to their requests and builds the step's outputs.
-With async scheduling a step whose tokens can be chosen on the device alone is launched
-and, before its tokens are read, the step after it is scheduled (``schedule_ahead``) and
-launched on top: the host's work of one step overlaps the GPU's work of the next.
+Every step is schedule -> launch -> collect. The scheduler decides what runs (token budget,
+blocks, admission, preemption); the model runner runs it; the sampler picks tokens (on the
+device where it can); collecting commits them and builds the step's outputs. Speculation is
+the ``StepProposer``'s (a plain step is one whose proposer proposes nothing). With async
+scheduling, before a launched step's tokens are read, the step after it is scheduled
+(``schedule_ahead``) and launched on top: the host's work overlaps the GPU's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 import time
@@ -22,24 +21,19 @@ import torch
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.config import ModelConfig
-from kiln.dtypes import TORCH_DTYPES
 from kiln.errors import RequestError
 from kiln.runtime.config import EngineLimits, RuntimeConfig
 from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.guided import mask_logits
-from kiln.runtime.layers.sampler import INVALID_TOKEN, describe_bad_row, kernels_enabled
-from kiln.runtime.models.calibration import ActivationCalibrator
+from kiln.runtime.layers.sampler import kernels_enabled
+from kiln.runtime.loading import load_engine_dir
 from kiln.runtime.outputs import RequestOutput
-from kiln.runtime.prompt_logprobs import score_prompt_rows
 from kiln.runtime.request import Request, check_prompt, request_output
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledBatch
-from kiln.runtime.speculative.break_even import spec_break_even
-from kiln.runtime.speculative.pace import gate_batch
-from kiln.runtime.speculative.worker import on_device
-from kiln.runtime.speculative.workers import make_worker, request_window
+from kiln.runtime.speculative.step_proposer import make_proposer
 from kiln.runtime.startup import assemble
-from kiln.runtime.step import LaunchedStep, StepResult, TokenReadback, sample_logits
+from kiln.runtime.step import (LaunchedStep, StepResult, TokenReadback, read_result,
+                               sample_on_device, sample_on_host)
 
 if TYPE_CHECKING:
     from kiln.runtime.parallel import Ranks
@@ -85,7 +79,11 @@ class LLMEngine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.spec_worker = make_worker(self.speculative, parts.device_state, parts.draft)
+        # the one speculative seam: what the step asks of speculation (plain: nothing)
+        self.proposer = make_proposer(self.speculative, parts.device_state, parts.draft,
+                                      self.scheduler, self.runner, self._device_samples,
+                                      self.limits.max_seq_len)
+        self.spec_worker = self.proposer.worker
         self._guided_compiler = None
         self._requests: dict[str, Request] = {}
         self._failed: list[Request] = []  # failed in the running step; reported with its outputs
@@ -97,74 +95,21 @@ class LLMEngine:
         # that ran synchronously (host plans, or rows the device cannot sample alone)
         self.spec_stats = {"steps": 0, "accepted_tokens": 0, "engine_steps": 0,
                            "sync_engine_steps": 0}
-        self.spec_break_even = None  # set below, once the engine can run steps
         # compiled kernels the engine directory shipped for this machine (from_engine_dir)
         self.kernels_installed: dict[str, int] = {}
         self.async_scheduling = config.async_scheduling  # may be switched between steps
         self._inflight: LaunchedStep | None = None
         # the host copies of a step's samples, or of a device speculative step's commits
-        # ([B, N + 1]: tokens and their count) and its plain rows' samples
-        # the most a device speculative step commits per request (0: none on the device)
-        self._spec_width = parts.device_state.commit_width if parts.device_state else 0
+        # ([B, N + 1]: tokens and their count; N: the most one commits) and plain samples
+        width = parts.device_state.commit_width if parts.device_state else 0
         seqs = self.scheduler.max_num_seqs
-        self._readback = TokenReadback((seqs + 1) * (self._spec_width + 1) + seqs,
-                                       self.device)
-        if self.spec_worker:
-            t_pace = time.perf_counter()
-            self.spec_break_even = spec_break_even(self)
-            self.startup_times["spec_break_even_s"] = time.perf_counter() - t_pace
-            self.startup_times["total_s"] += self.startup_times["spec_break_even_s"]
+        self._readback = TokenReadback((seqs + 1) * (width + 1) + seqs, self.device)
+        self.proposer.start(self)  # once the engine can run steps
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, config: RuntimeConfig | None = None) -> LLMEngine:
-        """Load a directory written by ``kiln build``."""
-        from kiln.artifact.loader import load_engine
-
-        config = config or RuntimeConfig()
-        art = load_engine(path)
-        spec = art.spec
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        from kiln.runtime.kernels import tuning  # build-time tuned kernel configs (no re-tuning)
-
-        tuning.install(spec.kernel_configs, device)
-        kernels, kernels_s = {}, 0.0
-        if torch.device(device).type == "cuda":  # before anything compiles
-            from kiln.runtime.kernel_cache import install_for_engine
-
-            kernels, kernels_s = install_for_engine(Path(path), device)
-        dtype = TORCH_DTYPES[spec.dtype]
-        lim = spec.limits
-        limits = EngineLimits(lim.max_batch_size, lim.max_seq_len, lim.max_input_len,
-                              lim.max_num_tokens)
-        t0 = time.perf_counter()
-        tp = None
-        if spec.tp > 1:  # the other ranks start first and load their shards meanwhile
-            from kiln.runtime.parallel import Ranks
-            from kiln.runtime.parallel.worker import follow_launched
-
-            tp = Ranks.start(Path(path), spec.parallel, spec.model, torch.device(device),
-                             dataclasses.replace(config, device=str(device)),
-                             follow=follow_launched)
-        try:
-            weights = art.load_weights(device, dtype, calibrator=ActivationCalibrator)
-            tokenizer = art.load_tokenizer()
-            draft = ((art.draft.spec.model,
-                      art.draft.load_weights(device, dtype, calibrator=ActivationCalibrator))
-                     if getattr(art, "draft", None) is not None else None)
-            load_s = time.perf_counter() - t0
-            engine = cls(spec.model, weights, tokenizer, limits, dtype, config, spec=spec,
-                         draft=draft, tp=tp)
-        except BaseException:
-            if tp is not None:
-                tp.kill()
-            raise
-        engine.startup_times = {"load_weights_s": load_s, **engine.startup_times,
-                                "total_s": load_s + engine.startup_times["total_s"]}
-        if kernels:  # the engine shipped compiled kernels for this machine
-            engine.startup_times = {"install_kernels_s": kernels_s, **engine.startup_times,
-                                    "total_s": kernels_s + engine.startup_times["total_s"]}
-            engine.kernels_installed = kernels
-        return engine
+        """Load a directory written by ``kiln build`` (kiln.runtime.loading)."""
+        return load_engine_dir(cls, path, config)
 
     # -- requests ------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict],
@@ -210,11 +155,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.eos_token_ids)
         if params.guided is not None:
             req.matcher = self.guided_compiler.compile(params.guided)
-        window = request_window(self.speculative, params)
-        if window is not None:
-            self.spec_worker.init_request(req, window)
-            if self.spec_break_even is not None and params.seed is None:
-                req.spec_pace = self.spec_worker.pace(req, self.spec_break_even)
+        self.proposer.add_request(req, params)
         self.detokenizer.init_request(req)
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -267,12 +208,11 @@ class LLMEngine:
             batch = self._schedule()
             if not batch:
                 return []
-            if not self._can_launch(batch):
-                return self._run(batch)
-            cur = self._launch(batch, scatter=self._fill(batch))
+            on_host = not self._can_launch(batch)
+            cur = self._launch(batch, None, self.proposer.fill(batch, self.fail_request), on_host)
         self._step_reqs = list(cur.reqs)
         # Its KV is queued on the device and every input id of it is on the host now (a
-        # speculative step counts one token each here; its commit brings the rest).
+        # verified request counts one token here; its commit brings the rest).
         self.scheduler.after_step(cur.batch.unfinished(), cur.advance)
         try:
             self._inflight = self._launch_next(cur)
@@ -282,11 +222,8 @@ class LLMEngine:
         return self._collect(cur)
 
     def _schedule(self) -> ScheduledBatch:
-        """Draft plans for the requests that speculate now, then the scheduler's batch."""
-        if self.spec_worker is not None:
-            running = list(self.scheduler.running)
-            self._gate(running)
-            self.spec_worker.propose_all(running, self.fail_request)
+        """The proposer's plans for the requests that speculate now, then the batch."""
+        self.proposer.propose(self.scheduler.running, self.fail_request)
         batch = self.scheduler.schedule()
         self._step_reqs = [r for r, _ in batch.items]
         if not batch and self.scheduler.waiting and not self.scheduler.running:
@@ -296,47 +233,13 @@ class LLMEngine:
                               f"{self.blocks.block_size} tokens); give the engine more KV blocks")
         return batch
 
-    def _gate(self, running: list[Request]) -> None:
-        """Pacing at the batch running now: which speculating requests may speculate in
-        the next step (``gate_batch``; requests of device slots ride along)."""
-        if self.spec_break_even is None:
-            return
-        self.spec_break_even.batch = max(len(running), 1)
-        paced = [r for r in running if r.spec_state is not None]
-        gate_batch([r.spec_pace for r in paced], len(running), self.spec_break_even,
-                   [on_device(r) for r in paced])
-
-    def _fill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The worker completes the step's plans (a draft model draws its drafts):
-        token ids for the step's input rows, or None."""
-        return (self.spec_worker.fill(batch, self.fail_request)
-                if self.spec_worker is not None else None)
-
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """A step that needs the host between forward and commit (drafts to verify, a
-        grammar, penalties, logprobs, seeds): forward, sample, verify, commit."""
-        result = self.forward_and_sample(batch, self._fill(batch))
-        if self.spec_worker is not None and any(r.draft is not None for r, _ in batch.items):
-            self.spec_stats["sync_engine_steps"] += 1
-            self.spec_worker.step(batch, result, self.cache, self.fail_request)
-        live = batch.unfinished()
-        committed = self._commit_all(result)
-        # requests that failed while committing have no blocks left
-        self.scheduler.after_step(ScheduledBatch([(r, n) for r, n in live.items
-                                                  if r.error is None]), result.advance)
-        return self._outputs(committed, result)
-
     def _can_launch(self, batch: ScheduledBatch) -> bool:
-        """Whether the step's tokens can be chosen on the device alone (plain decode rows,
-        no grammar, no penalties / logprobs / seeds; or device speculative plans, with
-        such plain rows beside them). A step scoring prompt tokens runs synchronously
-        (``_run``: the scores are read with its tokens)."""
+        """Whether the step's tokens can be chosen on the device alone (no grammar, no
+        penalties / logprobs / seeds, no plans to verify on the host; ``proposer.launchable``).
+        A step scoring prompt tokens needs the host (the scores are read with its tokens)."""
         if not self.async_scheduling or batch.num_prompt_rows():
             return False
-        if self._device_spec_step(batch):
-            return True
-        reqs = [r for r, _ in batch.items]
-        return all(r.draft is None for r in reqs) and self._device_samples(reqs)
+        return self.proposer.launchable(batch, self._device_samples)
 
     def _device_samples(self, reqs: list[Request]) -> bool:
         """Whether the device alone picks these requests' next tokens (no grammar, and
@@ -347,158 +250,56 @@ class LLMEngine:
                                              kernels=self.device.type == "cuda"
                                              and kernels_enabled()))
 
-    def _device_spec_step(self, batch: ScheduledBatch) -> bool:
-        """A step of plans proposed and verified on the device (DeviceSpecStep), and
-        beside them only plain decode rows whose tokens the device samples alone (one
-        token each, at the end of what the request has; ``batch.in_flight`` counts a
-        token in flight)."""
-        if self.runner.spec_step is None or not batch.items:
-            return False
-        plain = []
-        for r, n in batch.items:
-            if r.draft is None:
-                if n != 1 or r.num_computed_tokens + 1 != r.num_tokens + batch.in_flight:
-                    return False
-                plain.append(r)
-            elif r.draft.device_slot is None or n != r.draft.num_tokens:
-                return False
-        return len(plain) < len(batch.items) and (not plain or self._device_samples(plain))
-
     def _launch(self, batch: ScheduledBatch, inputs: torch.Tensor | None = None,
-                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> LaunchedStep:
-        """Queue the forward and the sampling of ``batch`` on the device (``inputs``: the
-        device token ids of a batch scheduled ahead; ``scatter``: ``_fill``'s). A batch of
-        device speculative plans is verified and committed on the device; its commits are
-        copied back instead."""
+                scatter: tuple[torch.Tensor, torch.Tensor] | None = None,
+                on_host: bool = False) -> LaunchedStep:
+        """Queue the forward of ``batch`` on the device (``inputs``: the device token ids of
+        a batch scheduled ahead; ``scatter``: the proposer's ``fill``) and choose its tokens:
+        samples, and the commits of plans verified on the device, copied back without a
+        sync; or, ``on_host``, sampled and verified on the host now."""
         fwd = (self.runner.execute(batch, inputs) if scatter is None
                else self.runner.execute(batch, inputs, scatter))
-        if fwd.spec_entries:
-            self.spec_worker.after_forward(fwd)
-            reqs = [r for r, _ in batch.items]
-            for r in reqs:
-                r.draft = None  # a plan is one step's
-            packed = fwd.spec.packed()
-            plain, tokens = [], None
-            if fwd.sample_rows:  # plain rows beside the plans: sampled here, read together
-                plain, logits = sample_logits(fwd)
-                tokens = self.sampler.choose(logits, [r.params for r in plain],
-                                             [r.generator for r in plain])
-                host, ready = self._readback.start(torch.cat([packed.reshape(-1), tokens]))
-            else:
-                host, ready = self._readback.start(packed)
-            return LaunchedStep(batch, reqs, tokens, host, ready, fwd.spec_entries,
-                                {r: 1 for r in reqs}, plain=plain,
-                                spec_shape=tuple(packed.shape))
-        reqs, logits = sample_logits(fwd)
-        tokens = self.sampler.choose(logits, [r.params for r in reqs],
-                                     [r.generator for r in reqs])
-        return LaunchedStep(batch, reqs, tokens, *self._readback.start(tokens))
+        self.proposer.after_forward(fwd)
+        if not on_host:
+            return sample_on_device(batch, fwd, self.proposer.verdict(fwd, batch),
+                                    self.sampler, self._readback)
+        result = sample_on_host(fwd, self.sampler, self.fail_request)
+        if self.proposer.verify(batch, fwd, result, self.cache, self.fail_request):
+            self.spec_stats["sync_engine_steps"] += 1
+        return LaunchedStep(batch, [r for r, _ in batch.items], result=result,
+                            advance={r: 1 for r in result.verified})
 
     def _launch_next(self, cur: LaunchedStep) -> LaunchedStep | None:
-        """Launch the step after ``cur`` before its tokens are known, or None when the next
-        step needs the host (the plain scheduler then runs after it). Without speculation
-        the step may carry prompt chunks and admissions beside the decodes
-        (``Scheduler.schedule_ahead``): the host schedules, stages and launches the next
-        step while the GPU runs this one, also while prompts keep arriving."""
-        if not self.async_scheduling:
+        """Launch the step after ``cur`` before its tokens are read, or None when the next
+        step needs the host (the scheduler then runs after it): the proposer's next device
+        plans after ``cur``'s, else, when no request may speculate next, the scheduler's
+        ``schedule_ahead``, which may add prompt chunks and admissions beside the decodes:
+        the host schedules, stages and launches the next step while the GPU runs this one."""
+        if not self.async_scheduling or cur.result is not None:
             return None
-        if cur.spec_entries is not None:
-            return self._launch_spec_ahead(cur)
-        if any(_may_speculate_next(r) for r in cur.reqs):
+        if cur.spec_entries:
+            batch, scatter = self.proposer.schedule_chain(cur, self.fail_request)
+        elif self.proposer.may_speculate(cur.reqs):
             return None  # a draft needs the in-flight token
-        admit = self._joins_ahead if self.spec_worker is None else None
-        batch = self.scheduler.schedule_ahead(cur.batch, self.limits.max_seq_len, admit)
-        return None if batch is None else self._launch(batch, cur.inputs_for(batch))
+        else:
+            admit = self._joins_ahead if self.proposer.admits_ahead else None
+            batch, scatter = self.scheduler.schedule_ahead(cur.batch, self.limits.max_seq_len,
+                                                           admit), None
+        if batch is None:
+            return None
+        return self._launch(batch, cur.inputs_for(batch) if cur.plain else None, scatter)
 
     def _joins_ahead(self, req: Request) -> bool:
         """Whether ``req`` may run a prompt chunk in a step launched ahead: the device alone
-        picks its tokens and it scores no prompt positions (those are read with the
-        step's tokens, ``_run``)."""
+        picks its tokens and it scores no prompt positions (those need the host)."""
         return not req.scores_prompt and self._device_samples([req])
 
-    def _launch_spec_ahead(self, cur: LaunchedStep) -> LaunchedStep | None:
-        """The next device speculative step of ``cur``'s requests, launched before ``cur``'s
-        commits are read: the device state already holds them (the next x is its bonus
-        token), and the device moves the step's positions and slots on by what ``cur``
-        committed. None when the chain stops (a request finished or pauses, requests wait,
-        a length limit or the KV blocks are near): the plain scheduler runs next."""
-        reqs = cur.reqs
-        if any(r.is_finished for r in reqs):
-            return None
-        self._gate(reqs)  # every request of a device slot here: all ride along, or none
-        dev = [r for r in reqs if r not in cur.plain]
-        if not any(r.spec_pace is None or r.spec_pace.active for r in dev):
-            return None
-        if not all(self.spec_worker.chainable(r) for r in dev):
-            return None
-        self.spec_worker.propose_batch(dev, self.fail_request)
-        batch = self.scheduler.schedule_spec_ahead(cur.batch, self._spec_width,
-                                                   self.limits.max_seq_len, cur.plain)
-        scatter = None
-        try:
-            if batch is not None and self._device_spec_step(batch):
-                scatter = self._fill(batch)
-            else:
-                batch = None
-        except Exception as e:  # the plain scheduler's step retries request by request
-            print(f"warning: a speculative step launched ahead could not draft "
-                  f"({type(e).__name__}: {e}); the next step runs after this one",
-                  file=sys.stderr, flush=True)
-            batch = None
-        if batch is None:
-            for r in dev:
-                r.draft = None
-            return None
-        # the plain rows come first: their inputs are their samples in flight
-        return self._launch(batch, cur.inputs_for_plain(batch) if cur.plain else None,
-                            scatter)
-
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Read a launched step's tokens (the step's one host sync) and commit them."""
-        if launched.spec_entries is not None:
-            return self._collect_spec(launched)
-        result = StepResult()
-        for req, tok in zip(launched.reqs, self._readback.read(launched)):
-            if tok == INVALID_TOKEN:
-                self.fail_request(req, "sampling", "its logits row is not finite (NaN or inf "
-                                  "in the model's output)")
-            elif not req.is_finished:  # aborted while in flight: its token is dropped
-                result.tokens[req] = [tok]
-        return self._outputs(self._commit_all(result), result)
-
-    def _collect_spec(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Read a launched device speculative step's commits (one host sync) and commit
-        them; each request's computed count, one at launch, moves on by the rest. Plain
-        rows beside the plans commit their sample."""
-        rows = self._readback.read(launched)
-        result = StepResult()
-        if launched.plain:
-            n, w = launched.spec_shape
-            flat, rows = rows, [rows[i * w : (i + 1) * w] for i in range(n)]
-            for req, tok in zip(launched.plain, flat[n * w :]):
-                if tok == INVALID_TOKEN:
-                    self.fail_request(req, "sampling", "its logits row is not finite (NaN "
-                                      "or inf in the model's output)")
-                elif not req.is_finished:
-                    result.tokens[req] = [tok]
-        plain = set(launched.plain)
-        for req in launched.reqs:
-            if req.is_finished or req in plain:
-                continue  # aborted or stopped in the step before (dropped), or a plain row
-            row = rows[launched.spec_entries[req]]
-            if row[-1] < 1:
-                self.fail_request(req, "speculative verification", "the device step "
-                                  "committed no token")
-                continue
-            result.add_verified(req, row[: row[-1]])
-        committed = self._commit_all(result)
-        for req, n in result.advance.items():
-            req.num_computed_tokens += n - 1
-        return self._outputs(committed, result)
-
-    def _commit_all(self, result: StepResult) -> dict[Request, int]:
-        """Append each request's tokens (a failure fails that request); how many each
-        appended. A speculative request's KV advance is capped at what it committed."""
+        """Read a launched step's tokens (its one host sync; a step chosen on the host has
+        them) and append them to their requests (a failure fails that request). A verified
+        request's computed count, one at launch, moves on by the rest it committed."""
+        result = (launched.result if launched.result is not None
+                  else read_result(launched, self._readback.read(launched), self.fail_request))
         self.num_steps += 1
         now = time.perf_counter()
         committed: dict[Request, int] = {}
@@ -510,8 +311,8 @@ class LLMEngine:
                 self.fail_request(req, "committing its tokens", e)
                 continue
             if req in result.advance:
-                result.advance[req] = min(result.advance[req], committed[req])
-        return committed
+                req.num_computed_tokens += min(result.advance[req], committed[req]) - 1
+        return self._outputs(committed, result)
 
     def _outputs(self, committed: dict[Request, int], result: StepResult
                  ) -> list[RequestOutput]:
@@ -528,8 +329,7 @@ class LLMEngine:
                     req.metrics.spec_tokens += n
                     self.spec_stats["steps"] += 1
                     self.spec_stats["accepted_tokens"] += n
-                if self.spec_worker is not None:
-                    self.spec_worker.after_commit(req, n, verified)
+                self.proposer.after_commit(req, n, verified)
                 self.detokenizer.update(req, final=req.is_finished)
             except Exception as e:
                 self.fail_request(req, "updating its state after the step", e)
@@ -539,58 +339,6 @@ class LLMEngine:
                 self._requests.pop(req.request_id, None)
             outputs.append(request_output(req))
         return outputs
-
-    def forward_and_sample(self, batch: ScheduledBatch,
-                           scatter: tuple[torch.Tensor, torch.Tensor] | None = None
-                           ) -> StepResult:
-        """Run the model; sample one token for each request that reached its last token.
-
-        Draft plans' logits are returned untouched in ``draft_logits`` for the worker.
-        ``scatter``: token ids on the device for input rows (``ModelRunner.execute``).
-        """
-        fwd = self.runner.execute(batch) if scatter is None else self.runner.execute(
-            batch, None, scatter)
-        if fwd.spec_entries:
-            self.spec_worker.after_forward(fwd)
-        if fwd.prompt_rows:
-            self._score_prompts(fwd.logits, fwd.prompt_rows)
-        result = StepResult()
-        reqs, logits = sample_logits(fwd)
-        if reqs:
-            logits = mask_logits(logits, [r.matcher for r in reqs], lambda i, e: self.fail_request(
-                reqs[i], "structured output (the grammar's token mask)", e))
-            tokens, logprobs = self.sampler.sample_requests(
-                logits, reqs, lambda i, e: self.fail_request(reqs[i], "sampling", e))
-            for i, (req, tok, lp) in enumerate(zip(reqs, tokens, logprobs)):
-                if tok == INVALID_TOKEN:
-                    self.fail_request(req, "sampling", describe_bad_row(logits[i]))
-                if req.is_finished:  # failed here or in its grammar mask
-                    continue
-                result.tokens[req] = [tok]
-                if lp is not None:
-                    result.logprobs[req] = [lp]
-        for req, (first, count) in fwd.draft_rows.items():
-            if not req.is_finished and req not in fwd.spec_entries:
-                result.draft_logits[req] = fwd.logits[first : first + count]
-        result.spec_entries, result.spec = fwd.spec_entries, fwd.spec
-        return result
-
-    def _score_prompts(self, logits: torch.Tensor,
-                       prompt_rows: dict[Request, tuple[int, int, int]]) -> None:
-        """Append the prompt logprobs this step scored to their requests (a request whose
-        scores fail or are not finite fails alone)."""
-        try:
-            scored = score_prompt_rows(logits, prompt_rows)
-        except Exception as e:
-            for req in prompt_rows:
-                self.fail_request(req, "scoring its prompt (prompt_logprobs)", e)
-            return
-        for req, lps in scored.items():
-            if lps is None:
-                self.fail_request(req, "scoring its prompt (prompt_logprobs)", "its logits "
-                                  "are not finite (NaN or inf in the model's output)")
-            elif not req.is_finished:
-                req.prompt_logprobs.extend(lps)
 
     def fail_request(self, req: Request, stage: str, cause: BaseException | str) -> None:
         """Fail one request: it finishes with reason "error" and a message naming ``stage``
@@ -612,8 +360,8 @@ class LLMEngine:
     def _finish(self, req: Request) -> None:
         """A request leaves the engine: its KV blocks and its speculative state go."""
         self.scheduler.finish(req)
-        if self.spec_worker is not None and req.spec_state is not None:
-            self.spec_worker.release(req)
+        if req.spec_state is not None:
+            self.proposer.release(req)
 
     def _device_broken(self) -> bool:
         """Whether the device still runs work after an exception (a CUDA fault is sticky:
@@ -691,21 +439,11 @@ class LLMEngine:
             self.abort(rid)
 
     @property
-    def tokens_per_spec_step(self) -> float | None:
-        """Mean tokens committed per speculative step over the engine's life."""
-        s = self.spec_stats
-        return s["accepted_tokens"] / s["steps"] if s["steps"] else None
+    def spec_break_even(self):
+        """What a speculative step must commit to pay for itself (pacing), or None."""
+        return self.proposer.break_even
 
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
 
-
-def _may_speculate_next(req: Request) -> bool:
-    """Whether the step after the one in flight may speculate for ``req`` (then it cannot be
-    launched ahead: its draft needs the in-flight token). A paced request
-    that is not speculating now decodes plainly next (its pacing decides again when the
-    in-flight token is committed; a start then waits for the step after)."""
-    if req.spec_state is None:
-        return False
-    return req.spec_pace is None or req.spec_pace.active

@@ -131,6 +131,12 @@ class Scheduler:
             total = min(total, self.max_seq_len)
         return max(total, req.num_tokens)
 
+    def admission_pending(self) -> bool:
+        """Whether schedule() may admit a waiting request: one waits, and the KV reservation
+        does not hold it out (one it holds would not be admitted: steps launched ahead need
+        not wait for the host on its account)."""
+        return bool(self.waiting) and not self._held
+
     def _growth_blocks(self, reqs: Iterable[Request]) -> int:
         """Blocks ``reqs`` are still expected to allocate (``expected_tokens``)."""
         need = self.blocks.blocks_needed
@@ -268,9 +274,7 @@ class Scheduler:
         cont = [r for r in reqs if r.num_computed_tokens == r.num_tokens
                 and not r.ends_on_length_after(1, max_seq_len)]
         rest = [r for r in self.running if r.num_computed_tokens < r.num_tokens]
-        # waiting requests the KV reservation holds out (``_held``) would not be admitted by
-        # schedule() either: they do not make the next step wait for the host
-        admits = bool(self.waiting) and not self._held
+        admits = self.admission_pending()
         if admit is None and (not cont or (admits and len(cont) < self.max_num_seqs)):
             return None
         if rest and (admit is None or any(r.draft is not None or not admit(r) for r in rest)):
@@ -299,37 +303,6 @@ class Scheduler:
             if admit is not None:
                 self._schedule_waiting(batch, budget, admit)
         return batch if batch.items else None
-
-    def schedule_spec_ahead(self, launched: ScheduledBatch, max_new: int, max_seq_len: int,
-                            plain: list[Request] = ()) -> ScheduledBatch | None:
-        """The speculative step after ``launched`` (each item a device plan, or one of the
-        ``plain`` rows beside them), scheduled before the host knows what it committed
-        (async scheduling): the same requests, the plain rows first (one token each, its
-        input the sample in flight: ``in_flight``), then each plan request with its next
-        plan (``req.draft``, set by the worker), staged as if each committed one token
-        (``spec_in_flight``); KV is allocated for the worst case, ``max_new`` committed.
-        None, allocating nothing, when the next step needs the plain ``schedule``: a
-        request finished or has no device plan, requests wait (unless the KV reservation
-        holds them out), a length limit is within reach, or blocks run out."""
-        reqs = [r for r, _ in launched.items]
-        plain_set = set(plain)
-        plans = [r for r in reqs if r not in plain_set]
-        if (self.waiting and not self._held) or len(reqs) != len(self.running) or any(
-                r.is_finished or r.ends_on_length_after(1, max_seq_len) for r in plain) or any(
-                r.is_finished or r.draft is None or r.draft.device_slot is None
-                or r.ends_on_length_after(max_new, max_seq_len) for r in plans):
-            return None
-        targets = ([r.num_computed_tokens + 1 for r in plain]
-                   + [r.num_computed_tokens + max_new - 1 + r.draft.num_tokens for r in plans])
-        order = list(plain) + plans
-        need = sum(max(0, self.blocks.blocks_needed(t) - len(r.block_table))
-                   for r, t in zip(order, targets))
-        if need > self.blocks.num_free_blocks:
-            return None
-        for r, t in zip(order, targets):
-            self.blocks.allocate(r.block_table, t)
-        return ScheduledBatch([(r, 1) for r in plain] + [(r, r.draft.num_tokens) for r in plans],
-                              in_flight=1 if plain else 0, spec_in_flight=True)
 
     def after_step(self, batch: ScheduledBatch, advance: dict[Request, int] | None = None) -> None:
         """Advance computed counts, register full blocks in the prefix cache.

@@ -669,14 +669,14 @@ def test_device_speculation_in_the_async_pipeline(tiny_reference, monkeypatch, m
             device="cpu", device_speculation=True, async_scheduling=async_on,
             adaptive_speculation=False))
         ahead = {"n": 0}
-        real = eng._launch_spec_ahead
+        real = eng.proposer.schedule_chain
 
-        def counted(cur):
-            step = real(cur)
-            ahead["n"] += step is not None
+        def counted(cur, on_error):
+            step = real(cur, on_error)
+            ahead["n"] += step[0] is not None
             return step
 
-        monkeypatch.setattr(eng, "_launch_spec_ahead", counted)
+        monkeypatch.setattr(eng.proposer, "schedule_chain", counted)
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params(windows))]
         done, steps = {}, 0
         while eng.has_unfinished_requests():
@@ -736,7 +736,7 @@ def test_device_requests_ride_along_when_one_speculates(tiny_reference, on_devic
     asked = []
     real = eng.spec_worker.propose_batch
     eng.spec_worker.propose_batch = lambda rs, on_error: (asked.extend(rs), real(rs, on_error))
-    eng._gate(list(eng.scheduler.running))
+    eng.proposer.gate(list(eng.scheduler.running))
     eng.spec_worker.propose_all(list(eng.scheduler.running), eng.fail_request)
     assert asked == (reqs if on_device else reqs[:1])
     if on_device:

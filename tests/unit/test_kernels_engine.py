@@ -214,13 +214,13 @@ def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, gr
         adaptive_speculation=False))
     eng.runner.spec_step.kernels = True  # the CUDA path, interpreted
     ahead = []
-    real = eng._launch_spec_ahead
-    monkeypatch.setattr(eng, "_launch_spec_ahead", lambda cur: ahead.append(real(cur))
-                        or ahead[-1])
+    real = eng.proposer.schedule_chain
+    monkeypatch.setattr(eng.proposer, "schedule_chain", lambda cur, on_error: ahead.append(
+        real(cur, on_error)) or ahead[-1])
     outs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                   for n in lengths])
     assert [o.token_ids for o in outs] == ref
-    assert any(a is not None for a in ahead)
+    assert any(a[0] is not None for a in ahead)
     assert sum(o.metrics.spec_tokens for o in outs) > sum(o.metrics.spec_steps for o in outs)
     eng.blocks.check_all_free()
 

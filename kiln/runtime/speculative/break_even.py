@@ -26,7 +26,7 @@ class LLMEngine(Protocol):
     speculative: Any
     model_config: Any
     limits: Any
-    spec_break_even: BreakEven | None
+    proposer: Any  # its ``break_even``: pacing, off while measuring
     scheduler: Any
     blocks: Any
     spec_worker: Any
@@ -120,8 +120,8 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
     kv_tokens = engine.blocks.num_blocks * engine.blocks.block_size
     if room < 2 or batch * (DUMMY_PROMPT_LEN + room) > kv_tokens:
         return None  # no room for a step after the prompt's, or not enough KV for all
-    saved = (engine.spec_break_even, dict(engine.spec_stats), engine.num_steps)
-    engine.spec_break_even = None  # the dummy requests are not paced
+    saved = (engine.proposer.break_even, dict(engine.spec_stats), engine.num_steps)
+    engine.proposer.break_even = None  # the dummy requests are not paced
     worker = engine.spec_worker
     out: dict[str, float] = {}
     try:
@@ -149,7 +149,7 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
                     engine.step()
     finally:
         worker.full_steps = False
-        engine.spec_break_even, engine.spec_stats, engine.num_steps = saved
+        engine.proposer.break_even, engine.spec_stats, engine.num_steps = saved
     return out if len(out) == 2 else None
 
 

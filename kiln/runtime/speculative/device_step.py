@@ -95,8 +95,8 @@ class Proposal:
 class DeviceProposer(ABC):
     """One speculative mode on the device: its per-slot state, its proposal and the commit
     of what verification accepted. ``DeviceSpecStep`` runs every proposer the same way and
-    never asks which mode it is; the engine makes one at start-up (``workers.make_proposer``,
-    from the mode recorded at build: ``DEVICE_PROPOSERS``).
+    never asks which mode it is; the engine makes one at start-up
+    (``workers.make_device_state``, from the mode recorded at build: ``workers.MODES``).
 
     Attributes every proposer has: ``num_slots`` (S: requests whose state it holds, and
     the most entries of a step), ``num_tokens`` (T: input rows of one plan), ``commit_width``
