@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 
@@ -15,14 +15,15 @@ from kiln.dtypes import TORCH_DTYPES
 from kiln.runtime.config import EngineLimits, RuntimeConfig
 from kiln.runtime.models.calibration import ActivationCalibrator
 
-if TYPE_CHECKING:
-    from kiln.runtime.engine import LLMEngine
+# the engine class (kiln.runtime.engine.LLMEngine or a subclass), not imported here: the
+# engine imports this module
+EngineT = TypeVar("EngineT")
 
 
-def load_engine_dir(cls: type[LLMEngine], path: str | Path,
-                    config: RuntimeConfig | None = None) -> LLMEngine:
-    """An engine of class ``cls`` over the built directory ``path``; ``startup_times`` counts
-    the kernel installation and the weight loading too."""
+def load_engine_dir(cls: type[EngineT], path: str | Path,
+                    config: RuntimeConfig | None = None) -> EngineT:
+    """An engine of class ``cls`` (LLMEngine's constructor) over the built directory
+    ``path``; ``startup_times`` counts the kernel installation and the weight loading too."""
     from kiln.artifact.loader import load_engine
 
     config = config or RuntimeConfig()
