@@ -87,31 +87,61 @@ def _load_hf_model(spec: str, device: str, progress: bool) -> tuple[Any, Any, di
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     prov = source.provenance
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if prov.get("kind") in ("local", "hub"):
-        where = prov["path"]
-    else:  # builtin alias or .gguf file: transformers dequantizes the GGUF
-        from kiln.sources.builtin import BUILTINS, fetch_builtin
-
-        gguf = Path(fetch_builtin(spec, progress=progress) if spec in BUILTINS else spec)
-        where, kwargs["gguf_file"] = str(gguf.parent), gguf.name
     status = Console(stderr=True, quiet=not progress).status("Loading the model…")
     with status, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-        if "gguf_file" in kwargs:
-            # transformers marks a GGUF-loaded model as gguf-quantized and refuses to save it;
-            # its weights are already dequantized: move them into a plain model
-            cfg = model.config
-            if hasattr(cfg, "quantization_config"):
-                del cfg.quantization_config
-            plain = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-            plain.load_state_dict(model.state_dict())
-            model = plain
+        if prov.get("kind") in ("local", "hub"):
+            model = AutoModelForCausalLM.from_pretrained(prov["path"], **kwargs)
+        else:  # builtin alias or .gguf file: kiln's GGUF reader dequantizes it
+            from kiln.sources.builtin import BUILTINS, fetch_builtin
+
+            gguf = Path(fetch_builtin(spec, progress=progress) if spec in BUILTINS else spec)
+            model = gguf_model(source, gguf, dtype)
     if not model.config.architectures:
         # A config read from GGUF has none; modelopt's export iterates it and every loader
         # of the checkpoint (kiln build, vLLM, transformers) picks the model class from it.
         model.config.architectures = [type(model).__name__]
     return model.to(device).eval(), source, prov
+
+
+def gguf_model(source: Any, path: Path, dtype: Any) -> Any:
+    """A transformers model of the GGUF file ``path`` holding the weights kiln's reader
+    dequantizes (``source``: ``open_source`` of it), filled tensor by tensor into a model
+    made without initialising its weights. They equal what transformers' own GGUF path
+    loads (``gguf_file=``), in about half the time (qwen2.5-coder-0.5b on the CPU: 20.5 s
+    against 35.9 s with initialisation; that path also holds every tensor twice)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kiln.sources.gguf import gguf_hf_config
+    from kiln.sources.gguf_reader import read_header
+
+    cfg = AutoConfig.for_model(**gguf_hf_config(read_header(path)))
+    with _no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    params = dict(model.named_parameters())
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in source.tensors():
+            if name not in params:
+                raise KilnError(f"{path}: tensor {name} has no place in {type(model).__name__}")
+            params[name].copy_(tensor)
+            loaded.add(name)
+    model.tie_weights()
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(params) - loaded - tied)
+    if missing:  # their memory is uninitialised: never calibrate on it
+        raise KilnError(f"{path} lacks tensors {type(model).__name__} needs: {missing[:5]}")
+    return model
+
+
+def _no_init_weights() -> Any:
+    """transformers' context that skips weight initialisation (every weight is loaded after)."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # transformers 4
+    return no_init_weights()
 
 
 def _carry_generation_defaults(path: Path, defaults: dict[str, Any]) -> None:
