@@ -1,9 +1,13 @@
-"""Bundled prompts (written for kiln): input-grounded tasks, code tasks and chat questions.
+"""Bundled prompts (written for kiln): input-grounded tasks, code tasks, chat questions and
+agentic turns.
 
 Used by correctness checks against transformers and by ``kiln bench latency`` to compare
 plain and speculative decoding on realistic text. The grounded tasks carry the code or data
 the answer copies from (rename, add hints, fix, convert to JSON): the text speculation can
-draft from. Each stays under ~400 characters so it fits the tiny 512-token test engines.
+draft from. The agentic turns repeat a task with small changes (the same tool called with
+other arguments, the same function re-emitted with another edit), none verbatim: what a
+cache of earlier answers (suffix decoding) drafts from. Each stays under ~400 characters so
+it fits the tiny 512-token test engines.
 """
 
 from __future__ import annotations
@@ -97,4 +101,30 @@ GROUNDED_PROMPTS = [
     "        elapsed, self.start = now - self.start, now\n"
     "        return elapsed\n"
     "```",
+]
+
+_WEATHER = ("Tool: get_weather(city: string, unit: \"celsius\" | \"fahrenheit\"). Reply with "
+            "only the JSON tool call {\"name\": ..., \"arguments\": {...}} for: ")
+_ORDER = ("Tool: lookup_order(order_id: string, fields: array of \"status\" | \"eta\" | "
+          "\"carrier\"). Reply with only the JSON tool call {\"name\": ..., \"arguments\": "
+          "{...}} for: ")
+_FETCH = ("Return this function with {edit}, and change nothing else:\n"
+          "```python\n"
+          "def fetch(url, timeout=30, retries=2):\n"
+          "    for attempt in range(retries + 1):\n"
+          "        try:\n"
+          "            return http.get(url, timeout=timeout)\n"
+          "        except TimeoutError:\n"
+          "            if attempt == retries:\n"
+          "                raise\n"
+          "```")
+
+# each task twice in a row: any first few prompts of the set hold a repeated task
+AGENTIC_PROMPTS = [
+    _WEATHER + "the weather in Paris, in celsius.",
+    _WEATHER + "the weather in Tokyo, in fahrenheit.",
+    _FETCH.format(edit="`timeout=30` changed to `timeout=60`"),
+    _FETCH.format(edit="`retries=2` changed to `retries=5`"),
+    _ORDER + "the status and eta of order A-1042.",
+    _ORDER + "the status and carrier of order B-2210.",
 ]

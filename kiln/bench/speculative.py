@@ -1,6 +1,6 @@
 """Plain vs speculative decoding on the same engine, same run, on bundled prompts.
 
-Per prompt set (input-grounded tasks, code, chat) and batch size, greedy: each batch runs
+Per prompt set (input-grounded tasks, code, chat, agentic turns) and batch size, greedy: each batch runs
 once with plain decoding (lookahead (1,1,0)) and once with the engine's speculative setting
 (or a given window), alternating. Greedy speculative output equals plain output, so both runs
 produce the same tokens and the ratio of tokens/s is the speed-up. Two numbers explain it:
@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kiln.artifact.speculative import PLAIN, tokens_per_step
-from kiln.bench.prompts import CHAT_PROMPTS, CODE_PROMPTS, GROUNDED_PROMPTS
+from kiln.bench.prompts import AGENTIC_PROMPTS, CHAT_PROMPTS, CODE_PROMPTS, GROUNDED_PROMPTS
 from kiln.runtime.sampling_params import SamplingParams
 
-PROMPT_SETS = {"grounded": GROUNDED_PROMPTS, "code": CODE_PROMPTS, "chat": CHAT_PROMPTS}
+PROMPT_SETS = {"grounded": GROUNDED_PROMPTS, "code": CODE_PROMPTS, "chat": CHAT_PROMPTS,
+               "agentic": AGENTIC_PROMPTS}
 BATCH_SIZES = (1, 8)
 
 
@@ -205,7 +206,7 @@ def run_speculative_latency(
     temperature: float = 0.0,
     top_p: float = 1.0,
 ) -> dict:
-    """Per prompt set (grounded, code, chat) and batch size: plain and speculative tokens/s,
+    """Per prompt set (grounded, code, chat, agentic) and batch size: plain and speculative tokens/s,
     speed-up, tokens/step and the cost of an engine step (see ``_summary``).
 
     ``batch_sizes``: at 1 each of a set's first ``prompts_per_set`` prompts runs alone; at

@@ -288,7 +288,8 @@ def latency(
     device: str | None = typer.Option(None, "--device", help=_DEVICE_HELP),
     spec_prompts: int = typer.Option(
         3, "--spec-prompts", min=1,
-        help="Speculative engines: bundled prompts per set (grounded, code, chat) that run "
+        help="Speculative engines: bundled prompts per set (grounded, code, chat, agentic) "
+        "that run "
         "alone at batch 1 in the plain vs speculative comparison (--output-len tokens, "
         "greedy unless --spec-temperature).",
     ),
@@ -332,7 +333,7 @@ def latency(
     """Latency of one batch: E2E, TTFT and TPOT (mean/median/p90/p99) over iterations.
 
     On an engine built with speculative decoding it also runs plain vs speculative decoding
-    on bundled input-grounded, code and chat prompts at each --spec-batch-sizes (same
+    on bundled input-grounded, code, chat and agentic prompts at each --spec-batch-sizes (same
     engine, same run) and prints the speed-up, tokens per step and the cost of a speculative
     engine step over a plain one (and, with CUDA graphs, of its graph replay).
 

@@ -8,6 +8,7 @@ ratio's arithmetic runs against a stand-in for the CUDA graph runner.
 
 from __future__ import annotations
 
+import difflib
 import io
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from kiln.artifact.speculative import SpeculativeConfig
-from kiln.bench.prompts import GROUNDED_PROMPTS
+from kiln.bench.prompts import AGENTIC_PROMPTS, GROUNDED_PROMPTS
 from kiln.bench.speculative import (
     PROMPT_SETS,
     batch_groups,
@@ -46,11 +47,20 @@ def result(la_engine):
 
 
 def test_prompt_sets_are_grounded_code_chat_and_grounded_prompts_carry_their_input():
-    assert list(PROMPT_SETS) == ["grounded", "code", "chat"]
+    assert list(PROMPT_SETS) == ["grounded", "code", "chat", "agentic"]
     assert len(GROUNDED_PROMPTS) >= 6
     for text in GROUNDED_PROMPTS:  # the code or data to copy from is in the prompt
         assert len(text.splitlines()) >= 6, text
         assert len(text) < 400, text  # fits a 512-token byte-tokenizer engine
+
+
+def test_agentic_prompts_repeat_tasks_never_a_prompt():
+    """Agentic turns: each task twice in a row with other arguments (what a cache of earlier
+    answers drafts from), no prompt verbatim twice, each fitting the tiny engines."""
+    assert len(AGENTIC_PROMPTS) == len(set(AGENTIC_PROMPTS)) >= 6
+    for first, second in zip(AGENTIC_PROMPTS[::2], AGENTIC_PROMPTS[1::2]):
+        assert difflib.SequenceMatcher(None, first, second).ratio() > 0.8, (first, second)
+    assert all(len(text) < 400 for text in AGENTIC_PROMPTS)
 
 
 def test_batch_groups_run_each_prompt_alone_at_1_and_cycle_the_set_above():
@@ -63,8 +73,8 @@ def test_batch_groups_run_each_prompt_alone_at_1_and_cycle_the_set_above():
 def test_every_set_reports_both_batch_sizes_with_equal_output(result, la_engine):
     cfg = result["config"]
     assert cfg["batch_sizes"] == [1, 2] and cfg["skipped_batch_sizes"] == [8]
-    assert result["progress"] == num_runs(la_engine, 1, (1, 2, 8)) == 6
-    assert list(result["sets"]) == ["grounded", "code", "chat"]
+    assert result["progress"] == num_runs(la_engine, 1, (1, 2, 8)) == 8  # 4 sets x 2 sizes
+    assert list(result["sets"]) == ["grounded", "code", "chat", "agentic"]
     for name, s in result["sets"].items():
         assert set(s["batches"]) == {"1", "2"}, name
         for batch, b in s["batches"].items():
@@ -106,7 +116,7 @@ def test_the_report_has_a_row_per_set_and_batch(result):
     render_speculative(result, Console(file=buf, width=220))
     text = buf.getvalue()
     rows = [ln for ln in text.splitlines() if ln.lstrip("│ ").startswith(tuple(PROMPT_SETS))]
-    assert len(rows) == 6, text
+    assert len(rows) == 8, text  # 4 sets x 2 batch sizes
     assert "step cost" in text and "skipped batch 8" in text, text
     assert "NO" not in text and "graph replay" not in text, text
     replay = {"1": {"decode_ms": 0.5, "spec_ms": 0.95, "ratio": 1.9}}
