@@ -11,6 +11,14 @@ def _req(rid, n, max_tokens=100, ignore_eos=False):
                    SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), frozenset())
 
 
+def _add_known_length(sched, n=3):
+    """``n`` requests of 8 prompt tokens that end at 20 tokens (ignore_eos), added in order."""
+    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(n)]
+    for r in reqs:
+        sched.add(r)
+    return reqs
+
+
 def _run(sched, batch, new_tokens=True):
     """Pretend the step ran: advance counts, append a token to requests that finished input."""
     sched.after_step(batch)
@@ -183,9 +191,7 @@ def test_admission_reserves_the_known_growth_of_running_requests():
     one that waits is admitted once a running request finishes."""
     bm = BlockManager(10, 4)  # 40 token slots; each request ends at 8 + 12 = 20 tokens
     sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
-    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
+    reqs = _add_known_length(sched)
     assert [r for r, _ in sched.schedule().items] == reqs[:2]  # 2 x 5 blocks: the pool
     assert list(sched.waiting) == [reqs[2]]
     preempted = 0
@@ -241,9 +247,7 @@ def test_requests_the_reservation_holds_out_do_not_stop_scheduling_ahead():
     ``admit``, as speculative engines call it), until a running request finishes."""
     bm = BlockManager(10, 4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_tokens=100)
-    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
+    reqs = _add_known_length(sched)
     launched = sched.schedule()
     assert [r for r, _ in launched.items] == reqs[:2] and list(sched.waiting) == [reqs[2]]
     _run(sched, launched, new_tokens=False)
@@ -254,9 +258,7 @@ def test_requests_the_reservation_holds_out_do_not_stop_scheduling_ahead():
     assert ahead is not None and [r for r, _ in ahead.items] == reqs[:2]
     # without the reservation a request waits only for free blocks: schedule() decides
     off = Scheduler(BlockManager(5, 4), max_num_seqs=8, max_num_tokens=100, reserve=False)
-    reqs = [_req(str(i), 8, max_tokens=12, ignore_eos=True) for i in range(3)]
-    for r in reqs:
-        off.add(r)
+    reqs = _add_known_length(off)
     launched = off.schedule()
     assert [r for r, _ in launched.items] == reqs[:2] and list(off.waiting) == [reqs[2]]
     _run(off, launched, new_tokens=False)
