@@ -5,12 +5,28 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.artifact.weights import quantize_per_tensor
+
+
+@contextmanager
+def module_dir(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A fresh directory for a module-scoped fixture, removed when the fixture is torn down.
+
+    pytest keeps every ``tmp_path_factory.mktemp`` directory until the session ends; the
+    real-model engines (0.5-2.4 GB each, float32) would otherwise pile up to ~15 GB over a
+    full run and fill a small disk."""
+    root = tmp_path_factory.mktemp(name)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def count_launches(eng) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_greedy, mixed_prompts
+from helpers import hf_greedy, mixed_prompts, module_dir
 
 from kiln.bench.prompts import CHAT_PROMPTS
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -51,11 +51,12 @@ def smol32(smollm2_gguf, tmp_path_factory):
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
 
-    out = tmp_path_factory.mktemp("smol32") / "engine"
-    build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_num_tokens=4096,
-                 max_batch_size=32, progress=False,
-                 speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
-    return out
+    with module_dir(tmp_path_factory, "smol32") as root:
+        out = root / "engine"
+        build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_num_tokens=4096,
+                     max_batch_size=32, progress=False,
+                     speculative=SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+        yield out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import module_dir
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -98,10 +99,10 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def kiln_cache(smollm2_gguf, tmp_path_factory) -> Path:
     """A fresh KILN_CACHE holding (a link to) the verified built-in GGUF, no engines."""
-    cache = tmp_path_factory.mktemp("kiln-cache")
-    (cache / "smollm2-135m").mkdir()
-    (cache / "smollm2-135m" / smollm2_gguf.name).symlink_to(smollm2_gguf)
-    return cache
+    with module_dir(tmp_path_factory, "kiln-cache") as cache:
+        (cache / "smollm2-135m").mkdir()
+        (cache / "smollm2-135m" / smollm2_gguf.name).symlink_to(smollm2_gguf)
+        yield cache
 
 
 # --- Install ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import module_dir
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("xgrammar")
@@ -36,12 +37,13 @@ def lookahead_server(tmp_path_factory, smollm2_gguf):
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
 
-    out = tmp_path_factory.mktemp("crash") / "smol-la"
-    build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_batch_size=8,
-                 speculative=SpeculativeConfig.from_cli("lookahead", "5,5,5", None, None),
-                 progress=False)
-    with ServerProcess(out, "--served-model-name", "smol") as s:
-        yield s
+    with module_dir(tmp_path_factory, "crash") as root:
+        out = root / "smol-la"
+        build_engine("smollm2-135m", out, dtype="float32", max_seq_len=512, max_batch_size=8,
+                     speculative=SpeculativeConfig.from_cli("lookahead", "5,5,5", None, None),
+                     progress=False)
+        with ServerProcess(out, "--served-model-name", "smol") as s:
+            yield s
 
 
 @pytest.fixture(scope="module")

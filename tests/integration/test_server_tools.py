@@ -15,6 +15,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import module_dir
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -69,13 +70,14 @@ def engines(tmp_path_factory):
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
 
-    root = tmp_path_factory.mktemp("tools")
-    limits = dict(dtype="float32", max_seq_len=1024, max_batch_size=8, max_num_tokens=1024,
-                  progress=False)
-    build_engine(ALIAS, root / "plain", **limits)
-    build_engine(ALIAS, root / "lookahead", **limits, speculative=SpeculativeConfig.from_cli(
-        "lookahead", lookahead_config="4,3,4"))
-    return root / "plain", root / "lookahead"
+    with module_dir(tmp_path_factory, "tools") as root:
+        limits = dict(dtype="float32", max_seq_len=1024, max_batch_size=8, max_num_tokens=1024,
+                      progress=False)
+        build_engine(ALIAS, root / "plain", **limits)
+        build_engine(ALIAS, root / "lookahead", **limits,
+                     speculative=SpeculativeConfig.from_cli("lookahead",
+                                                            lookahead_config="4,3,4"))
+        yield root / "plain", root / "lookahead"
 
 
 @pytest.fixture(scope="module")

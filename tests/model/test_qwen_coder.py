@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import hf_greedy, module_dir
 
 from kiln.builder import build_engine
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -45,8 +45,9 @@ def _engine(alias: str, out) -> LLMEngine:
 @pytest.fixture(scope="module")
 def qwen05(tmp_path_factory):
     """(engine dir, engine) of qwen2.5-coder-0.5b, float32."""
-    out = tmp_path_factory.mktemp("qwen05") / "engine"
-    return out, _engine("qwen2.5-coder-0.5b", out)
+    with module_dir(tmp_path_factory, "qwen05") as root:
+        out = root / "engine"
+        yield out, _engine("qwen2.5-coder-0.5b", out)
 
 
 def _chat_prompts(eng: LLMEngine) -> list[list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import module_dir
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.bench.prompts import CHAT_PROMPTS, CODE_PROMPTS
@@ -31,8 +32,8 @@ def _build(out, speculative):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smol") / "engine"
-    return _build(out, SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
+    with module_dir(tmp_path_factory, "smol") as root:
+        yield _build(root / "engine", SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None))
 
 
 @pytest.fixture(scope="module")
