@@ -26,7 +26,14 @@ class FakeWorker(SpeculativeWorker):
         self.seen_at_start: list[tuple] = []
 
     def _save_state(self, drafts: int) -> None:
-        self.saved.save_attrs(self.meta, "kv_lens", "num_tokens")
+        m = self.meta
+        buf, snap, num = m.kv_lens, m.kv_lens.clone(), m.num_tokens
+
+        def restore() -> None:  # in place, so a graph-captured buffer keeps its storage
+            buf.copy_(snap)
+            m.kv_lens, m.num_tokens = buf, num
+
+        self.saved.push("attention metadata", restore)
 
     def _step_impl(self, drafts: int) -> list[int]:
         m = self.meta
@@ -36,15 +43,12 @@ class FakeWorker(SpeculativeWorker):
         m.num_tokens = 2 * (1 + drafts)
         before = list(self.kv_committed)
         self.kv_committed = [k + drafts for k in self.kv_committed]
-        self.saved.defer_kv_rewind(
-            "kv_committed", lambda: setattr(self, "kv_committed", before)
-        )
+        self.saved.push("kv_committed", lambda: setattr(self, "kv_committed", before))
         old_table = [list(r) for r in m.block_table]
-        with self.saved_state("block_table", lambda: setattr(m, "block_table", old_table)):
-            m.block_table = [[9]]
-            if self.fail_with is not None:
-                raise self.fail_with
-        assert m.block_table == old_table, "saved_state restores on normal exit"
+        self.saved.push("block_table", lambda: setattr(m, "block_table", old_table))
+        m.block_table = [[9]]
+        if self.fail_with is not None:
+            raise self.fail_with
         return m.kv_lens.tolist()
 
 
@@ -84,7 +88,7 @@ def test_failed_step_leaves_nothing_saved_and_next_step_works(exc):
     # the tolerated failure must not poison the next request
     w.fail_with = None
     assert w.step(2) == [7, 9]
-    assert w.seen_at_start == [([5, 7], 2, 2), ([5, 7], 2, 2)]
+    assert w.seen_at_start == [([5, 7], 2, 1), ([5, 7], 2, 1)]
     _clean(w, buf)
 
 
@@ -125,8 +129,10 @@ def test_saving_outside_step_and_nesting_raise_with_message():
     w = FakeWorker(FakeAttnMeta())
     with pytest.raises(SpeculativeStateError, match="outside step"):
         w.saved.push("x", lambda: None)
-    with pytest.raises(SpeculativeStateError, match="outside step"):
-        w.saved.defer_kv_rewind("x", lambda: None)
+    w.saved.active = True
+    with pytest.raises(TypeError, match="not callable"):
+        w.saved.push("x", None)
+    w.saved.active = False
 
     class Nested(FakeWorker):
         def _step_impl(self, drafts: int):
@@ -166,14 +172,9 @@ def test_saved_state_release_order():
     order: list[str] = []
     s.active = True
     s.push("a", lambda: order.append("restore a"))
-    s.defer_kv_rewind("r1", lambda: order.append("rewind 1"))
     s.push("b", lambda: order.append("restore b"))
-    s.defer_kv_rewind("r2", lambda: order.append("rewind 2"))
-    assert s.names == ["a", "b"] and s.pending_rewinds == ["r1", "r2"]
+    s.push("c", lambda: order.append("restore c"))
+    assert s.names == ["a", "b", "c"]
     assert s.release() == []
-    assert order == ["restore b", "restore a", "rewind 1", "rewind 2"]
+    assert order == ["restore c", "restore b", "restore a"]
     assert len(s) == 0
-    with pytest.raises(SpeculativeStateError, match="no saved entry 'zz'"):
-        s.pop("zz")
-    with pytest.raises(AttributeError, match="no such attribute"):
-        s.save_attrs(object(), "nope")

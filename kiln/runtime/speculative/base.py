@@ -6,28 +6,20 @@ aborted the pass between the two, the saved state stayed behind, and every later
 died on a bare ``assert len(saved) == 0`` whose empty message hid the cause.
 
 Here ``SpeculativeWorker.step()`` is a final template method. Subclasses implement
-``_step_impl()`` and register what they change through ``self.saved`` (a ``SavedState``):
-
-    self.saved.save_attrs(attn_meta, "kv_lens", "num_tokens")   # snapshot, restored later
-    self.saved.push("block_table", lambda: ...)                  # any restore callback
-    self.saved.defer_kv_rewind("kv_lens -= drafts", lambda: ...)  # applied after restores
-    with self.saved_state("x", restore): ...                     # scoped save/restore
-
-Whatever ``_step_impl`` does (return or raise, including torch.OutOfMemoryError), the base
-restores every saved entry (last saved first), then applies the pending KV rewinds (in
-registration order), and the stack is empty when ``step()`` returns or raises.
+``_step_impl()`` and register what they change as restore callbacks on ``self.saved``
+(a ``SavedState``): ``self.saved.push("draft plans", clear_plans)``. Whatever
+``_step_impl`` does (return or raise, including torch.OutOfMemoryError), the base runs
+every callback (last registered first), and the stack is empty when ``step()`` returns or
+raises.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,97 +29,35 @@ class SpeculativeStateError(RuntimeError):
 
 
 class SavedState:
-    """Stack of restore callbacks plus a queue of deferred KV rewinds for one step.
-
-    Owned by one worker; only usable while that worker's ``step()`` runs (``active``).
-    """
+    """Stack of restore callbacks for one step. Owned by one worker; only usable while that
+    worker's ``step()`` runs (``active``)."""
 
     def __init__(self, owner: str = "worker") -> None:
         self._owner = owner
         self._restores: list[tuple[str, Callable[[], None]]] = []
-        self._rewinds: list[tuple[str, Callable[[], None]]] = []
         self.active = False
 
-    # ---- registration (inside a step only)
-    def _check_active(self, what: str, name: str) -> None:
+    def push(self, name: str, restore: Callable[[], None]) -> None:
+        """Register a restore callback; it runs when the step ends (last pushed first)."""
         if not self.active:
             raise SpeculativeStateError(
-                f"{self._owner}: cannot {what} {name!r} outside step(): saved state is only "
-                f"tracked while SpeculativeWorker.step() runs; call it from _step_impl()"
-            )
-
-    def push(self, name: str, restore: Callable[[], None]) -> None:
-        """Register a restore callback; it runs when the step ends (LIFO)."""
-        self._check_active("save", name)
+                f"{self._owner}: cannot save {name!r} outside step(): saved state is only "
+                f"tracked while SpeculativeWorker.step() runs; call it from _step_impl()")
         if not callable(restore):
             raise TypeError(f"{self._owner}: restore callback for {name!r} is not callable")
         self._restores.append((name, restore))
 
-    def save_attrs(self, obj: Any, *names: str) -> None:
-        """Snapshot attributes of ``obj``; restore puts the same objects back.
-
-        Tensors are cloned and copied back in place (so buffers captured by CUDA graphs
-        keep their storage) and the attribute is re-pointed at the original tensor.
-        """
-        for name in names:
-            if not hasattr(obj, name):
-                raise AttributeError(
-                    f"{self._owner}: cannot save {type(obj).__name__}.{name}: no such attribute"
-                )
-            orig = getattr(obj, name)
-            snap = orig.clone() if isinstance(orig, torch.Tensor) else orig
-
-            def restore(obj=obj, name=name, orig=orig, snap=snap) -> None:
-                if isinstance(orig, torch.Tensor):
-                    orig.copy_(snap)
-                setattr(obj, name, orig)
-
-            self.push(f"{type(obj).__name__}.{name}", restore)
-
-    def defer_kv_rewind(self, name: str, rewind: Callable[[], None]) -> None:
-        """Register a KV rewind applied after all restores, whether the step failed or not."""
-        self._check_active("defer rewind", name)
-        self._rewinds.append((name, rewind))
-
-    def cancel_kv_rewind(self, name: str) -> bool:
-        """Drop a pending rewind (e.g. the subclass already applied it); True if found."""
-        for i, (n, _) in enumerate(self._rewinds):
-            if n == name:
-                del self._rewinds[i]
-                return True
-        return False
-
-    def pop(self, name: str) -> Callable[[], None]:
-        """Remove the most recent entry named ``name`` without running it; return it."""
-        for i in range(len(self._restores) - 1, -1, -1):
-            if self._restores[i][0] == name:
-                return self._restores.pop(i)[1]
-        raise SpeculativeStateError(
-            f"{self._owner}: no saved entry {name!r} to pop; saved: {self.names or 'nothing'}"
-        )
-
-    # ---- inspection
     @property
     def names(self) -> list[str]:
         return [n for n, _ in self._restores]
 
-    @property
-    def pending_rewinds(self) -> list[str]:
-        return [n for n, _ in self._rewinds]
-
     def __len__(self) -> int:
-        return len(self._restores) + len(self._rewinds)
+        return len(self._restores)
 
-    def __bool__(self) -> bool:
-        return len(self) > 0
-
-    # ---- release
     def release(self) -> list[tuple[str, BaseException]]:
-        """Run every restore (LIFO), then every rewind (FIFO); empty both.
-
-        Never stops early: a failing callback is recorded and the rest still run.
-        Returns the (name, error) pairs that failed.
-        """
+        """Run every restore (last pushed first) and empty the stack. Never stops early: a
+        failing callback is recorded and the rest still run. Returns the (name, error) pairs
+        that failed."""
         errors: list[tuple[str, BaseException]] = []
         while self._restores:
             name, fn = self._restores.pop()
@@ -135,12 +65,6 @@ class SavedState:
                 fn()
             except BaseException as e:
                 errors.append((f"restore {name}", e))
-        while self._rewinds:
-            name, fn = self._rewinds.pop(0)
-            try:
-                fn()
-            except BaseException as e:
-                errors.append((f"kv rewind {name}", e))
         return errors
 
 
@@ -176,15 +100,8 @@ class SpeculativeWorker(ABC):
     def _step_impl(self, *args: Any, **kwargs: Any) -> Any:
         """One speculative step; may raise. Register every mutation through ``self.saved``."""
 
-    @contextlib.contextmanager
-    def saved_state(self, name: str, restore: Callable[[], None]) -> Iterator[None]:
-        """Scoped save: ``restore`` runs when the block exits (or when the step unwinds)."""
-        self.saved.push(name, restore)
-        yield  # if the block raises, the entry stays and step()'s finally restores it
-        self.saved.pop(name)()
-
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run one step; saved state is restored and KV rewinds applied whatever happens."""
+        """Run one step; saved state is restored whatever happens."""
         if self.saved.active:
             raise SpeculativeStateError(
                 f"{type(self).__name__}.step() called while a step is running: steps do not "
@@ -192,9 +109,8 @@ class SpeculativeWorker(ABC):
             )
         if self.saved:
             # Only possible if the stack was mutated behind the API; restore, don't poison.
-            leftover = self.saved.names + self.saved.pending_rewinds
             logger.warning("%s: restoring state left from an earlier step: %s",
-                           type(self).__name__, leftover)
+                           type(self).__name__, self.saved.names)
             self.saved.release()
         self.saved.active = True
         failed = True
@@ -205,7 +121,7 @@ class SpeculativeWorker(ABC):
             return out
         finally:
             self.saved.active = False
-            names = self.saved.names + self.saved.pending_rewinds
+            names = self.saved.names
             errors = self.saved.release()
             if failed:
                 self.num_failed_steps += 1
