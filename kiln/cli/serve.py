@@ -72,6 +72,23 @@ def startup_line(total_s: float, phases: dict[str, float]) -> str:
     return f"kiln serve: ready in {total_s:.1f} s ({parts})"
 
 
+def _check_cache_scope(engine_dir: Path, scope: str, header: str | None) -> None:
+    """--suffix-cache-scope tenant names the caches of a suffix engine: on another engine it
+    is one clear error before loading."""
+    if scope == "server":
+        return
+    spec = json.loads((engine_dir / "engine.json").read_text()).get("speculative") or {}
+    mode = spec.get("mode", "none")
+    if mode != "suffix":
+        raise KilnError(f"--suffix-cache-scope {scope}: engine {engine_dir} was built with "
+                        f"speculative decoding mode {mode!r}, and only suffix engines keep a "
+                        "cache of earlier responses; drop the flag, or serve an engine built "
+                        "with --speculative-decoding-mode suffix")
+    named_by = f"header {header}" if header else "the body's user field"
+    print(f"kiln serve: suffix decoding keeps one cache of earlier responses per tenant "
+          f"(named by {named_by})", file=sys.stderr, flush=True)
+
+
 def serve(
     engine_or_source: str = typer.Argument(
         ..., metavar="ENGINE_OR_SOURCE",
@@ -121,6 +138,18 @@ def serve(
         "answered with a 400). Default: the one the engine recorded at build (`kiln inspect` "
         "shows it).",
     ),
+    suffix_cache_scope: str = typer.Option(
+        "server", "--suffix-cache-scope",
+        help="Suffix engines: whose earlier responses a request drafts from. server (the "
+        "default): one cache for every request; tenant: one per tenant, named by "
+        "--tenant-header or else by the body's `user` field (requests naming none share an "
+        "anonymous one), so acceptance timing cannot tell one tenant what another was "
+        "answered. The caches live in memory only, bounded together by the engine's "
+        "suffix_cache_requests."),
+    tenant_header: str | None = typer.Option(
+        None, "--tenant-header",
+        help="With --suffix-cache-scope tenant: the request header that names the tenant "
+        "(e.g. X-Tenant-Id, set by your gateway) instead of the body's `user` field."),
 ) -> None:
     """Serve an engine over HTTP: /v1/completions, /v1/chat/completions (SSE), /metrics."""
     if max_queue < 1:
@@ -141,12 +170,14 @@ def serve(
     from kiln.server.lifecycle import END_GRACE_S, DrainingServer, Timeouts, http_protocol
 
     try:  # before loading: a bad value fails now
-        ServerConfig("check", tool_parser=tool_parser)
+        ServerConfig("check", tool_parser=tool_parser, suffix_cache_scope=suffix_cache_scope,
+                     tenant_header=tenant_header)
     except ValueError as e:
         raise KilnError(str(e)) from None
     timeouts = Timeouts(header_timeout, body_timeout, shutdown_timeout)
     launched()  # under torchrun: its variables are complete (a follower leaves in the load)
     engine_dir, _ = engine_dir_for(engine_or_source, device)
+    _check_cache_scope(engine_dir, suffix_cache_scope, tenant_header)
     t0 = time.perf_counter()  # start-up: from engine loading to accepting requests
     engine = LLMEngine.from_engine_dir(
         engine_dir, runtime_config(device, enforce_eager, no_async, adaptive_spec))
@@ -158,7 +189,7 @@ def serve(
     name = served_model_name or (Path(engine_or_source).name if from_source else engine_dir.name)
     aliases = tuple({engine_or_source, str(engine_dir), str(engine_dir.resolve())} - {name})
     config = ServerConfig(name, aliases, api_key or None, max_queue, max_body_bytes,
-                          tool_parser)
+                          tool_parser, suffix_cache_scope, tenant_header)
     holder: dict[str, uvicorn.Server] = {}
 
     def on_dead(exc: BaseException) -> None:

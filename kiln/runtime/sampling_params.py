@@ -60,6 +60,10 @@ class SamplingParams:
     # Per-request draft length of a draft-model engine: 0 to the engine's max_draft_len (0:
     # plain decoding); None takes the engine's.
     max_draft_len: int | None = None
+    # Whose shared cache of earlier responses the request drafts from and feeds (suffix
+    # decoding): None, the engine-wide cache; a string, that tenant's own, apart from every
+    # other tenant's and from the engine-wide one (kiln serve --suffix-cache-scope tenant).
+    tenant: str | None = None
     # False keeps special tokens in the text (Mistral's [TOOL_CALLS] marker is one); a
     # stop token that ends the request has no text either way.
     skip_special_tokens: bool = True

@@ -59,6 +59,11 @@ class ServerConfig:
     max_queue: int = 1024
     max_body_bytes: int = 1 << 20
     tool_parser: str | None = None  # None: the engine's (engine.json); "none": no tools
+    # Suffix decoding's cache of earlier responses: one for the server ("server"), or one per
+    # tenant ("tenant"): the header ``tenant_header`` names it, else the body's ``user``;
+    # requests that name none share the anonymous tenant's.
+    suffix_cache_scope: str = "server"
+    tenant_header: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_parser not in (None, "none"):
@@ -70,6 +75,12 @@ class ServerConfig:
                 raise ValueError(f"--tool-parser: {e}, or none") from None
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+        if self.suffix_cache_scope not in ("server", "tenant"):
+            raise ValueError(f"--suffix-cache-scope {self.suffix_cache_scope!r} is not one of "
+                             "server, tenant")
+        if self.tenant_header is not None and self.suffix_cache_scope != "tenant":
+            raise ValueError(f"--tenant-header {self.tenant_header} needs "
+                             "--suffix-cache-scope tenant (the header names a request's tenant)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1024")
 
@@ -257,13 +268,21 @@ def create_app(engine: Any, config: ServerConfig,
         check_model(getattr(body, "model", None))
         return body
 
+    def tenant(request: Request, body: Any) -> str | None:
+        """The request's tenant under per-tenant caches (None: the server's one cache)."""
+        if config.suffix_cache_scope != "tenant":
+            return None
+        if config.tenant_header is not None:
+            return request.headers.get(config.tenant_header, "")
+        return body.user or ""
+
     @app.post("/v1/completions", openapi_extra=openapi.request_body(CompletionRequest),
               responses=openapi.responses(openapi.CompletionResponse, *_GENERATE_ERRORS,
                                           stream=openapi.CompletionChunk))
     async def completions(request: Request):
         body = await read_body(request, CompletionRequest)
         return await openai_api.completions(request, et, body, config.served_model_name,
-                                            compile_guided)
+                                            compile_guided, tenant(request, body))
 
     @app.post("/v1/chat/completions",
               openapi_extra=openapi.request_body(ChatCompletionRequest),
@@ -272,7 +291,8 @@ def create_app(engine: Any, config: ServerConfig,
     async def chat_completions(request: Request):
         body = await read_body(request, ChatCompletionRequest)
         return await openai_api.chat_completions(request, et, body, config.served_model_name,
-                                                 compile_guided, tool_parser)
+                                                 compile_guided, tool_parser,
+                                                 tenant(request, body))
 
     @app.get("/v1/models", responses=openapi.responses(openapi.ModelList, 503))
     async def models(request: Request):

@@ -393,7 +393,8 @@ def _max_tokens(et: EngineThread, prompt_lens: list[int], asked: int | None, par
 
 def _params_for(et: EngineThread, body: CompletionRequest | ChatCompletionRequest,
                 max_tokens: list[int], logprobs: int | None, guided: Any,
-                prompt_logprobs: int | None = None) -> Callable[[int], Any]:
+                prompt_logprobs: int | None = None,
+                tenant: str | None = None) -> Callable[[int], Any]:
     """Choice ``idx`` -> its SamplingParams (prompt ``idx // n``, ``choice_seed``)."""
     vocab = et.engine.model_config.vocab_size
     defaults = getattr(et.engine, "generation_defaults", None) or {}
@@ -401,17 +402,19 @@ def _params_for(et: EngineThread, body: CompletionRequest | ChatCompletionReques
     def params_for(idx: int):
         return sampling_params(body, max_tokens=max_tokens[idx // body.n], logprobs=logprobs,
                                seed=choice_seed(body.seed, idx), guided=guided, vocab=vocab,
-                               defaults=defaults, prompt_logprobs=prompt_logprobs)
+                               defaults=defaults, prompt_logprobs=prompt_logprobs,
+                               tenant=tenant)
 
     params_for(0)  # validate once before anything reaches the engine
     return params_for
 
 
 async def completions(request: Request, et: EngineThread, body: CompletionRequest,
-                      model: str, compile_guided) -> Any:
+                      model: str, compile_guided, tenant: str | None = None) -> Any:
     """``echo``, ``prompt_logprobs`` and ``max_tokens: 0`` (with echo) add the prompt's part
     to each choice (kiln/server/echo.py); max_tokens 0 runs the prompt with max_tokens 1
-    (the scores come with its prefill) and drops the token drawn, as vLLM does."""
+    (the scores come with its prefill) and drops the token drawn, as vLLM does. ``tenant``:
+    whose cache of earlier responses the request uses (None: the server's)."""
     guided, guided_param = await _prepare(et, body, compile_guided)
     given = body.prompts()
     prompts = []
@@ -424,7 +427,7 @@ async def completions(request: Request, et: EngineThread, body: CompletionReques
     part = PromptPart(body.n, body.echo, body.logprobs, body.prompt_logprobs,
                       prompt_only=body.max_tokens == 0)
     params_for = _params_for(et, body, [max(m, 1) for m in max_tokens], body.logprobs, guided,
-                             part.engine_k)
+                             part.engine_k, tenant)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
     gen = Generation(et, model, chat=False, include_usage=include_usage)
@@ -445,8 +448,10 @@ async def completions(request: Request, et: EngineThread, body: CompletionReques
 
 
 async def chat_completions(request: Request, et: EngineThread, body: ChatCompletionRequest,
-                           model: str, compile_guided, tool_parser: str | None = None) -> Any:
-    """``tool_parser``: the tool-call family this server reads calls in (None: no tools)."""
+                           model: str, compile_guided, tool_parser: str | None = None,
+                           tenant: str | None = None) -> Any:
+    """``tool_parser``: the tool-call family this server reads calls in (None: no tools);
+    ``tenant``: as for ``completions``."""
     tools = tool_calls.plan_tools(body, tool_parser)
     if tools is not None:
         guided_param = "tools" if tools.mode == "auto" else "tool_choice"
@@ -464,7 +469,8 @@ async def chat_completions(request: Request, et: EngineThread, body: ChatComplet
     param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = _max_tokens(et, [len(ids)], getattr(body, param), param, chat=True)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params_for = _params_for(et, body, max_tokens, logprobs, guided, body.prompt_logprobs)
+    params_for = _params_for(et, body, max_tokens, logprobs, guided, body.prompt_logprobs,
+                             tenant)
     include_usage = bool(body.stream and body.stream_options and
                          body.stream_options.include_usage)
     gen = Generation(et, model, chat=True, include_usage=include_usage, tools=tools)

@@ -178,6 +178,10 @@ class SamplingFields(_Body):
         "draft-model and suffix engines: most draft tokens per step for this request, 0 "
         "(plain decoding) to "
         "the engine's max_draft_len; omitted: the engine's"), json_schema_extra={MAX: "k"})
+    user: str | None = Field(None, description=(
+        "an identifier of the end user (OpenAI's field); under `kiln serve --suffix-cache-scope "
+        "tenant` (without --tenant-header) the tenant whose cache of earlier responses suffix "
+        "decoding drafts from"))
 
     def guided(self) -> tuple[GuidedSpec | None, str | None]:
         """The structured-output spec and the name of the field that asked for it."""
@@ -491,10 +495,12 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                     seed: int | None, guided: GuidedSpec | None, vocab: int,
                     defaults: dict[str, Any] | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    tenant: str | None = None) -> SamplingParams:
     """SamplingParams for one choice of ``req``; ``vocab``: the engine's vocabulary size;
     ``defaults``: the engine's generation defaults for omitted fields (over KILN_DEFAULTS);
-    ``prompt_logprobs``: alternatives per scored prompt token (None: none scored).
+    ``prompt_logprobs``: alternatives per scored prompt token (None: none scored);
+    ``tenant``: whose cache of earlier responses the request uses (None: the server's).
     Bad values raise BadRequest naming the field."""
     fill = {**KILN_DEFAULTS, **{k: v for k, v in (defaults or {}).items()
                                 if k in KILN_DEFAULTS and v is not None}}
@@ -510,7 +516,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "logit_bias": _logit_bias(req.logit_bias, vocab), "logprobs": logprobs,
         "guided": guided, "prompt_logprobs": prompt_logprobs,
-        "skip_special_tokens": req.skip_special_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "tenant": tenant,
     }
     if req.lookahead is not None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -265,3 +265,69 @@ def test_suffix_flag_errors_are_one_line(tmp_path, args, needles):
     for needle in needles:
         assert needle in line, line
     assert not out.exists()
+
+
+def _spec_counters(client) -> tuple[float, float]:
+    text = client.get("/metrics").text
+    got = {}
+    for line in text.splitlines():
+        for name in ("kiln_spec_decode_steps_total", "kiln_spec_decode_tokens_total"):
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                got[name] = float(line.rsplit(" ", 1)[1])
+    return got["kiln_spec_decode_steps_total"], got["kiln_spec_decode_tokens_total"]
+
+
+@pytest.mark.parametrize("how", ["header", "user"])
+def test_serve_keeps_one_suffix_cache_per_tenant(tmp_path, how):
+    """kiln serve --suffix-cache-scope tenant over real HTTP: a tenant named by the header
+    (or the body's user field) drafts from its own earlier answers, and another tenant's
+    request for the same text commits exactly what the first, cache-less one did."""
+    import httpx
+
+    from kiln.server.testing import ServerProcess
+
+    out = tmp_path / "suffix"
+    proc = kiln("build", "random:tiny-llama", "-o", str(out), "--dtype", "float32",
+                "--speculative-decoding-mode", "suffix", "--max-draft-len", "8",
+                "--max-num-tokens", "256", "--max-batch-size", "4", "--no-precompile-kernels")
+    assert proc.returncode == 0, proc.stderr
+    args = ["--suffix-cache-scope", "tenant", "--device", "cpu"]
+    args += ["--tenant-header", "X-Tenant"] if how == "header" else []
+    with ServerProcess(out, *args) as server, httpx.Client(base_url=server.url,
+                                                           timeout=120) as client:
+        assert any("one cache of earlier responses per tenant" in ln for ln in server.log)
+
+        def per_step(tenant: str) -> float:
+            body = {"model": "suffix", "prompt": "the cat sat on the mat " * 3,
+                    "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            headers = {}
+            if how == "header":
+                headers["X-Tenant"] = tenant
+                body["user"] = "same-user-for-all"  # ignored: the header names the tenant
+            else:
+                body["user"] = tenant
+            steps0, tokens0 = _spec_counters(client)
+            r = client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            steps, tokens = _spec_counters(client)
+            return (tokens - tokens0) / max(steps - steps0, 1)
+
+        first = per_step("alice")
+        assert per_step("bob") == first
+        assert per_step("alice") > first
+
+
+def test_serve_refuses_a_tenant_cache_scope_on_an_engine_without_one(tmp_path):
+    out = tmp_path / "plain"
+    proc = kiln("build", "random:tiny-llama", "-o", str(out), "--dtype", "float32",
+                "--max-num-tokens", "256", "--max-batch-size", "4", "--no-precompile-kernels")
+    assert proc.returncode == 0, proc.stderr
+    line = one_line_error(kiln("serve", str(out), "--suffix-cache-scope", "tenant",
+                               "--port", "0", "--device", "cpu"))
+    assert "--suffix-cache-scope tenant" in line and "'none'" in line, line
+    assert "--speculative-decoding-mode suffix" in line, line
+    line = one_line_error(kiln("serve", str(out), "--tenant-header", "X-Tenant", "--port", "0"))
+    assert "--tenant-header X-Tenant needs --suffix-cache-scope tenant" in line, line
+    line = one_line_error(kiln("serve", str(out), "--suffix-cache-scope", "user",
+                               "--port", "0"))
+    assert "'user' is not one of server, tenant" in line, line

@@ -121,3 +121,28 @@ def test_a_failing_suffix_verification_fails_its_request_alone(tiny_reference, m
     eng.blocks.check_all_free()
     monkeypatch.undo()
     assert [o.token_ids for o in eng.generate(prompts, _greedy())] == plain
+
+
+def test_a_tenant_never_drafts_from_another_tenants_responses(tiny_reference):
+    """Requests that name a tenant draft from and feed that tenant's cache only: the same
+    prompts under another tenant (or none) commit exactly as many tokens a step as the first
+    pass did, with an empty cache; under the first tenant again, more. Output equals plain
+    greedy throughout."""
+    _, out = tiny_reference("llama", max_seq_len=256, max_num_tokens=512, max_batch_size=64,
+                            speculative=SUFFIX)
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    prompts = mixed_prompts()
+    plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
+
+    def run(tenant):
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, tenant=tenant)
+        outs = eng.generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain, tenant
+        return _per_step(outs)[0]
+
+    first = run("alice")
+    assert len(eng.spec_worker.cache) == len(prompts)
+    assert run("bob") == first  # alice's answers are not bob's drafts
+    assert run("alice") > max(first, 2.5)  # her own are
+    assert run(None) == first  # nor are they the engine-wide cache's
+    eng.blocks.check_all_free()

@@ -98,13 +98,47 @@ def test_the_cache_is_bounded_evicts_oldest_first_and_leaves_nothing_behind():
         cache.add(r)
         kept = responses[max(0, i - 2): i + 1]
         assert len(cache) == len(kept)
-        assert _tree_counts(cache.tree) == _substring_counts(kept, 6)  # oldest went first
-        assert cache.tree.num_nodes == len(_substring_counts(kept, 6))
+        assert _tree_counts(cache.tree(None)) == _substring_counts(kept, 6)  # oldest first
+        assert cache.num_nodes == len(_substring_counts(kept, 6))
     for r in responses[-3:]:
-        assert cache.tree.speculate(r[:5], 8, 2).tokens  # the newest are found
+        assert cache.tree(None).speculate(r[:5], 8, 2).tokens  # the newest are found
     off = ResponseCache(depth=6, max_requests=0)
     off.add([1, 2, 3])
-    assert len(off) == 0 and off.tree.num_nodes == 0
+    assert len(off) == 0 and off.num_nodes == 0 and off.tree(None) is None
+
+
+def test_a_tenant_drafts_from_its_own_responses_only():
+    cache = ResponseCache(depth=12, max_requests=8)
+    secret = [40, 41, 42, 43, 44, 45, 46, 47]
+    cache.add(secret, "alice")
+    ids = [1, 2, 40, 41, 42, 43]
+    for scope in ("bob", None):  # another tenant, and the engine-wide cache
+        idx = SuffixIndex(12, 2, 8, cache, scope)
+        assert idx.draft(ids, len(ids)) == [], scope
+    assert SuffixIndex(12, 2, 8, cache, "alice").draft(ids, len(ids)) == [44, 45, 46, 47]
+    cache.add(secret)  # the same text in the engine-wide cache: found there, not by bob
+    assert SuffixIndex(12, 2, 8, cache).draft(ids, len(ids)) == [44, 45, 46, 47]
+    assert SuffixIndex(12, 2, 8, cache, "bob").draft(ids, len(ids)) == []
+
+
+def test_the_bound_holds_over_every_tenant_and_an_emptied_tenant_leaves_nothing():
+    cache = ResponseCache(depth=6, max_requests=3)
+    rng = random.Random(2)
+    added = []
+    for i in range(12):
+        r, scope = [rng.randrange(50) for _ in range(15)], ("a", "b", None, "c")[i % 4]
+        cache.add(r, scope)
+        added.append((scope, r))
+        kept = added[-3:]  # the 3 newest responses, whichever tenant sent them
+        assert len(cache) == len(kept)
+        for name in ("a", "b", "c", None):
+            mine = [r for s, r in kept if s == name]
+            tree = cache.tree(name)
+            assert (tree is None) == (not mine), (i, name)
+            if mine:
+                assert _tree_counts(tree) == _substring_counts(mine, 6)
+        assert cache.num_nodes == sum(len(_substring_counts([r for s, r in kept if s == n], 6))
+                                      for n in {s for s, _ in kept})
 
 
 def test_build_validation_names_the_value_the_rule_and_the_fix():

@@ -17,7 +17,9 @@ rejection rule).
 The trees live on the host (as in Arctic Inference and vLLM): a request's tree grows by D
 node updates per committed token; the shared cache takes a response when its request
 finishes (aborted and failed requests are not kept) and evicts the oldest responses
-beyond ``suffix_cache_requests``.
+beyond ``suffix_cache_requests``. A request that names a tenant (``SamplingParams.tenant``)
+drafts from and feeds that tenant's tree only: acceptance timing would otherwise tell one
+tenant whether another's continuation was seen before.
 """
 
 from __future__ import annotations
@@ -133,13 +135,16 @@ class SuffixTree:
 
 
 class ResponseCache:
-    """The shared cache of earlier responses: one ``SuffixTree`` over at most
-    ``max_requests`` of them, the oldest evicted first."""
+    """The shared cache of earlier responses: a ``SuffixTree`` per scope (None: the
+    engine-wide one; a tenant's name: that tenant's), over at most ``max_requests``
+    responses in all, the oldest evicted first whichever scope holds it. A scope's tree is
+    dropped with its last response."""
 
     def __init__(self, depth: int, max_requests: int) -> None:
-        self.tree = SuffixTree(depth)
+        self.depth = depth
         self.max_requests = max_requests
-        self._responses: OrderedDict[int, list[int]] = OrderedDict()
+        self._trees: dict[str | None, SuffixTree] = {}
+        self._responses: OrderedDict[int, tuple[str | None, list[int]]] = OrderedDict()
         self._next = 0
 
     def __len__(self) -> int:
@@ -147,28 +152,43 @@ class ResponseCache:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r) for r in self._responses.values())
+        return sum(len(r) for _, r in self._responses.values())
 
-    def add(self, tokens: Sequence[int]) -> None:
+    @property
+    def num_nodes(self) -> int:
+        return sum(t.num_nodes for t in self._trees.values())
+
+    def tree(self, scope: str | None) -> SuffixTree | None:
+        """The tree of ``scope``'s responses, or None while it holds none."""
+        return self._trees.get(scope)
+
+    def add(self, tokens: Sequence[int], scope: str | None = None) -> None:
         if self.max_requests == 0 or not tokens:
             return
         tokens = list(tokens)
-        self.tree.extend(tokens, [])
-        self._responses[self._next] = tokens
+        tree = self._trees.get(scope)
+        if tree is None:
+            tree = self._trees[scope] = SuffixTree(self.depth)
+        tree.extend(tokens, [])
+        self._responses[self._next] = (scope, tokens)
         self._next += 1
         while len(self._responses) > self.max_requests:
-            _, old = self._responses.popitem(last=False)
-            self.tree.remove(old)
+            _, (old_scope, old) = self._responses.popitem(last=False)
+            old_tree = self._trees[old_scope]
+            old_tree.remove(old)
+            if not old_tree.root.children:
+                del self._trees[old_scope]
 
 
 class SuffixIndex:
     """One request's suffix tree over its text (prompt + output), grown as tokens commit,
     and the proposal from it and the shared cache."""
 
-    def __init__(self, depth: int, min_match: int, max_len: int, cache: ResponseCache
-                 ) -> None:
+    def __init__(self, depth: int, min_match: int, max_len: int, cache: ResponseCache,
+                 scope: str | None = None) -> None:
         self.tree = SuffixTree(depth)
-        self.min_match, self.max_len, self.cache = min_match, max_len, cache
+        self.min_match, self.max_len = min_match, max_len
+        self.cache, self.scope = cache, scope  # drafts from the cache of ``scope`` only
         self._active: list[_Node] = []
         self._n = 0  # tokens[:_n] are in the tree
 
@@ -179,7 +199,10 @@ class SuffixIndex:
             self._n = n
         context = tokens[max(0, n - self.tree.depth + 1):n]
         own = self.tree.speculate(context, self.max_len, self.min_match)
-        shared = self.cache.tree.speculate(context, self.max_len, self.min_match)
+        cached = self.cache.tree(self.scope)
+        if cached is None:
+            return own.tokens
+        shared = cached.speculate(context, self.max_len, self.min_match)
         return (shared if shared.score > own.score else own).tokens
 
 
@@ -189,10 +212,10 @@ class SuffixShadow:
 
     prior_gain = 1.0
 
-    def __init__(self, depth: int, min_match: int, max_len: int, cache: ResponseCache
-                 ) -> None:
+    def __init__(self, depth: int, min_match: int, max_len: int, cache: ResponseCache,
+                 scope: str | None = None) -> None:
         self.depth = max_len
-        self.index = SuffixIndex(depth, min_match, max_len, cache)
+        self.index = SuffixIndex(depth, min_match, max_len, cache, scope)
 
     def candidates(self, ids: Sequence[int], pos: int) -> list[list[int]]:
         draft = self.index.draft(ids, pos + 1)
@@ -228,14 +251,15 @@ class SuffixWorker(NgramWorker):
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         req.spec_state = SuffixIndex(self.depth, self.min_match, self._max_len(req),
-                                     self.cache)
+                                     self.cache, req.params.tenant)
 
     def shadow_proposer(self, req: Request) -> SuffixShadow:
-        return SuffixShadow(self.depth, self.min_match, self._max_len(req), self.cache)
+        return SuffixShadow(self.depth, self.min_match, self._max_len(req), self.cache,
+                            req.params.tenant)
 
     def may_take_slot(self, req: Request) -> bool:
         return False  # host state only
 
     def release(self, req: Request) -> None:
         if req.is_finished and req.error is None:
-            self.cache.add(req.all_token_ids[req.num_prompt_tokens:])
+            self.cache.add(req.all_token_ids[req.num_prompt_tokens:], req.params.tenant)
