@@ -1,18 +1,115 @@
-"""Suffix decoding's host structures and settings: the suffix tree (matches, counts, the
-draft that adapts to the match), the shared response cache (bounded, oldest evicted first,
-nothing left behind) and the build / request validation of mode "suffix"."""
+"""Suffix decoding's host structures and settings: the token index against the rule's
+oracle, a depth-bounded suffix trie (matches, counts, the draft that adapts to the match),
+the shared response cache (bounded, oldest evicted first, nothing left behind, kept apart
+per tenant) and the build / request validation of mode "suffix"."""
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Sequence
 
 import pytest
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.errors import RequestError
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.speculative.suffix import ResponseCache, SuffixIndex, SuffixTree
+from kiln.runtime.speculative.suffix import (
+    MIN_TOKEN_PROB,
+    SPEC_FACTOR,
+    ResponseCache,
+    Speculation,
+    SuffixIndex,
+    TokenIndex,
+)
 from kiln.runtime.speculative.workers import request_window, validate_request_draft_len
+
+
+# -- the oracle: the rule as a suffix trie of bounded depth, every count kept --------------
+class _Node:
+    __slots__ = ("count", "total", "children")
+
+    def __init__(self) -> None:
+        self.count = 0  # occurrences of the node's string (as a substring, its end counted)
+        self.total = 0  # the children's counts summed: occurrences with a continuation
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTree:
+    """A suffix trie of depth ``depth`` with occurrence counts, over any number of token
+    sequences. ``extend(tokens, active)`` appends tokens to one sequence whose open
+    suffixes are ``active`` (the nodes of its last 1..depth-1 tokens, shortest first;
+    [] for a new sequence) and returns its new ``active``; ``remove(tokens)`` takes a whole
+    sequence out again (the same walk, counting down, pruning nodes that reach 0)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+        self.num_nodes = 0
+
+    def extend(self, tokens: Sequence[int], active: list[_Node]) -> list[_Node]:
+        keep = self.depth - 1
+        for t in tokens:
+            nxt = []
+            for node in [self.root, *active[:keep]]:  # suffixes of length 0..depth-1 grow
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = _Node()
+                    self.num_nodes += 1
+                child.count += 1
+                node.total += 1
+                nxt.append(child)
+            active = nxt
+        return active[:keep]
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        keep = self.depth - 1
+        active: list[_Node] = []
+        for t in tokens:
+            nxt = []
+            for node in [self.root, *active[:keep]]:
+                child = node.children[t]
+                child.count -= 1
+                node.total -= 1
+                if child.count == 0:  # no occurrence left: neither of its descendants'
+                    del node.children[t]
+                    self.num_nodes -= 1
+                nxt.append(child)
+            active = nxt
+
+    def find(self, pattern: Sequence[int]) -> _Node | None:
+        node = self.root
+        for t in pattern:
+            node = node.children.get(t)
+            if node is None:
+                return None
+        return node
+
+    def speculate(self, context: Sequence[int], max_tokens: int, min_match: int
+                  ) -> Speculation:
+        """The best draft after ``context``'s last tokens (see the module docstring)."""
+        best = Speculation()
+        for m in range(min(len(context), self.depth - 1), min_match - 1, -1):
+            if best.score >= min(max_tokens, math.ceil(m * SPEC_FACTOR)):
+                break  # no shorter match can draft enough to score higher
+            node = self.find(context[len(context) - m:])
+            if node is None or not node.children:
+                continue
+            budget = min(max_tokens, self.depth - m, math.ceil(m * SPEC_FACTOR))
+            s = Speculation(match_len=m)
+            prob = 1.0
+            while node.children and len(s.tokens) < budget:
+                tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
+                prob *= child.count / node.total
+                if prob < MIN_TOKEN_PROB:
+                    break
+                s.tokens.append(tok)
+                s.score += prob
+                node = child
+            if s.score > best.score:
+                best = s
+        return best
+
 
 
 def _substring_counts(seqs, depth):
@@ -48,36 +145,71 @@ def test_the_tree_counts_every_substring_up_to_its_depth_grown_in_pieces():
     assert tree.num_nodes == len(want)
 
 
+def _index(seqs, depth, min_match=1):
+    index = TokenIndex(depth, min_match)
+    for seq in seqs:
+        index.extend(seq)
+        index.close()
+    return index
+
+
+def _trie(seqs, depth):
+    tree = SuffixTree(depth)
+    for seq in seqs:
+        tree.extend(seq, [])
+    return tree
+
+
 def test_a_draft_follows_the_longest_earlier_match_and_adapts_to_its_length():
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
-    tree = SuffixTree(16)
-    tree.extend(text, [])
+    index = _index([text], 16)
     # "... 2 3 4" matched (3 tokens): at most 3 draft tokens (SPEC_FACTOR 1)
-    s = tree.speculate([9, 9, 2, 3, 4], max_tokens=8, min_match=1)
+    s = index.speculate([9, 9, 2, 3, 4], max_tokens=8, min_match=1)
     assert (s.tokens, s.match_len) == ([5, 6, 7], 3)
     # a 6-token match drafts 6, capped by max_tokens
-    s = tree.speculate([1, 2, 3, 4, 5, 6], max_tokens=4, min_match=1)
+    s = index.speculate([1, 2, 3, 4, 5, 6], max_tokens=4, min_match=1)
     assert (s.tokens, s.match_len) == ([7, 8, 9, 10], 6)
     # match + draft stay within the depth: the 4-token match may draft 1, "2 3 4" drafts 2
     # and scores higher (a tie with "3 4" goes to the longer match)
-    small = SuffixTree(5)
-    small.extend(text, [])
-    s = small.speculate([1, 2, 3, 4], max_tokens=8, min_match=1)
+    s = _index([text], 5).speculate([1, 2, 3, 4], max_tokens=8, min_match=1)
     assert (s.tokens, s.match_len) == ([5, 6], 3)
-    # below the minimum match: nothing
-    assert tree.speculate([9, 9, 4], max_tokens=8, min_match=2).tokens == []
-    assert tree.speculate([99], max_tokens=8, min_match=1).tokens == []
+    # below the minimum match: nothing; a match never crosses from one sequence to the next
+    assert index.speculate([9, 9, 4], max_tokens=8, min_match=2).tokens == []
+    assert index.speculate([99], max_tokens=8, min_match=1).tokens == []
+    two = _index([[1, 2, 3], [4, 5, 6]], 16)
+    assert two.speculate([2, 3, 4], max_tokens=8, min_match=2).tokens == []
+    assert two.speculate([3], max_tokens=8, min_match=1).tokens == []  # 3 ends a sequence
 
 
 def test_the_most_frequent_continuation_wins_and_rare_ones_are_cut():
-    tree = SuffixTree(8)
-    for tail in ([7, 7], [7, 7], [7, 7], [8, 8]):
-        tree.extend([1, 2, 3] + tail, [])
-    assert tree.speculate([1, 2, 3], 8, 1).tokens == [7, 7]  # 3 of 4 continuations
-    tree2 = SuffixTree(8)
-    for k in range(12):  # 12 different continuations: each 1/12 < MIN_TOKEN_PROB
-        tree2.extend([1, 2, 3, 100 + k], [])
-    assert tree2.speculate([1, 2, 3], 8, 1).tokens == []
+    seqs = [[1, 2, 3] + tail for tail in ([7, 7], [7, 7], [7, 7], [8, 8])]
+    assert _index(seqs, 8).speculate([1, 2, 3], 8, 1).tokens == [7, 7]  # 3 of 4
+    rare = [[1, 2, 3, 100 + k] for k in range(12)]  # each 1/12 < MIN_TOKEN_PROB
+    assert _index(rare, 8).speculate([1, 2, 3], 8, 1).tokens == []
+
+
+@pytest.mark.parametrize("depth,min_match", [(24, 2), (6, 1), (16, 3), (4, 2)])
+def test_the_index_drafts_what_the_suffix_trie_drafts(depth, min_match):
+    """The oracle: a depth-bounded suffix trie with every count. Random text over a small
+    vocabulary (many repeats, ties and long matches), every context of it and of fresh
+    text, several draft budgets."""
+    rng = random.Random(depth * 10 + min_match)
+    for trial in range(6):
+        vocab = rng.choice([3, 5, 12])
+        seqs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+                for _ in range(rng.randrange(1, 6))]
+        index, trie = _index(seqs, depth, min_match), _trie(seqs, depth)
+        contexts = [seq[:i] for seq in seqs for i in range(1, len(seq) + 1)]
+        contexts += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+                     for _ in range(40)]
+        for ctx in contexts:
+            ctx = ctx[max(0, len(ctx) - depth + 1):]
+            for budget in (1, 4, 16):
+                got = index.speculate(ctx, budget, min_match)
+                want = trie.speculate(ctx, budget, min_match)
+                assert (got.tokens, got.match_len) == (want.tokens, want.match_len), (
+                    trial, ctx, budget)
+                assert math.isclose(got.score, want.score)
 
 
 def test_the_request_index_sees_its_own_earlier_text_and_the_cache():
@@ -90,21 +222,30 @@ def test_the_request_index_sees_its_own_earlier_text_and_the_cache():
     assert idx.draft(ids, len(ids)) == [44, 45, 46, 47]  # the cached response, match 4
 
 
+def _drafts(index_or_tree, contexts, min_match):
+    return [index_or_tree.speculate(c, 8, min_match).tokens for c in contexts]
+
+
 def test_the_cache_is_bounded_evicts_oldest_first_and_leaves_nothing_behind():
     cache = ResponseCache(depth=6, max_requests=3)
     rng = random.Random(1)
-    responses = [[rng.randrange(50) for _ in range(20)] for _ in range(10)]
+    responses = [[rng.randrange(8) for _ in range(20)] for _ in range(12)]
+    probes = [[rng.randrange(8) for _ in range(5)] for _ in range(60)]
     for i, r in enumerate(responses):
         cache.add(r)
         kept = responses[max(0, i - 2): i + 1]
-        assert len(cache) == len(kept)
-        assert _tree_counts(cache.tree(None)) == _substring_counts(kept, 6)  # oldest first
-        assert cache.num_nodes == len(_substring_counts(kept, 6))
-    for r in responses[-3:]:
-        assert cache.tree(None).speculate(r[:5], 8, 2).tokens  # the newest are found
+        assert len(cache) == len(kept) and cache.num_tokens == sum(map(len, kept))
+        # drafts as from the kept responses alone: the oldest went first
+        assert _drafts(cache.index(None), probes, 2) == _drafts(_trie(kept, 6), probes, 2), i
+    index = cache.index(None)  # compacted: about the kept text, not all that was added
+    assert index.num_tokens == sum(len(r) + 1 for r in responses[-3:])
+    assert len(index.tokens) < 2 * index.num_tokens + 21
+    live = {p for table in index.at.values() for occ in table.values() for p in occ
+            if p >= index.base}
+    assert len(live) <= sum(len(t) for t in index.at.values()) * 2
     off = ResponseCache(depth=6, max_requests=0)
     off.add([1, 2, 3])
-    assert len(off) == 0 and off.num_nodes == 0 and off.tree(None) is None
+    assert len(off) == 0 and off.index(None) is None
 
 
 def test_a_tenant_drafts_from_its_own_responses_only():
@@ -124,21 +265,20 @@ def test_a_tenant_drafts_from_its_own_responses_only():
 def test_the_bound_holds_over_every_tenant_and_an_emptied_tenant_leaves_nothing():
     cache = ResponseCache(depth=6, max_requests=3)
     rng = random.Random(2)
+    probes = [[rng.randrange(6) for _ in range(5)] for _ in range(40)]
     added = []
     for i in range(12):
-        r, scope = [rng.randrange(50) for _ in range(15)], ("a", "b", None, "c")[i % 4]
+        r, scope = [rng.randrange(6) for _ in range(15)], ("a", "b", None, "c")[i % 4]
         cache.add(r, scope)
         added.append((scope, r))
         kept = added[-3:]  # the 3 newest responses, whichever tenant sent them
         assert len(cache) == len(kept)
         for name in ("a", "b", "c", None):
             mine = [r for s, r in kept if s == name]
-            tree = cache.tree(name)
-            assert (tree is None) == (not mine), (i, name)
+            index = cache.index(name)
+            assert (index is None) == (not mine), (i, name)
             if mine:
-                assert _tree_counts(tree) == _substring_counts(mine, 6)
-        assert cache.num_nodes == sum(len(_substring_counts([r for s, r in kept if s == n], 6))
-                                      for n in {s for s, _ in kept})
+                assert _drafts(index, probes, 2) == _drafts(_trie(mine, 6), probes, 2)
 
 
 def test_build_validation_names_the_value_the_rule_and_the_fix():

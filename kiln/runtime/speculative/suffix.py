@@ -1,31 +1,35 @@
-"""Suffix decoding: drafts from a suffix tree over the request's own text and one over a
-bounded cache of earlier responses (Oliaro et al., SuffixDecoding; Snowflake's Arctic
-Inference), model-free.
+"""Suffix decoding: drafts from the request's own text and from a bounded cache of earlier
+responses (Oliaro et al., SuffixDecoding; Snowflake's Arctic Inference), model-free.
 
-Both trees are suffix tries of bounded depth D: every substring of at most D tokens is a
-path from the root, and each node counts the occurrences of its string. A proposal matches
-the longest suffixes of the request's last tokens (at least ``min_match``, at most D - 1)
-and follows, from each match, the most frequent continuation while its cumulative
-probability (each child's count over its siblings' total) stays >= ``MIN_TOKEN_PROB``, for at
-most ``SPEC_FACTOR`` x the match length tokens: a longer match drafts more (the draft
-adapts to the match), and match + draft <= D. The draft with the highest score (the sum of
-its cumulative probabilities: the tokens it is expected to get accepted) wins, over the
-request's tree and the shared cache's. The winner is verified as a chain, like prompt
-lookup's (``NgramWorker.verify``: greedy longest accepted prefix + bonus token, sampled the
-rejection rule).
+The rule is a depth-D suffix trie's: a proposal matches the longest suffixes of the
+request's last tokens (at least ``min_match``, at most D - 1) and follows, from each match,
+the most frequent continuation while its cumulative probability (a continuation's count
+over all continuations of the tokens so far) stays >= ``MIN_TOKEN_PROB``, for at most
+``SPEC_FACTOR`` x the match length tokens: a longer match drafts more, and match + draft
+<= D. The draft with the highest score (the sum of its cumulative probabilities: the
+tokens it is expected to get accepted) wins, over the request's text and the cache's. The
+winner is verified as a chain, like prompt lookup's (``NgramWorker.verify``: greedy longest
+accepted prefix + bonus token, sampled the rejection rule).
 
-The trees live on the host (as in Arctic Inference and vLLM): a request's tree grows by D
-node updates per committed token; the shared cache takes a response when its request
-finishes (aborted and failed requests are not kept) and evicts the oldest responses
-beyond ``suffix_cache_requests``. A request that names a tenant (``SamplingParams.tenant``)
-drafts from and feeds that tenant's tree only: acceptance timing would otherwise tell one
-tenant whether another's continuation was seen before.
+The text is not kept as a trie (D Python nodes a token: ~5.8 KB a cached token, 12 ms to
+add a 200-token response; docs/decisions.md) but as ``TokenIndex``: the tokens in one array
+and, for two key lengths (``min_match`` and ``LONG_KEY``), where each key occurs. A
+proposal takes the newest ``MAX_CANDIDATES`` occurrences of the context's last keys,
+measures each one's match backwards and counts continuations forwards over the
+occurrences that match m tokens: the trie's counts, over those occurrences.
+
+The cache takes a response when its request finishes (aborted and failed requests are not
+kept) and evicts the oldest responses beyond ``suffix_cache_requests``. A request that
+names a tenant (``SamplingParams.tenant``) drafts from and feeds that tenant's index only:
+acceptance timing would otherwise tell one tenant whether another's continuation was seen
+before.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,15 +42,9 @@ from kiln.runtime.speculative.ngram import NgramWorker
 # probability is at least 0.1
 SPEC_FACTOR = 1.0
 MIN_TOKEN_PROB = 0.1
-
-
-class _Node:
-    __slots__ = ("count", "total", "children")
-
-    def __init__(self) -> None:
-        self.count = 0  # occurrences of the node's string (as a substring, its end counted)
-        self.total = 0  # the children's counts summed: occurrences with a continuation
-        self.children: dict[int, _Node] = {}
+LONG_KEY = 8  # the second key length: long matches among few occurrences
+MAX_CANDIDATES = 256  # occurrences of a key examined per proposal, newest first
+_END = -1  # after each sequence of an index: no match or continuation crosses it
 
 
 @dataclass
@@ -58,93 +56,147 @@ class Speculation:
     match_len: int = 0
 
 
-class SuffixTree:
-    """A suffix trie of depth ``depth`` with occurrence counts, over any number of token
-    sequences. ``extend(tokens, active)`` appends tokens to one sequence whose open
-    suffixes are ``active`` (the nodes of its last 1..depth-1 tokens, shortest first;
-    [] for a new sequence) and returns its new ``active``; ``remove(tokens)`` takes a whole
-    sequence out again (the same walk, counting down, pruning nodes that reach 0)."""
+class TokenIndex:
+    """Token sequences, each followed by an end mark, and where every key (the ``k`` tokens
+    before a position, for each key length k) occurs: ``at[k][key]`` lists the positions
+    after its occurrences, oldest first. Positions are absolute; ``drop_oldest`` evicts the
+    oldest sequence lazily (its positions stay in the lists, below ``live``, until a
+    compaction once half the array is dead)."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, min_match: int) -> None:
         self.depth = depth
-        self.root = _Node()
-        self.num_nodes = 0
+        self.lengths = sorted({min_match, max(min_match, min(LONG_KEY, depth - 1))},
+                              reverse=True)
+        self.tokens = array("q")
+        self.base = 0  # the absolute position of tokens[0]
+        self.live = 0  # positions before it belong to evicted sequences
+        self.at: dict[int, dict[int, array]] = {k: {} for k in self.lengths}
+        self._open = 0  # where the sequence being appended started (absolute)
 
-    def extend(self, tokens: Sequence[int], active: list[_Node]) -> list[_Node]:
-        keep = self.depth - 1
+    @property
+    def end(self) -> int:
+        return self.base + len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.live
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the open sequence."""
+        toks, base = self.tokens, self.base
         for t in tokens:
-            nxt = []
-            for node in [self.root, *active[:keep]]:  # suffixes of length 0..depth-1 grow
-                child = node.children.get(t)
-                if child is None:
-                    child = node.children[t] = _Node()
-                    self.num_nodes += 1
-                child.count += 1
-                node.total += 1
-                nxt.append(child)
-            active = nxt
-        return active[:keep]
+            toks.append(t)
+            pos = base + len(toks)  # the position after t
+            for k in self.lengths:
+                if pos - k >= self._open:
+                    key = hash(tuple(toks[pos - k - base:pos - base]))
+                    occ = self.at[k].get(key)
+                    if occ is None:
+                        self.at[k][key] = array("q", (pos,))
+                    else:
+                        occ.append(pos)
 
-    def remove(self, tokens: Sequence[int]) -> None:
-        keep = self.depth - 1
-        active: list[_Node] = []
-        for t in tokens:
-            nxt = []
-            for node in [self.root, *active[:keep]]:
-                child = node.children[t]
-                child.count -= 1
-                node.total -= 1
-                if child.count == 0:  # no occurrence left: neither of its descendants'
-                    del node.children[t]
-                    self.num_nodes -= 1
-                nxt.append(child)
-            active = nxt
+    def close(self) -> int:
+        """End the open sequence; returns where the next one starts."""
+        self.tokens.append(_END)
+        self._open = self.end
+        return self._open
 
-    def find(self, pattern: Sequence[int]) -> _Node | None:
-        node = self.root
-        for t in pattern:
-            node = node.children.get(t)
-            if node is None:
-                return None
-        return node
+    def drop_oldest(self, upto: int) -> None:
+        """Evict every sequence before absolute position ``upto``."""
+        self.live = upto
+        if self.live - self.base > len(self.tokens) // 2:
+            self._compact()
+
+    def _compact(self) -> None:
+        cut = self.live - self.base
+        self.tokens = self.tokens[cut:]
+        self.base = self.live
+        for k, table in self.at.items():
+            for key in list(table):
+                occ = table[key]
+                if occ[-1] < self.live + k:
+                    del table[key]
+                elif occ[0] < self.live + k:
+                    table[key] = array("q", (p for p in occ if p >= self.live + k))
+
+    def _add_candidates(self, cands: dict[int, int], context: Sequence[int], k: int,
+                        limit: int) -> None:
+        """The newest occurrences of ``context``'s last ``k`` tokens that have a
+        continuation, each with its match length (at most ``limit``) into ``cands``."""
+        occ = self.at[k].get(hash(tuple(context[len(context) - k:])))
+        if occ is None:
+            return
+        toks, base, last = self.tokens, self.base, len(context) - 1
+        for pos in occ[-MAX_CANDIDATES:]:
+            i = pos - base
+            if pos - k < self.live or pos in cands or i >= len(toks) or toks[i] == _END:
+                continue
+            m = 0
+            i -= 1
+            while m < limit and i >= 0 and toks[i] == context[last - m]:
+                m += 1
+                i -= 1
+            if m >= k:  # (a hash collision matches less)
+                cands[pos] = m
 
     def speculate(self, context: Sequence[int], max_tokens: int, min_match: int
                   ) -> Speculation:
-        """The best draft after ``context``'s last tokens (see the module docstring)."""
+        """The best draft after ``context``'s last tokens (the module docstring's rule)."""
+        limit = min(len(context), self.depth - 1)
+        keys = [k for k in self.lengths if k <= limit]  # longest first
+        toks, base = self.tokens, self.base
+        cands: dict[int, int] = {}  # position -> match length
+        looked: set[int] = set()
         best = Speculation()
-        for m in range(min(len(context), self.depth - 1), min_match - 1, -1):
+        m = limit
+        while m >= min_match:
             if best.score >= min(max_tokens, math.ceil(m * SPEC_FACTOR)):
                 break  # no shorter match can draft enough to score higher
-            node = self.find(context[len(context) - m:])
-            if node is None or not node.children:
+            k = next(k for k in keys if k <= m)  # finds every occurrence matching >= m
+            if k not in looked:
+                self._add_candidates(cands, context, k, limit)
+                looked.add(k)
+            top = max(cands.values(), default=0)
+            if top < m:  # none matches m: on to the longest that any does
+                m = top if top >= k else k - 1
                 continue
+            cur = sorted(p - base for p, length in cands.items() if length >= m)
             budget = min(max_tokens, self.depth - m, math.ceil(m * SPEC_FACTOR))
             s = Speculation(match_len=m)
             prob = 1.0
-            while node.children and len(s.tokens) < budget:
-                tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-                prob *= child.count / node.total
+            while len(s.tokens) < budget:
+                counts: dict[int, int] = {}
+                for i in cur:
+                    t = toks[i] if i < len(toks) else _END
+                    if t != _END:
+                        counts[t] = counts.get(t, 0) + 1
+                if not counts:
+                    break
+                tok = max(counts, key=counts.__getitem__)  # ties: the oldest occurrence's
+                prob *= counts[tok] / sum(counts.values())
                 if prob < MIN_TOKEN_PROB:
                     break
                 s.tokens.append(tok)
                 s.score += prob
-                node = child
+                cur = [i + 1 for i in cur if i < len(toks) and toks[i] == tok]
             if s.score > best.score:
                 best = s
+            m -= 1
         return best
 
 
 class ResponseCache:
-    """The shared cache of earlier responses: a ``SuffixTree`` per scope (None: the
+    """The shared cache of earlier responses: a ``TokenIndex`` per scope (None: the
     engine-wide one; a tenant's name: that tenant's), over at most ``max_requests``
-    responses in all, the oldest evicted first whichever scope holds it. A scope's tree is
+    responses in all, the oldest evicted first whichever scope holds it. A scope's index is
     dropped with its last response."""
 
-    def __init__(self, depth: int, max_requests: int) -> None:
-        self.depth = depth
-        self.max_requests = max_requests
-        self._trees: dict[str | None, SuffixTree] = {}
-        self._responses: OrderedDict[int, tuple[str | None, list[int]]] = OrderedDict()
+    def __init__(self, depth: int, max_requests: int, min_match: int = 2) -> None:
+        self.depth, self.max_requests, self.min_match = depth, max_requests, min_match
+        self._indexes: dict[str | None, TokenIndex] = {}
+        # oldest first: (scope, tokens, the position after its end mark)
+        self._responses: OrderedDict[int, tuple[str | None, int, int]] = OrderedDict()
         self._next = 0
 
     def __len__(self) -> int:
@@ -152,54 +204,49 @@ class ResponseCache:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r) for _, r in self._responses.values())
+        return sum(n for _, n, _ in self._responses.values())
 
-    @property
-    def num_nodes(self) -> int:
-        return sum(t.num_nodes for t in self._trees.values())
-
-    def tree(self, scope: str | None) -> SuffixTree | None:
-        """The tree of ``scope``'s responses, or None while it holds none."""
-        return self._trees.get(scope)
+    def index(self, scope: str | None) -> TokenIndex | None:
+        """The index of ``scope``'s responses, or None while it holds none."""
+        return self._indexes.get(scope)
 
     def add(self, tokens: Sequence[int], scope: str | None = None) -> None:
         if self.max_requests == 0 or not tokens:
             return
-        tokens = list(tokens)
-        tree = self._trees.get(scope)
-        if tree is None:
-            tree = self._trees[scope] = SuffixTree(self.depth)
-        tree.extend(tokens, [])
-        self._responses[self._next] = (scope, tokens)
+        index = self._indexes.get(scope)
+        if index is None:
+            index = self._indexes[scope] = TokenIndex(self.depth, self.min_match)
+        index.extend(tokens)
+        self._responses[self._next] = (scope, len(tokens), index.close())
         self._next += 1
         while len(self._responses) > self.max_requests:
-            _, (old_scope, old) = self._responses.popitem(last=False)
-            old_tree = self._trees[old_scope]
-            old_tree.remove(old)
-            if not old_tree.root.children:
-                del self._trees[old_scope]
+            _, (old_scope, _, end) = self._responses.popitem(last=False)
+            old = self._indexes[old_scope]
+            if end == old.end:  # its last response
+                del self._indexes[old_scope]
+            else:
+                old.drop_oldest(end)
 
 
 class SuffixIndex:
-    """One request's suffix tree over its text (prompt + output), grown as tokens commit,
-    and the proposal from it and the shared cache."""
+    """One request's ``TokenIndex`` over its text (prompt + output), grown as tokens
+    commit, and the proposal from it and the shared cache."""
 
     def __init__(self, depth: int, min_match: int, max_len: int, cache: ResponseCache,
                  scope: str | None = None) -> None:
-        self.tree = SuffixTree(depth)
-        self.min_match, self.max_len = min_match, max_len
+        self.own = TokenIndex(depth, min_match)
+        self.depth, self.min_match, self.max_len = depth, min_match, max_len
         self.cache, self.scope = cache, scope  # drafts from the cache of ``scope`` only
-        self._active: list[_Node] = []
-        self._n = 0  # tokens[:_n] are in the tree
+        self._n = 0  # tokens[:_n] are in the index
 
     def draft(self, tokens: Sequence[int], n: int) -> list[int]:
         """The draft after ``tokens[:n]`` (``n`` never decreases between calls)."""
         if n > self._n:
-            self._active = self.tree.extend(tokens[self._n:n], self._active)
+            self.own.extend(tokens[self._n:n])
             self._n = n
-        context = tokens[max(0, n - self.tree.depth + 1):n]
-        own = self.tree.speculate(context, self.max_len, self.min_match)
-        cached = self.cache.tree(self.scope)
+        context = tokens[max(0, n - self.depth + 1):n]
+        own = self.own.speculate(context, self.max_len, self.min_match)
+        cached = self.cache.index(self.scope)
         if cached is None:
             return own.tokens
         shared = cached.speculate(context, self.max_len, self.min_match)
@@ -234,16 +281,16 @@ class SuffixWorker(NgramWorker):
                  ) -> None:
         super().__init__(max_draft_len, depth - 1, min_match)
         self.depth = depth
-        self.cache = ResponseCache(depth, cache_requests)
+        self.cache = ResponseCache(depth, cache_requests, min_match)
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, device=None, draft=None) -> SuffixWorker:
         worker = cls(spec.max_draft_len, spec.suffix_tree_depth, spec.suffix_min_match,
                      spec.suffix_cache_requests)
         print(f"kiln: suffix decoding: a shared cache of up to {spec.suffix_cache_requests} "
-              f"responses (tree depth {spec.suffix_tree_depth}, ~{spec.suffix_tree_depth} "
-              f"tree nodes per cached token), up to {spec.max_draft_len} draft tokens per "
-              f"step after a match of {spec.suffix_min_match}+", file=sys.stderr, flush=True)
+              f"responses (~300 bytes a cached token), up to {spec.max_draft_len} draft "
+              f"tokens per step after a match of {spec.suffix_min_match}+ (depth "
+              f"{spec.suffix_tree_depth})", file=sys.stderr, flush=True)
         return worker
 
     def _max_len(self, req: Request) -> int:
