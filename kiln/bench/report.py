@@ -329,6 +329,12 @@ def render_speculative(result: dict, console: Console) -> None:
         for batch, b in (s.get("batches") or {"1": s}).items():
             t.add_row(name, batch, *_speculative_cells(b, repeats, cfg.get("dtype")))
     console.print(t)
+    if cfg["mode"] == "suffix":
+        shares = [f"{name} {_fmt(b.get('cache_share'), '{:.0%}')} (batch {batch})"
+                  for name, s in result["sets"].items()
+                  for batch, b in (s.get("batches") or {"1": s}).items()]
+        console.print(f"  accepted draft tokens from the cache of earlier responses: "
+                      f"{', '.join(shares)}", style="dim", highlight=False)
     console.print("  step cost: wall time per engine step (host work included), speculative "
                   "run over plain run;\n  spec steps: speculative steps per request over the "
                   "speculative run's engine steps", style="dim", highlight=False)

@@ -74,6 +74,7 @@ def _timed(engine: Any, prompts: list[list[int]], params: SamplingParams) -> dic
         "token_ids": [o.token_ids for o in outs],
         "spec_steps": sum(o.metrics.spec_steps for o in outs),
         "spec_tokens": sum(o.metrics.spec_tokens for o in outs),
+        "spec_cached_tokens": sum(o.metrics.spec_cached_tokens for o in outs),
         "decode_steps": sum(o.metrics.num_steps for o in outs),
     }
 
@@ -103,6 +104,12 @@ def _run_batch(engine: Any, texts: list[str], ids: list[list[int]], plain_p: Sam
 def _ratio(num: float | None, den: float | None) -> float | None:
     """num / den; None where either is missing or den is 0."""
     return num / den if num is not None and den else None
+
+
+def _share(part: float, whole: float) -> float | None:
+    """part / whole, at most 1; None where whole is 0."""
+    r = _ratio(part, whole)
+    return None if r is None else min(1.0, r)
 
 
 def _summary(rows: list[dict], batch_size: int, repeats: int) -> dict:
@@ -139,6 +146,10 @@ def _summary(rows: list[dict], batch_size: int, repeats: int) -> dict:
         "speedup": _ratio(_ratio(s_tok, s_time), _ratio(p_tok, p_time)),
         "speedups": speedups,
         "tokens_per_step": _ratio(total("spec", "spec_tokens"), total("spec", "spec_steps")),
+        # of the accepted draft tokens (each speculative step commits them + one of its own,
+        # but a request's last step may stop short)
+        "cache_share": _share(sum(r["spec"].get("spec_cached_tokens", 0) for r in rows),
+                              total("spec", "spec_tokens") - total("spec", "spec_steps")),
         "same_output": (None if any(r["same_output"] is None for r in rows)
                         else all(r["same_output"] for r in rows)),
         "plain_engine_steps": p_steps,

@@ -30,6 +30,8 @@ class RequestMetrics:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     spec_steps: int = 0  # speculative steps (lookahead / ngram) this request took
     spec_tokens: int = 0  # tokens those steps committed
+    # accepted draft tokens that came from a shared cache of earlier responses (suffix)
+    spec_cached_tokens: int = 0
 
     @property
     def tokens_per_spec_step(self) -> float | None:

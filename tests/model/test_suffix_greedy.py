@@ -47,6 +47,12 @@ def test_suffix_greedy_equals_plain_greedy_and_the_cache_raises_acceptance(tiny_
     assert [o.token_ids for o in again] == plain
     (tps1, _), (tps2, steps2) = _per_step(first), _per_step(again)
     assert steps2 > 0 and tps2 > max(tps1, 2.5), (tps1, tps2)
+    # the committed drafts that came from the cache: most of them now, none with an empty one
+    accepted = sum(o.metrics.spec_tokens - o.metrics.spec_steps for o in again)
+    cached = sum(o.metrics.spec_cached_tokens for o in again)
+    assert accepted / 2 < cached <= accepted + len(prompts), (cached, accepted)
+    assert sum(o.metrics.spec_cached_tokens for o in eng.generate(
+        [[7] + p for p in prompts], _greedy(n=1))) == 0
     eng.blocks.check_all_free()
 
 
@@ -138,7 +144,12 @@ def test_a_tenant_never_drafts_from_another_tenants_responses(tiny_reference):
         params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, tenant=tenant)
         outs = eng.generate(prompts, params)
         assert [o.token_ids for o in outs] == plain, tenant
+        cached = sum(o.metrics.spec_cached_tokens for o in outs)
+        assert (cached > 0) == (tenant == "alice" and len(seen) > 0), (tenant, cached)
+        seen.append(tenant)
         return _per_step(outs)[0]
+
+    seen: list = []
 
     first = run("alice")
     assert len(eng.spec_worker.cache) == len(prompts)

@@ -103,6 +103,7 @@ def test_every_set_reports_both_batch_sizes_with_equal_output(result, la_engine)
             assert run["plain"]["spec_steps"] == 0, where
             assert run["plain"]["engine_steps"] >= run["plain"]["tokens"] / int(batch), where
             assert run["spec"]["spec_tokens"] >= run["spec"]["spec_steps"] > 0, where
+            assert b["cache_share"] in (0, None), where  # lookahead keeps no such cache
         # the batch-1 numbers stay at the set's top level, as before batch sizes existed
         assert s["speedup"] == s["batches"]["1"]["speedup"]
 
@@ -128,6 +129,26 @@ def test_the_report_has_a_row_per_set_and_batch(result):
     buf = io.StringIO()
     render_speculative({**result, "replay": replay}, Console(file=buf, width=220))
     assert "batch 1 1.90x (0.500 -> 0.950 ms, the draft's 0.100 ms a token)" \
+        in buf.getvalue(), buf.getvalue()
+
+
+def test_a_suffix_engine_reports_the_share_of_drafts_from_its_cache(tiny_reference):
+    """The repeated runs of a set meet their own earlier answers in the cache: its share of
+    the accepted drafts is reported, and printed under the table."""
+    from rich.console import Console
+
+    from kiln.bench.report import render_speculative
+
+    _, out = tiny_reference("llama", max_seq_len=512, max_num_tokens=512, max_batch_size=4,
+                            speculative=SpeculativeConfig.from_cli("suffix", max_draft_len=8))
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu"))
+    res = run_speculative_latency(eng, output_len=24, prompts_per_set=1, warmup=0, repeats=2,
+                                  batch_sizes=(1,))
+    shares = [s["batches"]["1"]["cache_share"] for s in res["sets"].values()]
+    assert all(0 < x <= 1 for x in shares), shares
+    buf = io.StringIO()
+    render_speculative(res, Console(file=buf, width=220))
+    assert "accepted draft tokens from the cache of earlier responses: grounded " \
         in buf.getvalue(), buf.getvalue()
 
 

@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.ngram import NgramWorker
@@ -238,6 +240,8 @@ class SuffixIndex:
         self.depth, self.min_match, self.max_len = depth, min_match, max_len
         self.cache, self.scope = cache, scope  # drafts from the cache of ``scope`` only
         self._n = 0  # tokens[:_n] are in the index
+        self.from_cache = False  # the last draft came from the cache
+        self.matched = 0  # how many of its tokens the verification accepted
 
     def draft(self, tokens: Sequence[int], n: int) -> list[int]:
         """The draft after ``tokens[:n]`` (``n`` never decreases between calls)."""
@@ -247,10 +251,10 @@ class SuffixIndex:
         context = tokens[max(0, n - self.depth + 1):n]
         own = self.own.speculate(context, self.max_len, self.min_match)
         cached = self.cache.index(self.scope)
-        if cached is None:
-            return own.tokens
-        shared = cached.speculate(context, self.max_len, self.min_match)
-        return (shared if shared.score > own.score else own).tokens
+        shared = (cached.speculate(context, self.max_len, self.min_match) if cached is not None
+                  else own)
+        self.from_cache = shared.score > own.score
+        return (shared if self.from_cache else own).tokens
 
 
 class SuffixShadow:
@@ -306,6 +310,20 @@ class SuffixWorker(NgramWorker):
 
     def may_take_slot(self, req: Request) -> bool:
         return False  # host state only
+
+    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        accepted, moves = super().verify(req, logits, argmax)
+        draft = req.draft.data  # the drafts accepted: the leading tokens they match
+        req.spec_state.matched = next((i for i, (a, d) in enumerate(zip(accepted, draft))
+                                       if a != d), min(len(accepted), len(draft)))
+        return accepted, moves
+
+    def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
+        super().on_commit(req, num_new, verified)
+        st = req.spec_state
+        if verified and st.from_cache:  # (the commit may stop short: max_tokens, a stop)
+            req.metrics.spec_cached_tokens += min(st.matched, num_new)
 
     def release(self, req: Request) -> None:
         if req.is_finished and req.error is None:
