@@ -143,6 +143,27 @@ def test_random_fp8_engine_runs(tmp_path, capsys):
     assert w["layers.0.qkv.weight"].dtype == FP8 and "layers.1.v_scale" in w
     engine = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", num_kv_blocks=64))
     assert engine.cache.k.dtype == FP8
+    # loading it says so too: every serve, generate and bench of it
+    err = capsys.readouterr().err
+    assert "warning: this engine's FP8 KV cache runs with uncalibrated scales" in err, err
+    assert "1.0 (missing in the source" in err and "--kv-cache-dtype fp8" in err, err
     outs = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0,
                                                         ignore_eos=True))
     assert len(outs[0].token_ids) == 4
+
+
+def test_no_kv_scale_warning_for_calibrated_or_unquantized_kv():
+    from types import SimpleNamespace
+
+    from kiln.artifact.spec import QuantConfig
+    from kiln.runtime.loading import kv_scale_warning
+
+    def spec(q):
+        return SimpleNamespace(quantization=q)
+
+    calibrated = QuantConfig("fp8", "fp8", "fp8", {"kv_cache": "checkpoint (calibrated)"})
+    assert kv_scale_warning(spec(calibrated)) is None
+    assert kv_scale_warning(spec(QuantConfig("fp8", "fp8", "bfloat16"))) is None
+    assert kv_scale_warning(spec(QuantConfig())) is None
+    ones = QuantConfig("fp8", "fp8", "fp8", {"kv_cache": "checkpoint (all exactly 1.0)"})
+    assert "(engine.json: checkpoint (all exactly 1.0))" in kv_scale_warning(spec(ones))
