@@ -38,18 +38,33 @@ def quantize(
         None, "--device", help="cpu or cuda (default: cuda when available)."
     ),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    eval_file: str | None = typer.Option(
+        None, "--eval-file",
+        help="Text the quality gate scores (as --calib-data); default: kiln's built-in eval "
+        "set (no text shared with the calibration set)."),
+    max_quality_loss: float = typer.Option(
+        0.05, "--max-quality-loss",
+        help="The quality gate: the most the FP8 model's perplexity may rise over the "
+        "source's (0.05: +5 %); past it the command exits 1 and writes nothing."),
+    allow_quality_loss: bool = typer.Option(
+        False, "--allow-quality-loss",
+        help="Write the checkpoint whatever the quality gate measures (both perplexities "
+        "are still printed and recorded in kiln_quantize.json)."),
     as_json: bool = typer.Option(
         False, "--json", help="Print the calibration summary as JSON on stdout."
     ),
 ) -> None:
     """Calibrate FP8 weight, activation and KV cache scales; export a modelopt HF checkpoint
-    that `kiln build` (and vLLM, SGLang, TensorRT-LLM) can load."""
+    that `kiln build` (and vLLM, SGLang, TensorRT-LLM) can load. A quality gate compares the
+    perplexity of the source and of the FP8 model first (printed, and kept in the
+    checkpoint's kiln_quantize.json)."""
     from kiln.quantize import quantize as run
 
     summary = run(
         source, output, qformat=qformat, kv_cache_dtype=kv_cache_dtype, calib_size=calib_size,
         calib_seq_len=calib_seq_len, calib_data=calib_data, exclude=exclude.split(","),
-        device=device, progress=not as_json, force=force,
+        device=device, progress=not as_json, force=force, eval_data=eval_file,
+        max_quality_loss=max_quality_loss, allow_quality_loss=allow_quality_loss,
     )
     if as_json:
         typer.echo(json.dumps(summary, indent=2))

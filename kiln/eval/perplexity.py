@@ -87,7 +87,7 @@ def _load(engine_dir: str | Path, data: str | Path | None, seq_len: int,
     """(engine, its spec, the text set, the windows of token ids, the window length)."""
     from kiln.artifact.loader import load_engine
     from kiln.errors import KilnError
-    from kiln.quantize.calib import load_text_set, token_stream
+    from kiln.quantize.calib import eval_windows, load_text_set
     from kiln.runtime.engine import LLMEngine, RuntimeConfig
 
     spec = load_engine(engine_dir).spec
@@ -100,9 +100,4 @@ def _load(engine_dir: str | Path, data: str | Path | None, seq_len: int,
         device=device, block_size=block_size,
         num_kv_blocks=-(-spec.limits.max_seq_len // block_size), enable_prefix_caching=False))
     text = load_text_set(data, "eval")
-    ids = token_stream(engine.tokenizer, text.documents)
-    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
-    windows = [w for w in windows if len(w) >= 2]
-    if not windows:
-        raise KilnError(f"{text.name} has fewer than 2 tokens")
-    return engine, spec, text, windows, seq_len
+    return engine, spec, text, eval_windows(engine.tokenizer, text, seq_len), seq_len

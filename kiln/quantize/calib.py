@@ -91,6 +91,19 @@ def token_stream(tokenizer: Any, docs: list[str]) -> list[int]:
     return ids
 
 
+def eval_windows(tokenizer: Any, text: TextSet, seq_len: int) -> list[list[int]]:
+    """The set's token stream cut into non-overlapping windows of ``seq_len`` tokens (the
+    last may be shorter; windows of fewer than 2 tokens, which score nothing, are dropped)."""
+    if seq_len < 2:
+        raise KilnError(f"--seq-len must be >= 2, got {seq_len}")
+    ids = token_stream(tokenizer, text.documents)
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise KilnError(f"{text.name} has fewer than 2 tokens")
+    return windows
+
+
 def calibration_chunks(tokenizer: Any, text: TextSet, size: int, seq_len: int) -> list[list[int]]:
     """Up to ``size`` chunks of ``seq_len`` tokens (the last may be shorter, >= seq_len/4).
 

@@ -30,7 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import kiln
 from kiln.errors import KilnError
-from kiln.quantize.calib import calibration_chunks, load_text_set
+from kiln.quantize import quality
+from kiln.quantize.calib import calibration_chunks, eval_windows, load_text_set
 from kiln.sources.umask import honour_umask
 
 MODELOPT_VERSION = "0.47.0"
@@ -170,8 +171,14 @@ def quantize(
     device: str | None = None,
     progress: bool = True,
     force: bool = False,
+    eval_data: str | Path | None = None,
+    eval_seq_len: int = quality.DEFAULT_SEQ_LEN,
+    max_quality_loss: float = quality.DEFAULT_MAX_LOSS,
+    allow_quality_loss: bool = False,
 ) -> dict[str, Any]:
-    """Calibrate ``source`` and write a modelopt FP8 checkpoint to ``out_dir`` (atomically).
+    """Calibrate ``source`` and write a modelopt FP8 checkpoint to ``out_dir`` (atomically),
+    unless its perplexity on ``eval_data`` (kiln's built-in eval set by default) rises past
+    ``max_quality_loss`` over the source's and that is not allowed (kiln/quantize/quality.py).
 
     Returns the summary also written to ``out_dir/kiln_quantize.json``.
     """
@@ -191,6 +198,9 @@ def quantize(
         raise KilnError(f"--device {device!r}: use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise KilnError("--device cuda but CUDA is not available; use --device cpu")
+    if not max_quality_loss >= 0:
+        raise KilnError(f"--max-quality-loss {max_quality_loss} must be >= 0 (0.05: +5 % "
+                        "perplexity)")
     exclude = [e.strip() for e in (exclude or []) if e.strip()]
     mtq, export_hf_checkpoint = _modelopt()
     console = Console(stderr=True, quiet=not progress)
@@ -200,24 +210,38 @@ def quantize(
     tokenizer = src.tokenizer
     text = load_text_set(calib_data, "calib")
     chunks = calibration_chunks(tokenizer, text, calib_size, calib_seq_len)
+    eval_text = load_text_set(eval_data, "eval")
+    windows = eval_windows(tokenizer, eval_text, eval_seq_len)
 
     bar = Progress(
-        TextColumn("[bold]Calibrating[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), console=console, transient=True, disable=console.quiet,
     )
 
     def forward_loop(m: Any) -> None:
         with bar:
-            task = bar.add_task(f"{len(chunks)} x {calib_seq_len} tokens", total=len(chunks))
+            task = bar.add_task(f"[bold]Calibrating[/] {len(chunks)} x {calib_seq_len} tokens",
+                                total=len(chunks))
             for chunk in chunks:
                 m(torch.tensor([chunk], device=device))
                 bar.advance(task)
 
+    def evaluate(what: str) -> float:
+        with bar:
+            task = bar.add_task(f"[bold]Perplexity[/] of the {what}", total=len(windows))
+            return quality.hf_perplexity(model, windows, device, lambda: bar.advance(task))
+
+    model.eval()
+    source_ppl = evaluate("source")
     # modelopt prints on stdout: keep stdout for --json
     with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings(), \
             contextlib.redirect_stdout(sys.stderr):
         warnings.simplefilter("ignore")
         model = mtq.quantize(model, quant_config(mtq, kv_cache_dtype, exclude), forward_loop)
+        fp8_ppl = evaluate("FP8 model")
+    checked = quality.quality_record(source_ppl, fp8_ppl, windows, eval_seq_len,
+                                     eval_text.provenance, max_quality_loss)
+    quality.check(checked, allow_quality_loss)
 
     summary = {
         "tool": "kiln quantize",
@@ -232,6 +256,7 @@ def quantize(
         "exclude": list(dict.fromkeys([*ALWAYS_EXCLUDED, *exclude])),
         "device": device,
         "source": prov,
+        "quality": checked,
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quantizing-", dir=out_dir.parent))
@@ -253,5 +278,5 @@ def quantize(
         raise
     console.print(f"[green]quantized[/] {out_dir} (FP8 weights"
                   f"{' + FP8 KV cache' if kv_cache_dtype == 'fp8' else ''}, "
-                  f"{len(chunks)} calibration samples)")
+                  f"{len(chunks)} calibration samples); {quality.summary_line(checked)}")
     return summary

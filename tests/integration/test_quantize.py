@@ -98,6 +98,44 @@ def test_quantize_build_generate_eval(quantized, tmp_path):
     assert abs(got["perplexity"] / ref["perplexity"] - 1) < 0.02
 
 
+def test_the_quality_gate_measures_both_models_and_keeps_the_numbers(quantized):
+    """The source's and the FP8 model's perplexity on kiln's eval set, side by side in the
+    summary and in the checkpoint (the FP8 engine's own perplexity is within 2 % of the
+    float32 engine's, above: the emulated one is too)."""
+    _, ckpt, summary = quantized
+    q = summary["quality"]
+    assert q["eval_data"] == "builtin:eval" and q["eval_tokens"] > 5000
+    assert q["source_perplexity"] > 1 and q["quantized_perplexity"] > 1
+    assert q["increase"] == pytest.approx(q["quantized_perplexity"] / q["source_perplexity"] - 1,
+                                          abs=1e-3)
+    assert abs(q["increase"]) < 0.02 and q["max_increase"] == 0.05
+    assert json.loads((ckpt / "kiln_quantize.json").read_text())["quality"] == q
+
+
+def test_past_the_quality_limit_nothing_is_written(tiny_hf_model, tmp_path, monkeypatch):
+    """The gate stops the command before the export: one error with both numbers and the
+    options to try; --allow-quality-loss writes the checkpoint and records the rise."""
+    from kiln.errors import KilnError
+    from kiln.quantize import modelopt_fp8, quality
+
+    seen = iter([10.0, 12.0, 10.0, 12.0])  # source, FP8; twice
+    monkeypatch.setattr(quality, "hf_perplexity", lambda *a, **k: next(seen))
+    src, out = tiny_hf_model("llama"), tmp_path / "ckpt"
+    kw = dict(calib_size=2, calib_seq_len=32, device="cpu", progress=False)
+    with pytest.raises(KilnError) as info:
+        modelopt_fp8.quantize(str(src), out, **kw)
+    msg = str(info.value)
+    for needle in ("from 10.00 to 12.00 (+20.0%)", "--max-quality-loss 5%",
+                   "nothing was written", "--kv-cache-dtype none", "--allow-quality-loss"):
+        assert needle in msg, msg
+    assert not out.exists() and not list(tmp_path.iterdir())
+    summary = modelopt_fp8.quantize(str(src), out, allow_quality_loss=True, **kw)
+    assert summary["quality"]["increase"] == pytest.approx(0.2)
+    assert json.loads((out / "kiln_quantize.json").read_text())["quality"]["increase"] == 0.2
+    with pytest.raises(KilnError, match="--max-quality-loss -0.1 must be >= 0"):
+        modelopt_fp8.quantize(str(src), tmp_path / "x", max_quality_loss=-0.1, **kw)
+
+
 def test_quantize_errors(tiny_hf_model, tmp_path):
     src = tiny_hf_model("llama")
     r = kiln("quantize", src, "-o", tmp_path / "x", "--qformat", "int4", check=False)

@@ -263,9 +263,18 @@ def test_quantize_section_on_the_builtin_gguf(kiln_cache, tmp_path):
                                    "--kv-cache-dtype fp8")
     assert build == shlex.split("kiln build ckpt/smol-fp8 -o engines/smol-fp8")
     env = {"KILN_CACHE": str(kiln_cache)}
+    # the quality gate scores a short text here (the built-in eval set: ~2,700 tokens)
+    (tmp_path / "eval.txt").write_text(
+        "A kiln is a thermally insulated chamber, a type of oven, that produces temperatures "
+        "sufficient to complete some process, such as hardening, drying, or chemical changes. "
+        "Kilns have been used for millennia to turn objects made from clay into pottery, "
+        "bricks and tiles.\n")
     summary = json.loads(ok(run(quantize, "--calib-size", "2", "--calib-seq-len", "32",
-                                "--json", cwd=tmp_path, env=env)).stdout)
+                                "--eval-file", "eval.txt", "--allow-quality-loss", "--json",
+                                cwd=tmp_path, env=env)).stdout)
     assert summary["calib_size"] == 2 and summary["source"]["alias"] == "smollm2-135m"
+    gate = summary["quality"]  # both perplexities measured (2 x 32 calibration tokens)
+    assert gate["eval_data"].endswith("eval.txt") and abs(gate["increase"]) < 0.25, gate
     ckpt = tmp_path / "ckpt" / "smol-fp8"
     config = json.loads((ckpt / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
