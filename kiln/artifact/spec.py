@@ -198,6 +198,19 @@ class QuantConfig:
     def resolved(self, dtype: str) -> QuantConfig:
         return dataclasses.replace(self, kv_cache=dtype) if self.kv_cache == "auto" else self
 
+    def kv_scale_warning(self) -> str | None:
+        """The warning for an FP8 KV cache whose scales nobody calibrated (``scales``'
+        "kv_cache" record, written at build), or None."""
+        if self.kv_cache != "fp8":
+            return None
+        recorded = (self.scales or {}).get("kv_cache", "not recorded")
+        if recorded == "checkpoint (calibrated)":
+            return None
+        return (f"this engine's FP8 KV cache runs with uncalibrated scales (engine.json: "
+                f"{recorded}): keys and values beyond the scale x 448 saturate and small ones "
+                "lose precision; calibrate with `kiln quantize SOURCE -o CKPT --kv-cache-dtype "
+                "fp8` and build from CKPT, or build with --kv-cache-dtype bfloat16")
+
     def to_dict(self) -> dict[str, Any]:
         """engine.json's section; ``lm_head`` only when "fp8", so that engines without an FP8
         lm_head stay readable by kiln versions from before the option."""

@@ -65,7 +65,7 @@ def load_engine_dir(cls: type[EngineT], path: str | Path,
         if tp is not None:
             tp.kill()
         raise
-    warning = kv_scale_warning(spec)
+    warning = spec.quantization.kv_scale_warning()
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     engine.startup_times = {"load_weights_s": load_s, **engine.startup_times,
@@ -75,18 +75,3 @@ def load_engine_dir(cls: type[EngineT], path: str | Path,
                                 "total_s": kernels_s + engine.startup_times["total_s"]}
         engine.kernels_installed = kernels
     return engine
-
-
-def kv_scale_warning(spec) -> str | None:
-    """The warning for an engine whose FP8 KV cache runs with scales nobody calibrated
-    (engine.json ``quantization.scales.kv_cache``, written at build), or None."""
-    q = spec.quantization
-    if q.kv_cache != "fp8":
-        return None
-    recorded = (q.scales or {}).get("kv_cache", "not recorded")
-    if recorded == "checkpoint (calibrated)":
-        return None
-    return (f"this engine's FP8 KV cache runs with uncalibrated scales (engine.json: "
-            f"{recorded}): keys and values beyond the scale x 448 saturate and small ones lose "
-            "precision; calibrate with `kiln quantize SOURCE -o CKPT --kv-cache-dtype fp8` "
-            "and build from CKPT, or build with --kv-cache-dtype bfloat16")

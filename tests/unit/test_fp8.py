@@ -153,17 +153,11 @@ def test_random_fp8_engine_runs(tmp_path, capsys):
 
 
 def test_no_kv_scale_warning_for_calibrated_or_unquantized_kv():
-    from types import SimpleNamespace
-
     from kiln.artifact.spec import QuantConfig
-    from kiln.runtime.loading import kv_scale_warning
-
-    def spec(q):
-        return SimpleNamespace(quantization=q)
 
     calibrated = QuantConfig("fp8", "fp8", "fp8", {"kv_cache": "checkpoint (calibrated)"})
-    assert kv_scale_warning(spec(calibrated)) is None
-    assert kv_scale_warning(spec(QuantConfig("fp8", "fp8", "bfloat16"))) is None
-    assert kv_scale_warning(spec(QuantConfig())) is None
+    assert calibrated.kv_scale_warning() is None
+    assert QuantConfig("fp8", "fp8", "bfloat16").kv_scale_warning() is None
+    assert QuantConfig().kv_scale_warning() is None
     ones = QuantConfig("fp8", "fp8", "fp8", {"kv_cache": "checkpoint (all exactly 1.0)"})
-    assert "(engine.json: checkpoint (all exactly 1.0))" in kv_scale_warning(spec(ones))
+    assert "(engine.json: checkpoint (all exactly 1.0))" in ones.kv_scale_warning()
