@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from kiln.artifact.speculative import SpeculativeConfig
-from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.draft import DraftPlan
-from kiln.runtime.speculative.lookahead_math import verify_position
-from kiln.runtime.speculative.worker import DraftWorker
+from kiln.runtime.speculative.worker import ChainWorker
 
 
 def find_draft(tokens: list[int], max_match: int, min_match: int, max_len: int) -> list[int]:
@@ -83,7 +79,7 @@ class NgramSlot:
     # the device yet (folded in before the next device proposal)
 
 
-class NgramWorker(DraftWorker):
+class NgramWorker(ChainWorker):
     """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step.
 
     With a ``DeviceNgram`` (``device``), requests the device can verify (``may_take_slot``:
@@ -97,8 +93,7 @@ class NgramWorker(DraftWorker):
 
     def __init__(self, max_draft_len: int, max_match: int, min_match: int,
                  device: DeviceNgram | None = None):
-        super().__init__(device)
-        self.max_draft_len = max_draft_len
+        super().__init__(max_draft_len, device)
         self.max_match = max_match
         self.min_match = min_match
 
@@ -122,33 +117,3 @@ class NgramWorker(DraftWorker):
     def device_plan(self, req: Request) -> DraftPlan:
         return DraftPlan([req.all_token_ids[-1]] + [0] * self.max_draft_len,
                          device_slot=req.spec_state.slot, **self.device_sampling(req))
-
-    def propose(self, req: Request) -> DraftPlan | None:
-        ids = req.all_token_ids
-        draft = req.spec_state.draft(ids, len(ids))
-        x = ids[-1]
-        if self.full_steps:  # the step's worst case: max_draft_len drafts (break-even)
-            draft += [x] * (self.max_draft_len - len(draft))
-        if not draft:
-            return None
-        return DraftPlan([x] + draft, data=draft)
-
-    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
-               ) -> tuple[list[int], list[tuple[int, int]]]:
-        draft: list[int] = req.draft.data
-        accepted: list[int] = []
-        if req.matcher is not None:  # structured output: drafts checked against the grammar
-            accepted = self.guided_chain(req, logits, draft, list(range(1, len(draft) + 1)))
-        elif req.params.greedy:
-            accepted = self.greedy_chain(draft, argmax)
-        else:  # every row warped at once; then the rejection rule position by position
-            probs = warp_batch(logits[: len(draft) + 1], [req.params] * (len(draft) + 1))
-            for i, d in enumerate(draft):
-                tok, idx = verify_position(probs[i], [d], req.generator)
-                accepted.append(tok)
-                if idx is None:
-                    break
-            else:
-                tok, _ = verify_position(probs[len(draft)], [], req.generator)
-                accepted.append(tok)
-        return accepted, []  # a chain: accepted rows already sit at their final indices

@@ -8,7 +8,7 @@ over all continuations of the tokens so far) stays >= ``MIN_TOKEN_PROB``, for at
 ``SPEC_FACTOR`` x the match length tokens: a longer match drafts more, and match + draft
 <= D. The draft with the highest score (the sum of its cumulative probabilities: the
 tokens it is expected to get accepted) wins, over the request's text and the cache's. The
-winner is verified as a chain, like prompt lookup's (``NgramWorker.verify``: greedy longest
+winner is verified as a chain, like prompt lookup's (``ChainWorker.verify``: greedy longest
 accepted prefix + bonus token, sampled the rejection rule).
 
 The text is not kept as a trie (D Python nodes a token: ~5.8 KB a cached token, 12 ms to
@@ -38,7 +38,7 @@ import torch
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.request import Request
-from kiln.runtime.speculative.ngram import NgramWorker
+from kiln.runtime.speculative.worker import ChainWorker
 
 # Arctic Inference's defaults: a draft no longer than its match, of tokens whose cumulative
 # probability is at least 0.1
@@ -273,7 +273,7 @@ class SuffixShadow:
         return [draft] if draft else []
 
 
-class SuffixWorker(NgramWorker):
+class SuffixWorker(ChainWorker):
     """Suffix decoding's host worker: each request's ``SuffixIndex`` proposes a chain of up
     to max_draft_len tokens (the request's own ``max_draft_len`` when it sends one),
     verified as prompt lookup's chains are; finished requests' responses go into the shared
@@ -283,8 +283,8 @@ class SuffixWorker(NgramWorker):
 
     def __init__(self, max_draft_len: int, depth: int, min_match: int, cache_requests: int
                  ) -> None:
-        super().__init__(max_draft_len, depth - 1, min_match)
-        self.depth = depth
+        super().__init__(max_draft_len)
+        self.depth, self.min_match = depth, min_match
         self.cache = ResponseCache(depth, cache_requests, min_match)
 
     @classmethod
@@ -307,9 +307,6 @@ class SuffixWorker(NgramWorker):
     def shadow_proposer(self, req: Request) -> SuffixShadow:
         return SuffixShadow(self.depth, self.min_match, self._max_len(req), self.cache,
                             req.params.tenant)
-
-    def may_take_slot(self, req: Request) -> bool:
-        return False  # host state only
 
     def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
                ) -> tuple[list[int], list[tuple[int, int]]]:

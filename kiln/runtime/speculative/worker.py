@@ -18,11 +18,13 @@ import torch
 
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache, slot_of
+from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
 from kiln.runtime.speculative.device_step import DeviceProposer, device_verifiable, plan_warp
 from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.lookahead_math import verify_position
 from kiln.runtime.speculative.pace import BreakEven, DraftPace, Shadow, SpecPace
 from kiln.runtime.step import StepResult
 
@@ -334,6 +336,46 @@ class DraftWorker(SpeculativeWorker):
             dev = cache.k.device
             cache.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         return result
+
+
+class ChainWorker(DraftWorker):
+    """A worker whose plan is one chain of drafts after x, from the request's own state
+    (``req.spec_state.draft(ids, n)``: prompt lookup, suffix decoding), verified causally in
+    one step: greedy, under the request's grammar, or by the rejection rule."""
+
+    def __init__(self, max_draft_len: int, device: DeviceProposer | None = None) -> None:
+        super().__init__(device)
+        self.max_draft_len = max_draft_len
+
+    def propose(self, req: Request) -> DraftPlan | None:
+        ids = req.all_token_ids
+        draft = req.spec_state.draft(ids, len(ids))
+        x = ids[-1]
+        if self.full_steps:  # the step's worst case: max_draft_len drafts (break-even)
+            draft += [x] * (self.max_draft_len - len(draft))
+        if not draft:
+            return None
+        return DraftPlan([x] + draft, data=draft)
+
+    def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+        draft: list[int] = req.draft.data
+        accepted: list[int] = []
+        if req.matcher is not None:  # structured output: drafts checked against the grammar
+            accepted = self.guided_chain(req, logits, draft, list(range(1, len(draft) + 1)))
+        elif req.params.greedy:
+            accepted = self.greedy_chain(draft, argmax)
+        else:  # every row warped at once; then the rejection rule position by position
+            probs = warp_batch(logits[: len(draft) + 1], [req.params] * (len(draft) + 1))
+            for i, d in enumerate(draft):
+                tok, idx = verify_position(probs[i], [d], req.generator)
+                accepted.append(tok)
+                if idx is None:
+                    break
+            else:
+                tok, _ = verify_position(probs[len(draft)], [], req.generator)
+                accepted.append(tok)
+        return accepted, []  # a chain: accepted rows already sit at their final indices
 
 
 def on_device(req: Request) -> bool:
