@@ -439,7 +439,7 @@ def test_a_failing_step_leaves_no_state_and_the_engine_recovers(tiny_reference, 
     eng.blocks.check_all_free()
 
 
-@pytest.mark.parametrize("mode", ["lookahead", "ngram"])
+@pytest.mark.parametrize("mode", ["lookahead", "ngram", "suffix"])
 def test_structured_output_with_speculation_equals_plain_and_checks_drafts(tiny_reference,
                                                                            mode):
     """Greedy structured output on a speculative engine: drafts are verified under the
@@ -450,6 +450,8 @@ def test_structured_output_with_speculation_equals_plain_and_checks_drafts(tiny_
 
     if mode == "lookahead":
         spec = SpeculativeConfig.from_cli("lookahead", "4,3,4", None, None)
+    elif mode == "suffix":
+        spec = SpeculativeConfig.from_cli("suffix", max_draft_len=6)
     else:
         spec = SpeculativeConfig.from_cli("ngram", None, 6, 2)
     _, out = tiny_reference("llama", max_seq_len=256, max_num_tokens=1024,
@@ -475,6 +477,10 @@ def test_structured_output_with_speculation_equals_plain_and_checks_drafts(tiny_
         assert set(obj) == {"color", "ok", "size"}
     assert sum(o.metrics.spec_tokens for o in spec_outs) > sum(
         o.metrics.spec_steps for o in spec_outs)  # grammatical drafts were accepted
+    if mode == "suffix":  # again, the answers now in the cache of earlier responses
+        again = run(None)
+        assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+        assert sum(o.metrics.spec_cached_tokens for o in again) > 0
     eng.blocks.check_all_free()
 
 
