@@ -187,6 +187,12 @@ def create_app(engine: Any, config: ServerConfig,
                 app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                       DetokenizeRequest], maxima=maxima, protected=_PROTECTED,
                 api_key=config.api_key is not None)
+            if tool_parser is None:  # this server reads no tool calls: no tools to send
+                props = app.openapi_schema["components"]["schemas"]["ChatCompletionRequest"][
+                    "properties"]
+                props["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                                  "description": "none: this server reads no tool calls "
+                                  "(kiln serve --tool-parser)"}
         return app.openapi_schema
 
     app.openapi = schema

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.server.protocol import MAX
+from kiln.server.protocol import MAX, MAX_DIGITS
 
 REF = "#/components/schemas/{model}"
 
@@ -307,11 +307,28 @@ def openapi(app: FastAPI, request_models: list[type[BaseModel]], *, maxima: dict
     return doc
 
 
+def decimal_upto(m: int) -> str:
+    """A pattern of the decimal strings of 0..m (up to 8 leading zeros: at most 18 digits)."""
+    s = str(m)
+    parts = ["[0-9]"] if len(s) > 1 else []
+    parts += [f"[1-9][0-9]{{{n - 1}}}" for n in range(2, len(s))]
+    for i, d in enumerate(map(int, s)):
+        lo = 1 if i == 0 and len(s) > 1 else 0
+        if i == len(s) - 1:
+            parts.append(f"{s[:i]}[{lo}-{d}]")
+        elif d > lo:
+            parts.append(f"{s[:i]}[{lo}-{d - 1}][0-9]{{{len(s) - i - 1}}}")
+    return f"^0{{0,8}}(?:{'|'.join(parts)})$"
+
+
 def _fill(node: Any, maxima: dict[str, int]) -> None:
-    """Replace each ``{MAX: name}`` in ``node`` with ``maximum: maxima[name]``."""
+    """Replace each ``{MAX: name}`` in ``node`` with ``maximum: maxima[name]``, and each
+    ``{MAX_DIGITS: name}`` with the pattern of decimal strings up to it."""
     if isinstance(node, dict):
         if MAX in node:
             node["maximum"] = maxima[node.pop(MAX)]
+        if MAX_DIGITS in node:
+            node["pattern"] = decimal_upto(maxima[node.pop(MAX_DIGITS)])
         for v in node.values():
             _fill(v, maxima)
     elif isinstance(node, list):

@@ -36,6 +36,7 @@ KILN_DEFAULTS: dict[str, float] = {
 # ("token_id": vocabulary size - 1, "max_tokens": context - 1, "w" / "n" / "g": the
 # engine's lookahead window); the engine checks these itself.
 MAX = "x-kiln-max"
+MAX_DIGITS = "x-kiln-max-digits"  # a decimal string of at most that value (openapi.py)
 
 # A token id: >= 0 here; < the vocabulary size is checked per engine (the schema says both).
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={MAX: "token_id"})]
@@ -152,7 +153,7 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = Field(None, description=(
         f"token id (a decimal string, < the vocabulary size) -> bias in [{_lb_lo:g}, "
         f"{_lb_hi:g}], added to that token's logit"), json_schema_extra={
-            "propertyNames": {"pattern": "^[0-9]+$"},
+            "propertyNames": {MAX_DIGITS: "token_id"},
             "additionalProperties": {"type": "number", "minimum": _lb_lo, "maximum": _lb_hi}})
     # kiln / vLLM extras
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description=(
@@ -306,10 +307,14 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(json_schema_extra={  # a tool message names the call it answers
-        "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
-        "then": {"required": ["tool_call_id"],
-                 "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}})
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {  # a tool message names the call it answers
+            "if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+            "then": {"required": ["tool_call_id"],
+                     "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        {  # only an assistant message carries tool calls
+            "if": {"required": ["role"], "properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"properties": {"tool_calls": {"type": "null"}}}}]})
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | Annotated[list[dict[str, Any]], _TEXT_PARTS] | None = Field(

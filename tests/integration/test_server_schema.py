@@ -21,6 +21,7 @@ from schemathesis.checks import (
     content_type_conformance,
     ignored_auth,
     not_a_server_error,
+    positive_data_acceptance,
     response_schema_conformance,
     status_code_conformance,
     unsupported_method,
@@ -32,8 +33,38 @@ KEY = "sk-schema"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # + a method a path does not take is a 405 whose Allow header lists the ones it does, and a
 # protected route refuses a request without the key
+# Rules JSON Schema cannot state: an EBNF grammar's or a regex's validity, a string that
+# must hold JSON text (a tool call's arguments), a tool_choice naming a tool the request's
+# tools do not hold, and lengths known once the prompt is tokenized (its tokens within
+# max_input_len, plus max_tokens within the context). The server's 400 for them names the
+# field (or ends with it): field -> the refusal's words (None: any).
+UNSTATABLE = {"grammar": None, "regex": None, "tool_choice": None,
+              "function.arguments": "is not valid JSON",
+              "max_tokens": "maximum context length",
+              "max_completion_tokens": "maximum context length",
+              "messages": "this engine accepts at most", "prompt": "this engine accepts at most"}
+
+
+@schemathesis.check
+def schema_valid_data_is_accepted(ctx, response, case):
+    """schemathesis's positive_data_acceptance (a request the schema allows is not refused),
+    but for the rules of UNSTATABLE."""
+    if response.status_code == 400:
+        try:
+            error = response.json()["error"]
+            param, message = error["param"], error["message"]
+        except (ValueError, KeyError, TypeError):
+            param, message = None, ""
+        for field, words in UNSTATABLE.items():
+            if param is not None and (param == field or param.endswith("." + field)) \
+                    and (words or "") in message:
+                return None
+    return positive_data_acceptance(ctx, response, case)
+
+
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance,
-          content_type_conformance, unsupported_method, allow_header_conformance, ignored_auth]
+          content_type_conformance, unsupported_method, allow_header_conformance, ignored_auth,
+          schema_valid_data_is_accepted]
 EXAMPLES = 40  # per operation, on top of schemathesis's coverage cases (boundary values)
 
 
@@ -60,6 +91,13 @@ def test_schema_states_the_bounds(server):
     assert req["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0, "maximum": 2}
     assert req["seed"]["anyOf"][0]["maximum"] == 2**64 - 1
     assert req["logit_bias"]["additionalProperties"]["maximum"] == 100
+    from kiln.server.openapi import decimal_upto  # logit_bias keys: token ids 0..511
+
+    assert req["logit_bias"]["propertyNames"]["pattern"] == decimal_upto(511)
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["tools"]["anyOf"][0] == {"type": "array", "maxItems": 0}  # no tool parser
+    rules = doc["components"]["schemas"]["ChatMessage"]["allOf"]
+    assert rules[1]["then"] == {"properties": {"tool_calls": {"type": "null"}}}
     assert doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"][
         "items"]["maximum"] == 511
     ops = doc["paths"]["/v1/chat/completions"]["post"]
@@ -85,3 +123,17 @@ def test_no_traceback(server):
     """Run last: no request above made the server log an exception."""
     assert httpx.get(server.url + "/health").status_code == 200
     assert not [line for line in server.log if "Traceback" in line], "\n".join(server.log)
+
+
+def test_the_token_id_pattern_matches_exactly_the_ids_of_the_vocabulary():
+    import re
+
+    from kiln.server.openapi import decimal_upto
+
+    for top in (0, 7, 9, 10, 99, 100, 511, 1000, 1009, 32000, 151935):
+        pattern = re.compile(decimal_upto(top))
+        for v in range(min(top + 60, 200_000)):
+            assert bool(pattern.match(str(v))) == (v <= top), (top, v)
+            assert bool(pattern.match(f"00{v}")) == (v <= top), (top, v)
+        assert not pattern.match("") and not pattern.match("-1") and not pattern.match("1 ")
+        assert not pattern.match("0" * 9 + "1")  # at most 8 leading zeros (the server: 18 chars)
