@@ -139,13 +139,26 @@ def parse_window(text: str, flag: str = "--lookahead-config") -> tuple[int, int,
     return w, n, g
 
 
+def _check_match(ngram_match: int | None) -> int:
+    """--ngram-match (default 3): the longest n-gram prompt lookup matches against the
+    context (mode ngram, and lookahead's prompt-lookup candidate)."""
+    nm = 3 if ngram_match is None else ngram_match
+    if nm < 1:
+        raise ValueError(
+            f"--ngram-match {ngram_match} is invalid: the longest n-gram matched against "
+            f"the context must be >= 1; pass e.g. --ngram-match 3"
+        )
+    return nm
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding as recorded in engine.json.
 
     mode "none" | "lookahead" | "ngram" | "draft" | "suffix". Lookahead records its (W, N, G) window
-    and the max_draft_len it implies; ngram (prompt lookup) records max_draft_len and the
-    n-gram match sizes it tries, longest first (ngram_max_match down to ngram_min_match).
+    and the max_draft_len it implies; ngram (prompt lookup) records max_draft_len; both record
+    the n-gram match sizes prompt lookup tries, longest first (ngram_max_match down to
+    ngram_min_match: lookahead's prompt-lookup candidate, in one of its G slots).
     Draft records max_draft_len (K, 1..MAX_DRAFT_MODEL_LEN) and its draft model:
     ``draft_model`` the source as the user gave it (provenance only), ``draft_engine`` the
     draft engine's directory inside the engine directory ("draft") and ``draft_sha256`` the
@@ -417,11 +430,6 @@ class SpeculativeConfig:
             return cls._draft_from_cli(lookahead_config, max_draft_len, ngram_match,
                                        draft_model)
         if mode == "lookahead":
-            if ngram_match is not None:
-                raise ValueError(
-                    f"--ngram-match {ngram_match} applies to mode 'ngram', not 'lookahead' "
-                    f"(lookahead's n-gram size is N in --lookahead-config W,N,G); drop it"
-                )
             if lookahead_config is None:
                 if max_draft_len is None:
                     raise ValueError(
@@ -448,7 +456,8 @@ class SpeculativeConfig:
                     f"{_fmt_triples(max_draft_len)}; drop --max-draft-len or pass a matching "
                     f"--lookahead-config"
                 )
-            return cls(mode="lookahead", max_draft_len=need, lookahead=window)
+            return cls(mode="lookahead", max_draft_len=need, lookahead=window,
+                       ngram_max_match=_check_match(ngram_match), ngram_min_match=1)
         # ngram (prompt lookup)
         if lookahead_config is not None:
             raise ValueError(
@@ -460,14 +469,8 @@ class SpeculativeConfig:
                 f"--max-draft-len {max_draft_len} is invalid for mode 'ngram': it needs "
                 f"max_draft_len >= 1 (tokens proposed per step); pass e.g. --max-draft-len 4"
             )
-        nm = 3 if ngram_match is None else ngram_match
-        if nm < 1:
-            raise ValueError(
-                f"--ngram-match {ngram_match} is invalid: the longest n-gram matched against "
-                f"the context must be >= 1; pass e.g. --ngram-match 3"
-            )
-        return cls(mode="ngram", max_draft_len=max_draft_len, ngram_max_match=nm,
-                   ngram_min_match=1)
+        return cls(mode="ngram", max_draft_len=max_draft_len,
+                   ngram_max_match=_check_match(ngram_match), ngram_min_match=1)
 
     @classmethod
     def _draft_from_cli(

@@ -72,7 +72,9 @@ def build(
         "default 16, at most --suffix-tree-depth minus --suffix-min-match.",
     ),
     ngram_match: int | None = typer.Option(
-        None, "--ngram-match", help="Longest n-gram matched by ngram (prompt lookup) mode."
+        None, "--ngram-match",
+        help="Longest n-gram matched by prompt lookup: mode ngram's drafts and lookahead's "
+             "prompt-lookup candidate (one of its G slots). Default 3.",
     ),
     suffix_tree_depth: int | None = typer.Option(
         None, "--suffix-tree-depth",

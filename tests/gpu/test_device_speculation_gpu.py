@@ -127,8 +127,8 @@ def test_fold_kernel_equals_commit_tokens_on_cuda():
         live = slots >= 0
         ref.commit_tokens(slots[live], tokens[live], count[live])
         lookahead_fold(slots, tokens, count, dut.keys, dut.conts, dut.cursor, dut.recent,
-                       dut.total, dut.g)
-        for name in ("window", "keys", "conts", "cursor", "recent", "total"):
+                       dut.total, dut.history, dut.g)
+        for name in ("window", "keys", "conts", "cursor", "recent", "total", "history"):
             assert torch.equal(getattr(ref, name), getattr(dut, name)), (step, name)
 
 

@@ -164,13 +164,15 @@ def cases():
     la = {"W": 7, "N": 7, "G": 7, "WL_PAD": 64, "G_PAD": 8, "N1_PAD": 8, "PDL": True}
     la_ptrs = {a: "*i64" for a in lookahead._lookahead_commit_kernel.arg_names
                + lookahead._lookahead_propose_kernel.arg_names if a.endswith("_ptr")}
+    la_ptrs.update(hist_ptr="*i32", valid_ptr="*i1")
     yield "lookahead propose (7,7,7) into the input ids", lookahead._lookahead_propose_kernel, \
-        dict(la, WRITE_IDS=True), dict(la_ptrs, valid_ptr="*i1", ids_ptr="*i32"), 1
+        dict(la, MAXM=3, MINM=1, BLOCK=256, WRITE_IDS=True), dict(la_ptrs, ids_ptr="*i32"), 4
     yield "lookahead commit (7,7,7)", lookahead._lookahead_commit_kernel, dict(la, N_PAD=8), \
         la_ptrs, 1
     yield "lookahead fold of plain steps' tokens (7,7,7)", lookahead._lookahead_fold_kernel, {
         "N": 7, "G": 7, "G_PAD": 8, "N1_PAD": 8, "PDL": True}, {
-        a: "*i64" for a in lookahead._lookahead_fold_kernel.arg_names if a.endswith("_ptr")}, 1
+        a: "*i32" if a == "hist_ptr" else "*i64"
+        for a in lookahead._lookahead_fold_kernel.arg_names if a.endswith("_ptr")}, 1
     yield "lookahead KV move (7,7,7), bf16 kvh2 d128", lookahead._move_kv_kernel, {
         "E": 256, "E_PAD": 256, "N1": 6, "N1_PAD": 8, "PDL": True}, {
         "k_ptr": "*i16", "v_ptr": "*i16", "sm_ptr": "*i32", "q0_ptr": "*i64",

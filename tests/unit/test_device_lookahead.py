@@ -154,3 +154,13 @@ def test_admit_from_the_prompt_equals_the_host_workers_initial_state():
         dev.admit(0, prompt, seed)
         for name in ("window", "keys", "conts", "cursor", "recent", "total"):
             assert torch.equal(getattr(host, name), getattr(dev, name)), (seed, name)
+
+
+def test_the_lockstep_sees_a_device_without_the_prompt_lookup_candidate(monkeypatch):
+    """Negative control: a device state that leaves the prompt-lookup candidate out differs
+    from the host worker within the lockstep's steps."""
+    monkeypatch.setattr(DeviceLookahead, "_with_lookup", lambda self, slots, c, v: (c, v))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(12) for _ in range(length)] for length in (1, 3, 9, 40)]
+    with pytest.raises(AssertionError):
+        run_lockstep((4, 4, 4), 4096, prompts, [3, 0, 5, 1], 12, steps=30, seed=3)

@@ -25,21 +25,22 @@ from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.lookahead_math import NgramPool
 from kiln.runtime.speculative.verify import StepVerdict
 
-STATE = ("window", "keys", "conts", "cursor", "recent", "total")
+STATE = ("window", "keys", "conts", "cursor", "recent", "total", "history")
 NUM_SLOTS = 5
 SLOTS = [3, 0, 4]  # slots 1 and 2 stay idle: the kernels must not touch them
 
 
 def propose(st, slots, *io):
     """``lookahead_propose`` on ``st``'s tensors (``io``: input_ids, q0)."""
-    return lookahead_propose(slots, st.window, st.keys, st.conts, st.cursor, st.recent, st.g,
-                             *io)
+    return lookahead_propose(slots, st.window, st.keys, st.conts, st.cursor, st.recent,
+                             st.total, st.history, st.g, (st.max_match, st.min_match), *io)
 
 
-def commit(st, slots, tokens, argmax):
+def commit(st, slots, tokens, argmax, valid):
     """``lookahead_commit`` on ``st``'s tensors and step layout."""
-    return lookahead_commit(slots, tokens, argmax, st.window, st.keys, st.conts, st.cursor,
-                            st.recent, st.total, st.window_rows, st.last_rows, st.cand_rows)
+    return lookahead_commit(slots, tokens, argmax, valid, st.window, st.keys, st.conts,
+                            st.cursor, st.recent, st.total, st.history, st.window_rows,
+                            st.last_rows, st.cand_rows)
 
 
 def make_states(window, buckets, rng, vocab):
@@ -77,7 +78,7 @@ def lockstep(ref, dut, slots, model, steps):
         argmax = model(tokens, step)
         verdict = ref.verify(tokens, argmax, valid)
         ref.update(slots, tokens, argmax, verdict)
-        k_verdict = StepVerdict(*commit(dut, slots, k_tokens, argmax))
+        k_verdict = StepVerdict(*commit(dut, slots, k_tokens, argmax, k_valid))
         assert torch.equal(verdict.committed, k_verdict.committed), step
         assert torch.equal(verdict.count, k_verdict.count), step
         assert torch.equal(verdict.src_rows, k_verdict.src_rows), step
@@ -132,12 +133,12 @@ def test_commit_accepts_int32_argmax_and_strided_rows():
     slots = torch.tensor([2, 4])
     for step in range(4):
         tokens, valid = ref.propose(slots)
-        k_tokens, _ = propose(dut, slots)
+        k_tokens, k_valid = propose(dut, slots)
         argmax = (tokens * 5 + 1) % 6
         ref.update(slots, tokens, argmax, ref.verify(tokens, argmax, valid))
         wide = torch.zeros(2, tokens.shape[1] + 3, dtype=torch.int32)
         wide[:, : tokens.shape[1]] = argmax
-        commit(dut, slots, k_tokens, wide[:, : tokens.shape[1]])
+        commit(dut, slots, k_tokens, wide[:, : tokens.shape[1]], k_valid)
         assert_same_state(ref, dut, step)
 
 
@@ -145,10 +146,10 @@ def test_empty_batch_and_bad_arguments():
     dut = DeviceLookahead(2, (2, 3, 2), torch.device("cpu"), buckets=5)
     tokens, valid = propose(dut, torch.empty(0, dtype=torch.long))
     assert tokens.shape == (0, dut.num_tokens) and valid.shape == (0, 2)
-    committed, _, _ = commit(dut, torch.empty(0, dtype=torch.long), tokens, tokens)
+    committed, _, _ = commit(dut, torch.empty(0, dtype=torch.long), tokens, tokens, valid)
     assert committed.shape == (0, 3)
     with pytest.raises(ValueError, match="tokens has shape"):
-        commit(dut, torch.tensor([0]), tokens, tokens)
+        commit(dut, torch.tensor([0]), tokens, tokens, valid)
     with pytest.raises(ValueError, match="slots has dtype"):
         propose(dut, torch.tensor([0], dtype=torch.int32))
 
@@ -225,7 +226,7 @@ def test_fold_kernel_equals_commit_tokens(window):
         live = slots >= 0
         ref.commit_tokens(slots[live], tokens[live], count[live])
         lookahead_fold(slots, tokens, count, dut.keys, dut.conts, dut.cursor, dut.recent,
-                       dut.total, dut.g)
+                       dut.total, dut.history, dut.g)
         assert_same_state(ref, dut, step)
 
 

@@ -336,3 +336,36 @@ def test_step_layout_is_built_once_per_window_and_shared():
     assert torch.equal(a.mask, fresh.mask) and torch.equal(a.position_offsets,
                                                            fresh.position_offsets)
     assert a.row_lists == fresh.row_lists
+
+
+# ---------------------------------------------------------------- prompt-lookup candidate
+
+def test_with_lookup_takes_the_slot_after_the_pool_candidates():
+    from kiln.runtime.speculative.lookahead_math import with_lookup
+
+    pool = [(1, 2, 3), (4, 5, 6)]
+    assert with_lookup(pool, [], 3, 4) == pool  # no match: nothing changes
+    assert with_lookup(pool, [7, 8, 9], 3, 0) == pool  # G = 0: no candidate slot
+    assert with_lookup(pool, [4, 5, 6, 7], 3, 4) == pool  # already a candidate (cut to N-1)
+    assert with_lookup(pool, [7, 8, 9], 3, 4) == pool + [(7, 8, 9)]  # after the pool's
+    assert with_lookup(pool, [7], 3, 4) == pool + [(7, 0, 0)]  # padded with 0
+    assert with_lookup(pool, [7, 8, 9], 3, 2) == [(1, 2, 3), (7, 8, 9)]  # G full: the last
+    assert with_lookup([], [7, 8], 2, 1) == [(7, 8)]
+
+
+def test_the_worker_proposes_the_latest_match_of_its_last_tokens():
+    """G = 2: the pool keeps x = 5's two latest continuations, (6, 7) and (9, 9); the text's
+    last three tokens (3, 4, 5) occurred first, followed by 8, 1 (evicted from the pool):
+    that continuation takes the last candidate slot."""
+    from kiln.runtime.request import Request
+    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.speculative.lookahead import LookaheadWorker
+
+    prompt = [3, 4, 5, 8, 1, 2, 5, 6, 7, 0, 5, 9, 9, 3, 4, 5]
+    req = Request("r", prompt, SamplingParams(max_tokens=100, temperature=0), frozenset())
+    worker = LookaheadWorker(match=(3, 2))
+    worker.init_request(req, (2, 3, 2))
+    assert req.spec_state.pool.candidates(5) == [(9, 9), (6, 7)]
+    plan = worker.propose(req)
+    assert plan.data[1] == [(9, 9), (8, 1)]
+    assert plan.token_ids[-4:] == [9, 9, 8, 1]

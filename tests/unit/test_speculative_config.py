@@ -131,6 +131,17 @@ def test_ngram_mode():
         SpeculativeConfig.from_cli("ngram", "5,5,5", 4, None)
 
 
+def test_lookahead_records_the_prompt_lookup_candidates_match():
+    """--ngram-match also sizes lookahead's prompt-lookup candidate (default 3)."""
+    c = SpeculativeConfig.from_cli("lookahead", "7,7,7", None, 5)
+    assert (c.mode, c.lookahead, c.ngram_max_match, c.ngram_min_match) == \
+        ("lookahead", (7, 7, 7), 5, 1)
+    assert SpeculativeConfig.from_dict(c.to_dict()) == c
+    assert SpeculativeConfig.from_cli("lookahead", "7,7,7").ngram_max_match == 3
+    with pytest.raises(ValueError, match="--ngram-match 0"):
+        SpeculativeConfig.from_cli("lookahead", "7,7,7", None, 0)
+
+
 def test_constructor_rejects_inconsistent_records():
     with pytest.raises(ValueError, match="does not match lookahead \\(4,3,4\\), which needs 15"):
         SpeculativeConfig(mode="lookahead", max_draft_len=39, lookahead=(4, 3, 4))

@@ -6,25 +6,26 @@ as batched torch ops: ``propose``, ``verify`` and ``update`` (whose ``_insert`` 
 is about a dozen ops per inserted n-gram). These kernels do the same work with one program
 per request of the batch, two launches per step:
 
-    tokens, valid = lookahead_propose(slots, window, keys, conts, cursor, recent, g)
-                                      # = state.propose(slots)
+    tokens, valid = lookahead_propose(slots, window, keys, conts, cursor, recent, total,
+                                      history, g, match)   # = state.propose(slots)
     ... forward; argmax of every row [B, T] ...
-    committed, count, src_rows = lookahead_commit(slots, tokens, argmax, window, keys, conts,
-                                                  cursor, recent, total, window_rows,
-                                                  last_rows, cand_rows)
+    committed, count, src_rows = lookahead_commit(slots, tokens, argmax, valid, window, keys,
+                                                  conts, cursor, recent, total, history,
+                                                  window_rows, last_rows, cand_rows)
                                       # = state.verify(...) then state.update(...)
 
 They take the state's tensors (the shapes: ``DeviceLookahead``'s docstring; all int64,
-contiguous), read and write them in place (window, keys, conts, cursor, recent, total) and
+contiguous; the history int32), read and write them in place (window, keys, conts, cursor,
+recent, total, history) and
 return bit-identical results: the torch ops of device_lookahead.py are the reference, and
 tests/unit/test_lookahead_kernels.py runs both side by side (TRITON_INTERPRET) and compares
 every output and every state tensor after each step.
 
-``valid`` (which candidate slots hold a real candidate) is not an argument of the commit:
-its kernel recomputes it from the same pool lookup the proposal made (the number of entries
-of x's bucket whose key is x: the proposal compacts them to the front), before this step's
-inserts touch the pool. The pool does not change between the two launches, so this is the
-proposal's ``valid`` exactly.
+``valid`` (which candidate slots hold a real candidate: the pool's entries of x,
+compacted to the front, and the prompt-lookup candidate, ``with_lookup``) goes from the
+proposal to the commit. The prompt-lookup draft is found in the slot's token ``history``
+[S, C] int32 (``total`` tokens) with prompt lookup's search (``kernels.ngram.lookup_follow``);
+the commit and the fold append the committed tokens to it.
 
 Per commit program, in ``update``'s order: verification (longest matching valid candidate,
 first on ties, its matched tokens plus the bonus) from the pool as it was; then the W
@@ -44,6 +45,7 @@ import triton.language as tl
 from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import check_shape, check_tensor, next_pow2
 from kiln.runtime.kernels._pdl import pdl_begin
+from kiln.runtime.kernels.ngram import BLOCK, lookup_follow
 
 INDEX_DTYPES = (torch.int64,)
 
@@ -105,9 +107,10 @@ def _insert_one(keys_ptr, conts_ptr, cursor_ptr, slot, key, cont, ok, H, GM,
 @triton.jit
 def _lookahead_propose_kernel(
     slots_ptr, window_ptr, keys_ptr, conts_ptr, cursor_ptr, recent_ptr, tokens_ptr, valid_ptr,
-    ids_ptr, q0_ptr, H, GM,
+    ids_ptr, q0_ptr, hist_ptr, total_ptr, H, GM, C,
     W: tl.constexpr, N: tl.constexpr, G: tl.constexpr, WL_PAD: tl.constexpr,
-    G_PAD: tl.constexpr, N1_PAD: tl.constexpr, WRITE_IDS: tl.constexpr, PDL: tl.constexpr,
+    G_PAD: tl.constexpr, N1_PAD: tl.constexpr, MAXM: tl.constexpr, MINM: tl.constexpr,
+    BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     N1: tl.constexpr = N - 1
@@ -147,22 +150,40 @@ def _lookahead_propose_kernel(
         hm = hit[:, None] & cm[None, :]
         conts = tl.load(conts_ptr + (bucket * GM + order)[:, None] * N1 + c[None, :],
                         mask=hm, other=0)
+        # the prompt-lookup candidate (``with_lookup``): the draft after the latest earlier
+        # match of the slot's last tokens, 0 past its end, in slot min(nhit, G-1) unless it
+        # is empty or one of the hits
+        n = tl.load(total_ptr + slot)
+        follow = lookup_follow(hist_ptr + slot * C, n, C, MAXM, MINM, BLOCK)
+        dpos = follow + c
+        real = cm & (dpos < n)
+        draft = tl.load(hist_ptr + slot * C + dpos, mask=real, other=0).to(tl.int64)
+        differs = tl.sum(tl.where(cm[None, :] & (conts != draft[None, :]), 1, 0), axis=1)
+        ndup = tl.sum(tl.where(hit & (differs == 0), 1, 0), axis=0)
+        # masks as blocks: TRITON_INTERPRET mistypes a scalar bool broadcast into a mask
+        use = tl.where((tl.sum(real.to(tl.int32), axis=0) > 0) & (ndup == 0), 1, 0)
+        at = tl.minimum(nhit, G - 1)
+        over = (i == at) & ((i * 0 + use) > 0)  # the slot the lookup candidate takes
+        hm = hm & ~((dest == at) & ((dest * 0 + use) > 0))[:, None]
         tl.store(tok + CB + dest[:, None] * N1 + c[None, :], conts, mask=hm)
-        pad = (gm & (i >= nhit))[:, None] & cm[None, :]
+        pad = (gm & (i >= nhit) & ~over)[:, None] & cm[None, :]
         fill = tl.zeros([G_PAD, N1_PAD], dtype=tl.int64) + x
         tl.store(tok + CB + i[:, None] * N1 + c[None, :], fill, mask=pad)
+        lm = cm & ((c * 0 + use) > 0)
+        tl.store(tok + CB + at * N1 + c, draft, mask=lm)
         if WRITE_IDS:
             el = ids_ptr.dtype.element_ty
             tl.store(ids + CB + dest[:, None] * N1 + c[None, :], conts.to(el), mask=hm)
             tl.store(ids + CB + i[:, None] * N1 + c[None, :], fill.to(el), mask=pad)
-        tl.store(valid_ptr + b * G + i, i < nhit, mask=gm)
+            tl.store(ids + CB + at * N1 + c, draft.to(el), mask=lm)
+        tl.store(valid_ptr + b * G + i, (i < nhit) | over, mask=gm)
 
 
 @triton.jit
 def _lookahead_commit_kernel(
-    slots_ptr, tokens_ptr, argmax_ptr, window_ptr, keys_ptr, conts_ptr, cursor_ptr,
-    recent_ptr, total_ptr, wrows_ptr, lrows_ptr, crows_ptr, committed_ptr, count_ptr,
-    src_ptr, stride_tok, stride_am, H, GM,
+    slots_ptr, tokens_ptr, argmax_ptr, valid_ptr, window_ptr, keys_ptr, conts_ptr, cursor_ptr,
+    recent_ptr, total_ptr, hist_ptr, wrows_ptr, lrows_ptr, crows_ptr, committed_ptr, count_ptr,
+    src_ptr, stride_tok, stride_am, H, GM, C,
     W: tl.constexpr, N: tl.constexpr, G: tl.constexpr, WL_PAD: tl.constexpr,
     G_PAD: tl.constexpr, N_PAD: tl.constexpr, N1_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -177,19 +198,15 @@ def _lookahead_commit_kernel(
     tok = tokens_ptr + b * stride_tok
     am = argmax_ptr + b * stride_am
     rec = recent_ptr + slot * N1
-    x = tl.load(rec + (N1 - 1))
     x_next = tl.load(am).to(tl.int64)
     c = tl.arange(0, N1_PAD)
     cm = c < N1
 
-    # -- verify (greedy), from the pool as the proposal saw it ------------------------------
+    # -- verify (greedy) the candidates the proposal marked valid ---------------------------
     if G > 0:
         i = tl.arange(0, G_PAD)
         gm = i < G
-        bucket = slot * H + _pymod(x, H)
-        keys = tl.load(keys_ptr + bucket * GM + i, mask=gm, other=0)
-        nhit = tl.sum(tl.where(gm & (keys == x), 1, 0), axis=0)
-        valid = i < nhit  # the proposal put x's nhit entries first
+        valid = tl.load(valid_ptr + b * G + i, mask=gm, other=0) != 0
         m2 = gm[:, None] & cm[None, :]
         prev = m2 & (c[None, :] > 0)
         crow = crows_ptr + i[:, None] * N1 + c[None, :]
@@ -256,6 +273,9 @@ def _lookahead_commit_kernel(
     tl.store(rec + c, recent, mask=cm)
     tl.store(total_ptr + slot, total + (m + 1).to(tl.int64))
     tl.store(wptr, shifted, mask=rm)
+    at = total + k  # the committed tokens join the history
+    tl.store(hist_ptr + slot * C + at, committed.to(hist_ptr.dtype.element_ty),
+             mask=(k <= m) & (at < C))
 
 
 # the tokens' row stride is the width of the batch's pending tokens, which varies call to
@@ -264,7 +284,7 @@ def _lookahead_commit_kernel(
 @triton.jit(do_not_specialize=["stride_tok"])
 def _lookahead_fold_kernel(
     slots_ptr, tokens_ptr, count_ptr, keys_ptr, conts_ptr, cursor_ptr, recent_ptr, total_ptr,
-    stride_tok, H, GM,
+    hist_ptr, stride_tok, H, GM, C,
     N: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, N1_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -301,17 +321,24 @@ def _lookahead_fold_kernel(
     tl.debug_barrier()  # every read of the old recent tokens is done
     tl.store(rec + c, recent, mask=cm)
     tl.store(total_ptr + slot, total + k_new)
+    for k0 in range(0, k_new, 16):  # the tokens join the history
+        k = k0 + tl.arange(0, 16)
+        km = (k < k_new) & (total + k < C)
+        t = tl.load(tok + k, mask=km, other=0)
+        tl.store(hist_ptr + slot * C + total + k, t.to(hist_ptr.dtype.element_ty), mask=km)
 
 
 def lookahead_fold(slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
                    keys: torch.Tensor, conts: torch.Tensor, cursor: torch.Tensor,
-                   recent: torch.Tensor, total: torch.Tensor, g: int) -> None:
+                   recent: torch.Tensor, total: torch.Tensor, history: torch.Tensor,
+                   g: int) -> None:
     """``DeviceLookahead.commit_tokens(slots, tokens, count)`` in one launch: the tokens plain
     steps committed (``tokens[b, :count[b]]``, [B, K] long) join the slots' pools (``keys``,
-    ``conts``, ``cursor``), recent tokens and totals, written in place (``g``: G). The torch
-    ops run a dozen launches per token (``_insert``); a paced request that decoded plainly
-    for a while folds dozens of tokens at its next proposal."""
+    ``conts``, ``cursor``), recent tokens, totals and histories, written in place (``g``:
+    G). The torch ops run a dozen launches per token (``_insert``); a paced request that
+    decoded plainly for a while folds dozens of tokens at its next proposal."""
     _check_state(slots, keys=keys, conts=conts, cursor=cursor, recent=recent, total=total)
+    _check_history(history, keys.device)
     dev = keys.device
     b = slots.shape[0]
     check_tensor("tokens", tokens, ndim=2, dtypes=INDEX_DTYPES, device=dev)
@@ -321,8 +348,8 @@ def lookahead_fold(slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tenso
     if b:
         n = recent.shape[1] + 1
         _lookahead_fold_kernel[(b,)](
-            slots, tokens, count, keys, conts, cursor, recent, total, tokens.stride(0),
-            keys.shape[1], keys.shape[2], N=n, G=g, G_PAD=next_pow2(max(g, 1)),
+            slots, tokens, count, keys, conts, cursor, recent, total, history,
+            tokens.stride(0), keys.shape[1], keys.shape[2], history.shape[1], N=n, G=g, G_PAD=next_pow2(max(g, 1)),
             N1_PAD=next_pow2(n - 1), num_warps=1, **_pdl.launch_kwargs(),
         )
 
@@ -337,6 +364,13 @@ def _check_state(slots: torch.Tensor, **state: torch.Tensor) -> None:
     check_tensor("slots", slots, ndim=1, dtypes=INDEX_DTYPES, device=dev)
 
 
+def _check_history(history: torch.Tensor, dev: torch.device) -> None:
+    """A state's token history [S, C] int32, contiguous (the prompt-lookup candidate's text)."""
+    check_tensor("history", history, ndim=2, dtypes=(torch.int32,), device=dev)
+    if not history.is_contiguous():
+        raise ValueError("history must be contiguous")
+
+
 def _pads(window: torch.Tensor, g: int) -> dict:
     """The window's (W, N) from ``window`` [S, N-1, W], G, and their padded sizes."""
     w, n = window.shape[2], window.shape[1] + 1
@@ -345,16 +379,21 @@ def _pads(window: torch.Tensor, g: int) -> dict:
 
 
 def lookahead_propose(slots: torch.Tensor, window: torch.Tensor, keys: torch.Tensor,
-                      conts: torch.Tensor, cursor: torch.Tensor, recent: torch.Tensor, g: int,
-                      input_ids: torch.Tensor | None = None, q0: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      conts: torch.Tensor, cursor: torch.Tensor, recent: torch.Tensor,
+                      total: torch.Tensor, history: torch.Tensor, g: int,
+                      match: tuple[int, int], input_ids: torch.Tensor | None = None,
+                      q0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``DeviceLookahead.propose(slots)`` in one launch, from the slots' window, pool
-    (``keys``, ``conts``, ``cursor``) and recent tokens (``g``: G candidates). Returns the
-    step's input ids [B, T] (long; T = (W + G)(N - 1)) and which candidate slots hold a real
-    candidate [B, G] (bool). ``slots`` [B] long, distinct but for -1 (no request: its rows
-    are left unwritten). With ``input_ids`` (a step's flat token ids, int32/int64) and
-    ``q0`` [B] long, entry b's T tokens are also written to ``input_ids[q0[b] : q0[b] + T]``."""
-    _check_state(slots, window=window, keys=keys, conts=conts, cursor=cursor, recent=recent)
+    (``keys``, ``conts``, ``cursor``), recent tokens and token history (``total`` tokens of
+    ``history``, searched for the prompt-lookup candidate with n-grams of ``match`` =
+    (longest, shortest) tokens; ``g``: G candidates). Returns the step's input ids [B, T]
+    (long; T = (W + G)(N - 1)) and which candidate slots hold a real candidate [B, G]
+    (bool). ``slots`` [B] long, distinct but for -1 (no request: its rows are left
+    unwritten). With ``input_ids`` (a step's flat token ids, int32/int64) and ``q0`` [B]
+    long, entry b's T tokens are also written to ``input_ids[q0[b] : q0[b] + T]``."""
+    _check_state(slots, window=window, keys=keys, conts=conts, cursor=cursor, recent=recent,
+                 total=total)
+    _check_history(history, window.device)
     b, dev = slots.shape[0], window.device
     pads = _pads(window, g)
     t = (pads["W"] + g) * (pads["N"] - 1)
@@ -372,28 +411,30 @@ def lookahead_propose(slots: torch.Tensor, window: torch.Tensor, keys: torch.Ten
             slots, window, keys, conts, cursor, recent, tokens,
             valid if g else tokens,  # no candidate columns: never touched
             input_ids if input_ids is not None else tokens, q0 if q0 is not None else slots,
-            keys.shape[1], keys.shape[2], WRITE_IDS=input_ids is not None,
-            **pads, num_warps=1, **_pdl.launch_kwargs(),
+            history, total, keys.shape[1], keys.shape[2], history.shape[1],
+            MAXM=match[0], MINM=match[1], BLOCK=BLOCK, WRITE_IDS=input_ids is not None,
+            **pads, num_warps=4, **_pdl.launch_kwargs(),
         )
     return tokens, valid
 
 
 def lookahead_commit(slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Tensor,
-                     window: torch.Tensor, keys: torch.Tensor, conts: torch.Tensor,
-                     cursor: torch.Tensor, recent: torch.Tensor, total: torch.Tensor,
-                     window_rows: torch.Tensor, last_rows: torch.Tensor,
-                     cand_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     valid: torch.Tensor, window: torch.Tensor, keys: torch.Tensor,
+                     conts: torch.Tensor, cursor: torch.Tensor, recent: torch.Tensor,
+                     total: torch.Tensor, history: torch.Tensor, window_rows: torch.Tensor,
+                     last_rows: torch.Tensor, cand_rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DeviceLookahead.verify(tokens, argmax, valid)`` then ``.update(slots, tokens,
-    argmax, verdict)`` in one launch, ``valid`` being what ``lookahead_propose`` returned for
-    these ``tokens`` (recomputed from the pool, which must not have changed since). ``tokens``
-    [B, T] long from the proposal, ``argmax`` [B, T] int64/int32 (the model's target token
-    after each row). The step layout's rows: ``window_rows`` [N-1, W], ``last_rows`` [W],
-    ``cand_rows`` [G, N-1]. Returns the verdict's tensors (``StepVerdict``'s committed [B, N],
-    count [B], src_rows [B, N-1]); the state (window, pool, recent, total) is updated in
+    argmax, verdict)`` in one launch: ``tokens`` [B, T] long and ``valid`` [B, G] bool from
+    the proposal, ``argmax`` [B, T] int64/int32 (the model's target token after each row).
+    The step layout's rows: ``window_rows`` [N-1, W], ``last_rows`` [W], ``cand_rows``
+    [G, N-1]. Returns the verdict's tensors (``StepVerdict``'s committed [B, N], count [B],
+    src_rows [B, N-1]); the state (window, pool, recent, total, history) is updated in
     place. An entry of slot -1 commits nothing: its count is 0, its other outputs unwritten."""
     _check_state(slots, window=window, keys=keys, conts=conts, cursor=cursor, recent=recent,
                  total=total)
     dev = window.device
+    _check_history(history, dev)
     g = cand_rows.shape[0]
     pads = _pads(window, g)
     n = pads["N"]
@@ -402,6 +443,11 @@ def lookahead_commit(slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Te
     check_tensor("argmax", argmax, ndim=2, dtypes=(torch.int64, torch.int32), device=dev)
     check_shape("tokens", tokens, (b, t))
     check_shape("argmax", argmax, (b, t))
+    if g:
+        check_tensor("valid", valid, ndim=2, dtypes=(torch.bool,), device=dev)
+        check_shape("valid", valid, (b, g))
+        if not valid.is_contiguous():
+            raise ValueError("valid must be contiguous")
     committed = torch.empty(b, n, dtype=torch.long, device=dev)
     count = torch.empty(b, dtype=torch.long, device=dev)
     src_rows = torch.empty(b, n - 1, dtype=torch.long, device=dev)
@@ -412,9 +458,10 @@ def lookahead_commit(slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Te
             if not r.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         _lookahead_commit_kernel[(b,)](
-            slots, tokens, argmax, window, keys, conts, cursor, recent, total, *rows,
-            committed, count, src_rows, tokens.stride(0), argmax.stride(0), keys.shape[1],
-            keys.shape[2], N_PAD=next_pow2(n), **pads, num_warps=1, **_pdl.launch_kwargs(),
+            slots, tokens, argmax, valid if g else slots, window, keys, conts, cursor, recent,
+            total, history, *rows, committed, count, src_rows, tokens.stride(0),
+            argmax.stride(0), keys.shape[1], keys.shape[2], history.shape[1],
+            N_PAD=next_pow2(n), **pads, num_warps=1, **_pdl.launch_kwargs(),
         )
     return committed, count, src_rows
 

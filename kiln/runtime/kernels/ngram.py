@@ -32,7 +32,29 @@ from kiln.runtime.kernels import _pdl
 from kiln.runtime.kernels._checks import check_shape, check_tensor, next_pow2
 from kiln.runtime.kernels._pdl import pdl_begin
 
-_BLOCK = 256  # history positions per iteration of the draft search
+BLOCK = 256  # history positions per iteration of the draft search
+
+
+@triton.jit
+def lookup_follow(hist, n, C, MAXM: tl.constexpr, MINM: tl.constexpr, BLOCK: tl.constexpr):
+    """Where the draft of ``find_draft`` starts in one slot's history ``hist`` of ``n``
+    tokens (row stride ``C``): the e of the longest, then latest, match; ``n`` when none
+    (the draft is empty). Shared by prompt lookup and lookahead's prompt-lookup candidate."""
+    best = tl.full([BLOCK], -1, dtype=tl.int64)  # per lane: the largest ml(e) * C + e
+    for start in range(0, n, BLOCK):
+        e = start + tl.arange(0, BLOCK).to(tl.int64)
+        live = e < n
+        ml = tl.zeros([BLOCK], dtype=tl.int64)  # matched so far; i + 1 while still running
+        for i in tl.static_range(MAXM):
+            # e - 1 - i >= 0 implies n - 1 - i >= 0 (e < n): the suffix token exists
+            ok = live & (e - 1 - i >= 0) & (ml == i)
+            t = tl.load(hist + e - 1 - i, mask=ok, other=0)
+            s = tl.load(hist + tl.maximum(n - 1 - i, 0))  # i > n - 1: ``ok`` is False
+            ml += (ok & (t == s)).to(tl.int64)
+        score = tl.where((e < n) & (ml >= MINM), ml * C + e, -1)
+        best = tl.maximum(best, score)
+    top = tl.max(best, axis=0)
+    return tl.where(top >= 0, top % C, n)  # e of the winning match; none: past the text
 
 
 @triton.jit
@@ -49,21 +71,7 @@ def _ngram_propose_kernel(
         return
     n = tl.load(len_ptr + slot)
     hist = hist_ptr + slot * C
-    best = tl.full([BLOCK], -1, dtype=tl.int64)  # per lane: the largest ml(e) * C + e
-    for start in range(0, n, BLOCK):
-        e = start + tl.arange(0, BLOCK).to(tl.int64)
-        live = e < n
-        ml = tl.zeros([BLOCK], dtype=tl.int64)  # matched so far; i + 1 while still running
-        for i in tl.static_range(MAXM):
-            # e - 1 - i >= 0 implies n - 1 - i >= 0 (e < n): the suffix token exists
-            ok = live & (e - 1 - i >= 0) & (ml == i)
-            t = tl.load(hist + e - 1 - i, mask=ok, other=0)
-            s = tl.load(hist + tl.maximum(n - 1 - i, 0))  # i > n - 1: ``ok`` is False
-            ml += (ok & (t == s)).to(tl.int64)
-        score = tl.where((e < n) & (ml >= MINM), ml * C + e, -1)
-        best = tl.maximum(best, score)
-    top = tl.max(best, axis=0)
-    follow = tl.where(top >= 0, top % C, n)  # e of the winning match; none: past the text
+    follow = lookup_follow(hist, n, C, MAXM, MINM, BLOCK)
     j = tl.arange(0, T_PAD).to(tl.int64)
     pos = follow + j - 1  # row j >= 1 holds draft token j - 1
     real = (j >= 1) & (j < T) & (pos < n)
@@ -141,7 +149,7 @@ def ngram_propose(history: torch.Tensor, length: torch.Tensor, slots: torch.Tens
             slots, history, length, tokens, lens,
             input_ids if input_ids is not None else tokens, q0 if q0 is not None else slots,
             history.shape[1], MAXM=max_match, MINM=min_match, D=max_draft_len,
-            T_PAD=next_pow2(t), BLOCK=_BLOCK, WRITE_IDS=input_ids is not None, num_warps=4,
+            T_PAD=next_pow2(t), BLOCK=BLOCK, WRITE_IDS=input_ids is not None, num_warps=4,
             **_pdl.launch_kwargs(),
         )
     return tokens, lens

@@ -10,9 +10,13 @@ and folded back into the state without the host:
     cursor  [S, H]           cursor per bucket, deduplicated inserts
     recent  [S, N-1]         the last N-1 committed tokens (x last; -1 before the prompt)
     total   [S]              committed tokens so far (prompt included)
+    history [S, C] int32     those tokens (C = max_seq_len + T): the prompt-lookup
+                             candidate's text (``find_drafts``, as prompt lookup's device state)
 
 One step of a batch of slots, for the engine's window (W, N, G) at fixed T = (W+G)(N-1)
-(candidate slots a bucket does not fill are padded and never accepted):
+(candidate slots a bucket does not fill are padded and never accepted; the prompt-lookup
+candidate, the continuation of the latest earlier match of the slot's last tokens, takes
+the slot after the pool's candidates, the last one when they fill all G: ``with_lookup``):
 
     tokens, valid = state.propose(slots)              # the step's input ids [B, T]
     ... forward with step_layout(W, N, G)'s mask; argmax of every row [B, T] ...
@@ -35,6 +39,7 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.speculative.device_ngram import find_drafts
 from kiln.runtime.speculative.device_step import DeviceProposer, Proposal
 from kiln.runtime.speculative.lookahead_math import (
     POOL_BUCKETS,
@@ -51,11 +56,14 @@ class DeviceLookahead(DeviceProposer):
     name = "lookahead"
 
     def __init__(self, num_slots: int, window: tuple[int, int, int], device: torch.device,
-                 buckets: int = POOL_BUCKETS):
+                 buckets: int = POOL_BUCKETS, match: tuple[int, int] = (3, 1),
+                 capacity: int = 4096):
         w, n, g = window
         if n < 2:
             raise ValueError(f"device lookahead needs n >= 2, got window {window}")
         self.w, self.n, self.g, self.buckets = w, n, g, buckets
+        self.max_match, self.min_match = match
+        self.capacity = capacity
         self.window_size = (w, n, g)
         self.levels = n - 1
         layout = step_layout(w, n, g)
@@ -75,12 +83,17 @@ class DeviceLookahead(DeviceProposer):
         self.cursor = torch.zeros(num_slots, buckets, dtype=long, device=dev)
         self.recent = torch.full((num_slots, n - 1), -1, dtype=long, device=dev)
         self.total = torch.zeros(num_slots, dtype=long, device=dev)
+        self.history = torch.zeros(num_slots, capacity, dtype=torch.int32, device=dev)
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, num_slots: int, max_seq_len: int,
                     device: torch.device) -> DeviceLookahead | None:
         """The engine's window's slots; None for N < 2 (no levels to keep on the device)."""
-        return cls(num_slots, spec.lookahead, device) if spec.lookahead[1] >= 2 else None
+        if spec.lookahead[1] < 2:
+            return None
+        return cls(num_slots, spec.lookahead, device,
+                   match=(spec.ngram_max_match, spec.ngram_min_match),
+                   capacity=max_seq_len + spec.tokens_per_step)
 
     def use_kernels(self, on: bool) -> None:
         super().use_kernels(on)
@@ -111,7 +124,8 @@ class DeviceLookahead(DeviceProposer):
         if self.kernels:
             return Proposal(*self._k.lookahead_propose(
                 entries.slots, self.window, self.keys, self.conts, self.cursor, self.recent,
-                self.g, input_ids, entries.q0))
+                self.total, self.history, self.g, (self.max_match, self.min_match),
+                input_ids, entries.q0))
         return self._propose_active(entries, input_ids, self.propose)
 
     def commit_step(self, entries: SpecEntries, proposal: Proposal, targets: torch.Tensor,
@@ -121,9 +135,9 @@ class DeviceLookahead(DeviceProposer):
         of the best candidate's accepted rows."""
         if self.kernels:
             committed, count, src_rows = self._k.lookahead_commit(
-                entries.slots, proposal.tokens, targets, self.window, self.keys, self.conts,
-                self.cursor, self.recent, self.total, self.window_rows, self.last_rows,
-                self.cand_rows)
+                entries.slots, proposal.tokens, targets, proposal.valid, self.window,
+                self.keys, self.conts, self.cursor, self.recent, self.total, self.history,
+                self.window_rows, self.last_rows, self.cand_rows)
             self._k.lookahead_move_kv(cache.k, cache.v, slot_mapping, entries.q0, count,
                                       src_rows)
             return committed, count
@@ -151,14 +165,18 @@ class DeviceLookahead(DeviceProposer):
             raise ValueError(f"pool (n={pool.n}, g={pool.g}, buckets={pool.buckets}) does not "
                              f"match the device table (n={self.n}, g={self.g}, "
                              f"buckets={self.buckets})")
+        if not 0 < len(tokens) <= self.capacity:
+            raise ValueError(f"{len(tokens)} tokens do not fit a device lookahead slot of "
+                             f"{self.capacity}")
         flat, keys, conts, cursors = pool.entries()
         n1 = self.n - 1
         recent = ([-1] * n1 + list(tokens))[-n1:]
         parts = [[t for row in window for t in row], recent, flat, keys,
                  [t for c in conts for t in c], [h for h, _ in cursors],
-                 [c for _, c in cursors]]
+                 [c for _, c in cursors], tokens]
         packed = to_device([t for part in parts for t in part], torch.long, self.device)
-        win, rec, at, key, cont, bucket, cur = packed.split([len(p) for p in parts])
+        win, rec, at, key, cont, bucket, cur, hist = packed.split([len(p) for p in parts])
+        self.history[slot, : len(tokens)] = hist.to(torch.int32)
         self.window[slot] = win.view(self.levels, self.w)
         self.recent[slot] = rec
         self.keys[slot].fill_(-1)
@@ -196,8 +214,26 @@ class DeviceLookahead(DeviceProposer):
             valid = hit.gather(1, pos)
             cands = conts.gather(1, pos[:, :, None].expand(-1, -1, self.n - 1))
             cands = torch.where(valid[:, :, None], cands, x[:, None, None])
+            cands, valid = self._with_lookup(slots, cands, valid)
             parts.append(cands.reshape(b, -1))
         return torch.cat(parts, dim=1), valid
+
+    def _with_lookup(self, slots: torch.Tensor, cands: torch.Tensor, valid: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``with_lookup`` on the pool's compacted candidates [B, G, N-1] and ``valid``
+        [B, G]: the prompt-lookup draft (0 past its end) in slot min(#valid, G-1), unless
+        it is empty or equals a valid candidate."""
+        drafts, lens = find_drafts(self.history[slots], self.total[slots], self.max_match,
+                                   self.min_match, self.n - 1)
+        dup = (valid & (cands == drafts[:, None, :]).all(2)).any(1)
+        use = (lens > 0) & ~dup
+        at = valid.sum(1).clamp(max=self.g - 1)
+        rows = torch.arange(slots.shape[0], device=self.device)
+        cands = cands.clone()
+        cands[rows, at] = torch.where(use[:, None], drafts, cands[rows, at])
+        valid = valid.clone()
+        valid[rows, at] |= use
+        return cands, valid
 
     def verify(self, tokens: torch.Tensor, argmax: torch.Tensor,
                valid: torch.Tensor) -> StepVerdict:
@@ -240,6 +276,10 @@ class DeviceLookahead(DeviceProposer):
         self._insert(slots, grams, ok)
         take = count[:, None] + torch.arange(n1, device=dev)[None, :]
         self.recent[slots] = seq.gather(1, take)
+        at = (self.total[slots][:, None] + ends[None, :]).clamp(max=self.capacity - 1)
+        keep = ends[None, :] < count[:, None]
+        old = self.history[slots[:, None], at]
+        self.history[slots[:, None], at] = torch.where(keep, tokens.to(torch.int32), old)
         self.total[slots] += count
 
     def fold(self, slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
@@ -247,7 +287,7 @@ class DeviceLookahead(DeviceProposer):
         (``lookahead_fold``), or the torch ops."""
         if self.kernels:
             self._k.lookahead_fold(slots, tokens, count, self.keys, self.conts, self.cursor,
-                                   self.recent, self.total, self.g)
+                                   self.recent, self.total, self.history, self.g)
         else:
             self.commit_tokens(slots, tokens, count)
 

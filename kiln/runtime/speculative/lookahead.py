@@ -30,7 +30,9 @@ from kiln.runtime.speculative.lookahead_math import (
     initial_window,
     step_layout,
     verify_position,
+    with_lookup,
 )
+from kiln.runtime.speculative.ngram import LookupIndex
 from kiln.runtime.speculative.pace import PRIOR_GAIN
 from kiln.runtime.speculative.worker import DraftWorker
 
@@ -49,6 +51,7 @@ class LookaheadState:
     fed: int = 0  # the host pool holds the committed n-grams ending before this index
     pending: list[int] = field(default_factory=list)  # committed by plain steps, not on
     # the device yet (folded in before the next device proposal)
+    lookup: LookupIndex | None = None  # the prompt-lookup candidate's index (host state)
 
     def layout(self, g_actual: int) -> StepLayout:
         return step_layout(self.w, self.n, g_actual)  # shared by all requests
@@ -69,18 +72,21 @@ class PoolShadow:
 
     prior_gain = PRIOR_GAIN  # what the lookahead branch's n-grams add
 
-    def __init__(self, n: int, g: int, prompt: list[int]) -> None:
+    def __init__(self, n: int, g: int, prompt: list[int],
+                 match: tuple[int, int] = (3, 1)) -> None:
         self.n, self.g = n, g
         self.depth = n - 1
         self.pool = NgramPool(n, g, POOL_BUCKETS)
         self.pool.seed_from_tokens(prompt)
         self._fed = len(prompt)  # n-grams ending before this index are in the pool
+        self.lookup = LookupIndex(*match, n - 1)
 
     def candidates(self, ids, pos: int) -> list[tuple[int, ...]]:
         if self._fed <= pos:  # the n-grams a step at pos has seen: up to its x
             self.pool.add_from(ids, self._fed, pos + 1)
             self._fed = pos + 1
-        return self.pool.candidates(ids[pos], self.g)
+        return with_lookup(self.pool.candidates(ids[pos], self.g),
+                           self.lookup.draft(ids, pos + 1), self.n - 1, self.g)
 
 
 class LookaheadWorker(DraftWorker):
@@ -97,14 +103,16 @@ class LookaheadWorker(DraftWorker):
 
     name = "lookahead"
 
-    def __init__(self, device: DeviceLookahead | None = None) -> None:
+    def __init__(self, device: DeviceLookahead | None = None,
+                 match: tuple[int, int] = (3, 1)) -> None:
         super().__init__(device)
+        self.match = match  # (longest, shortest) n-gram of the prompt-lookup candidate
 
     @classmethod
     def from_config(cls, spec: SpeculativeConfig, device: DeviceLookahead | None,
                     draft=None) -> LookaheadWorker:
         warm_layouts(spec.lookahead)  # the engine's window; other windows build on first use
-        return cls(device)
+        return cls(device, (spec.ngram_max_match, spec.ngram_min_match))
 
     def init_request(self, req: Request, window: tuple[int, int, int]) -> None:
         w, n, g = window
@@ -119,11 +127,12 @@ class LookaheadWorker(DraftWorker):
         pool = NgramPool(n, g, POOL_BUCKETS)
         pool.seed_from_tokens(prompt)
         req.spec_state = LookaheadState(w, n, g, initial_window(prompt, w, n, req.params.seed),
-                                        pool, fed=len(prompt))
+                                        pool, fed=len(prompt),
+                                        lookup=LookupIndex(*self.match, n - 1))
 
     def shadow_proposer(self, req: Request) -> PoolShadow:
         st: LookaheadState = req.spec_state
-        return PoolShadow(st.n, st.g, req.prompt_token_ids)
+        return PoolShadow(st.n, st.g, req.prompt_token_ids, self.match)
 
     def device_plan(self, req: Request) -> DraftPlan:
         layout = step_layout(*self.device.window_size)
@@ -135,7 +144,9 @@ class LookaheadWorker(DraftWorker):
         st: LookaheadState = req.spec_state
         self._feed_pool(st, req.all_token_ids)
         x = req.all_token_ids[-1]
-        cands = st.pool.candidates(x, st.g)
+        ids = req.all_token_ids
+        cands = with_lookup(st.pool.candidates(x, st.g), st.lookup.draft(ids, len(ids)),
+                            st.n - 1, st.g)
         if self.full_steps:  # the step's worst case: G candidates (break-even measurement)
             cands += [(x,) * (st.n - 1)] * (st.g - len(cands))
         layout = st.layout(len(cands))

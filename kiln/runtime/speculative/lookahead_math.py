@@ -266,6 +266,21 @@ class NgramPool:
         return b is not None and (key, tuple(int(t) for t in ngram[1:])) in b
 
 
+def with_lookup(cands: list[tuple[int, ...]], draft: Sequence[int], depth: int, g: int
+                ) -> list[tuple[int, ...]]:
+    """The pool's candidates of x with the prompt-lookup candidate in one of the G slots:
+    ``draft`` (what followed the latest earlier match of the request's last tokens, x
+    last; ``LookupIndex``) cut or padded with 0 to ``depth`` (N-1) tokens, after the pool's
+    candidates, in the last slot when they fill all G. Nothing changes when the draft is
+    empty or already a candidate."""
+    if not draft or not g:
+        return cands
+    cand = tuple(int(t) for t in draft[:depth]) + (0,) * max(depth - len(draft), 0)
+    if cand in cands:
+        return cands
+    return cands[: g - 1] + [cand]
+
+
 def greedy_verify(
     candidates: Sequence[Sequence[int]],
     argmax_rows: Sequence[Sequence[int]],
