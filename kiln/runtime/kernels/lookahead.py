@@ -349,8 +349,9 @@ def lookahead_fold(slots: torch.Tensor, tokens: torch.Tensor, count: torch.Tenso
         n = recent.shape[1] + 1
         _lookahead_fold_kernel[(b,)](
             slots, tokens, count, keys, conts, cursor, recent, total, history,
-            tokens.stride(0), keys.shape[1], keys.shape[2], history.shape[1], N=n, G=g, G_PAD=next_pow2(max(g, 1)),
-            N1_PAD=next_pow2(n - 1), num_warps=1, **_pdl.launch_kwargs(),
+            tokens.stride(0), keys.shape[1], keys.shape[2], history.shape[1], N=n, G=g,
+            G_PAD=next_pow2(max(g, 1)), N1_PAD=next_pow2(n - 1), num_warps=1,
+            **_pdl.launch_kwargs(),
         )
 
 
