@@ -29,7 +29,7 @@ def build(
         "alias (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: real Instruct weights "
         "stored as 4-5 bit GGUF, dequantized at build), or random:<preset>[:seed] "
         "(tiny-llama, tiny-qwen2, tiny-qwen3, smollm2-135m, llama-3-8b, qwen2.5-0.5b, "
-        "qwen2.5-1.5b, qwen2.5-7b, llama-3-70b).",
+        "qwen2.5-1.5b, qwen2.5-7b, llama-3.2-1b, llama-3-70b).",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Engine directory to write."),
     dtype: Dtype | None = typer.Option(

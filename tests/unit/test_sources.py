@@ -114,6 +114,18 @@ def test_random_presets():
     assert open_source("random:tiny-qwen3").config.qk_norm
 
 
+@pytest.mark.parametrize("preset,params", [
+    # The parameter counts Hugging Face lists for each model's safetensors.
+    ("llama-3.2-1b", 1_235_814_400),
+    ("llama-3-8b", 8_030_261_248),
+    ("qwen2.5-0.5b", 494_032_768),
+    ("qwen2.5-1.5b", 1_543_714_304),
+    ("qwen2.5-7b", 7_615_616_512),
+])
+def test_random_presets_match_published_shapes(preset, params):
+    assert PRESETS[preset].num_params == params
+
+
 def test_random_bad_preset_lists_valid():
     with pytest.raises(SourceError, match=r"unknown random preset 'gpt-9'.*tiny-llama"):
         open_source("random:gpt-9")
