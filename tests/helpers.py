@@ -241,3 +241,32 @@ def assert_e4m3_equal(got: torch.Tensor, ref: torch.Tensor, unrounded: torch.Ten
     assert not bad.any(), f"{int(bad.sum())} e4m3 values differ, e.g. {got[bad][:4].tolist()} " \
                           f"vs {ref[bad][:4].tolist()}"
     assert (~fault).float().mean() >= min_checked
+
+
+def record_trees(monkeypatch) -> list:
+    """Every draft tree ``TreeWorker.walk`` verifies, recorded (the tree, its KV moves)."""
+    from kiln.runtime.speculative.worker import TreeWorker
+
+    seen, walk = [], TreeWorker.walk
+
+    def recording(req, logits, argmax):
+        out = walk(req, logits, argmax)
+        seen.append((req.draft.data, out[1]))
+        return out
+
+    monkeypatch.setattr(TreeWorker, "walk", staticmethod(recording))
+    return seen
+
+
+def sample_three_tokens(eng, prompt: list[int], window, trials: int = 1500):
+    """``trials`` seeded requests (seeds 0..trials-1) sampling 3 tokens after ``prompt`` at
+    temperature 1 and top_k 2, speculating at ``window`` (PLAIN: not at all): their
+    outputs and the histogram of the 3-token outcomes."""
+    import collections
+
+    from kiln.runtime.sampling_params import SamplingParams
+
+    ps = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=s, ignore_eos=True,
+                         lookahead=window) for s in range(trials)]
+    outs = eng.generate([prompt] * trials, ps)
+    return outs, collections.Counter(tuple(o.token_ids) for o in outs)

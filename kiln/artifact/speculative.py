@@ -324,7 +324,8 @@ class SpeculativeConfig:
     @property
     def request_draft_len(self) -> bool:
         """Whether a request may send ``max_draft_len`` (0 to the engine's): modes whose
-        draft is a chain of up to max_draft_len tokens chosen per step (draft, suffix)."""
+        draft (a draft model's chain, suffix decoding's tree) holds up to max_draft_len
+        tokens chosen per step."""
         return self.mode in ("draft", "suffix")
 
     @property

@@ -69,7 +69,8 @@ def build(
         None, "--max-draft-len",
         help="Most draft tokens per step: lookahead derives it from --lookahead-config (given "
         "both, they must match); ngram and draft need it (draft: 1 to 16, e.g. 4); suffix: "
-        "default 16, at most --suffix-tree-depth minus --suffix-min-match.",
+        "the draft tree's most tokens, default 16, at most --suffix-tree-depth minus "
+        "--suffix-min-match.",
     ),
     ngram_match: int | None = typer.Option(
         None, "--ngram-match",

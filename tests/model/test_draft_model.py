@@ -13,7 +13,13 @@ import types
 
 import pytest
 import torch
-from helpers import BIGRAM_PROMPT, exact_three_token_distribution, mixed_prompts, tv
+from helpers import (
+    BIGRAM_PROMPT,
+    exact_three_token_distribution,
+    mixed_prompts,
+    sample_three_tokens,
+    tv,
+)
 
 from kiln.artifact.loader import load_engine
 from kiln.artifact.speculative import SpeculativeConfig
@@ -234,10 +240,7 @@ def test_sampled_draft_speculation_follows_the_target_distribution(bigram_pair, 
     trials = 1500
 
     def run(window):
-        ps = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=s, ignore_eos=True,
-                             lookahead=window) for s in range(trials)]
-        outs = eng.generate([BIGRAM_PROMPT] * trials, ps)
-        return outs, collections.Counter(tuple(o.token_ids) for o in outs)
+        return sample_three_tokens(eng, BIGRAM_PROMPT, window, trials)
 
     _, plain = run(PLAIN)
     outs, spec_counts = run(None)

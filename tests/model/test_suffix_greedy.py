@@ -10,7 +10,7 @@ no state behind and keeps the failed request's text out of the cache.
 from __future__ import annotations
 
 import pytest
-from helpers import drain_checking_spec_state, mixed_prompts
+from helpers import drain_checking_spec_state, mixed_prompts, record_trees
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.engine import LLMEngine, RuntimeConfig
@@ -93,6 +93,31 @@ def test_suffix_in_mixed_batches_with_preemption_chunked_prefill_and_an_abort(
     assert sum(o.metrics.num_preemptions for o in done.values()) > 0
     assert sum(o.metrics.spec_tokens for o in done.values()) > sum(
         o.metrics.spec_steps for o in done.values())
+    eng.blocks.check_all_free()
+
+
+def test_greedy_walks_down_a_later_sibling_and_moves_its_kv(tiny_reference, monkeypatch):
+    """Trees with siblings, greedy: the cache holds each prompt's true continuation and,
+    twice each, decoys that follow it up to a point and then end on another token, so
+    the trees branch there with the decoy's token first (2 of 3 occurrences); the walk
+    takes the later sibling, the one the model agrees with, whose rows' KV moves to the
+    committed positions. Output equals plain greedy: the steps after attend over the
+    moved KV."""
+    _, out = tiny_reference("llama", max_seq_len=256, max_num_tokens=512, max_batch_size=64,
+                            speculative=SUFFIX)
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(device="cpu", block_size=4))
+    prompts = mixed_prompts()[:2]
+    plain = [o.token_ids for o in eng.generate(prompts, _greedy(window=PLAIN))]
+    vocab = eng.model_config.vocab_size
+    for want in plain:
+        eng.spec_worker.cache.add(want)
+        for k in (7, 14, 22):
+            for _ in range(2):
+                eng.spec_worker.cache.add(want[:k] + [(want[k] + 1) % vocab])
+    trees = record_trees(monkeypatch)
+    assert [o.token_ids for o in eng.generate(prompts, _greedy())] == plain
+    moved = [t for t, moves in trees if moves]
+    assert moved and all(not t.is_chain for t in moved), len(moved)
     eng.blocks.check_all_free()
 
 

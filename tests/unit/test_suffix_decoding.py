@@ -5,6 +5,8 @@ per tenant) and the build / request validation of mode "suffix"."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -33,6 +35,15 @@ class _Node:
         self.count = 0  # occurrences of the node's string (as a substring, its end counted)
         self.total = 0  # the children's counts summed: occurrences with a continuation
         self.children: dict[int, _Node] = {}
+
+
+def _push(heap, order, node, parent, depth, prob):
+    """A trie node's children onto the best-first heap (in the order they were first seen),
+    each at its probability when that is >= MIN_TOKEN_PROB."""
+    for tok, child in node.children.items():
+        p = prob * child.count / node.total
+        if p >= MIN_TOKEN_PROB:
+            heapq.heappush(heap, (-p, next(order), parent, depth, tok, child))
 
 
 class SuffixTree:
@@ -87,7 +98,9 @@ class SuffixTree:
 
     def speculate(self, context: Sequence[int], max_tokens: int, min_match: int
                   ) -> Speculation:
-        """The best draft after ``context``'s last tokens (see the module docstring)."""
+        """The best draft tree after ``context``'s last tokens (see the module docstring):
+        grown best first from the match's node, children in the order they were first
+        seen."""
         best = Speculation()
         for m in range(min(len(context), self.depth - 1), min_match - 1, -1):
             if best.score >= min(max_tokens, math.ceil(m * SPEC_FACTOR)):
@@ -95,17 +108,16 @@ class SuffixTree:
             node = self.find(context[len(context) - m:])
             if node is None or not node.children:
                 continue
-            budget = min(max_tokens, self.depth - m, math.ceil(m * SPEC_FACTOR))
             s = Speculation(match_len=m)
-            prob = 1.0
-            while node.children and len(s.tokens) < budget:
-                tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-                prob *= child.count / node.total
-                if prob < MIN_TOKEN_PROB:
-                    break
+            heap, order = [], itertools.count()
+            _push(heap, order, node, -1, 1, 1.0)
+            while heap and len(s.tokens) < min(max_tokens, math.ceil(m * SPEC_FACTOR)):
+                neg, _, parent, depth, tok, child = heapq.heappop(heap)
                 s.tokens.append(tok)
-                s.score += prob
-                node = child
+                s.parents.append(parent)
+                s.score -= neg
+                if depth < self.depth - m:
+                    _push(heap, order, child, len(s.tokens) - 1, depth + 1, -neg)
             if s.score > best.score:
                 best = s
         return best
@@ -181,9 +193,21 @@ def test_a_draft_follows_the_longest_earlier_match_and_adapts_to_its_length():
     assert two.speculate([3], max_tokens=8, min_match=1).tokens == []  # 3 ends a sequence
 
 
-def test_the_most_frequent_continuation_wins_and_rare_ones_are_cut():
+def test_the_tree_holds_the_likeliest_continuations_and_rare_ones_are_cut():
     seqs = [[1, 2, 3] + tail for tail in ([7, 7], [7, 7], [7, 7], [8, 8])]
-    assert _index(seqs, 8).speculate([1, 2, 3], 8, 1).tokens == [7, 7]  # 3 of 4
+    # 3 nodes (the match is 3 long): 7 (3/4), its 7 (3/4), then 8 (1/4) beside the first 7
+    s = _index(seqs, 8).speculate([1, 2, 3], 8, 1)
+    assert (s.tokens, s.parents) == ([7, 7, 8], [-1, 0, -1])
+    assert math.isclose(s.score, 0.75 + 0.75 + 0.25)
+    assert s.tree.paths() == [[7, 7], [8]]
+    # a longer match grows the tree on: 8's own 8 (1/4) joins after the 7s
+    assert _index(seqs, 8).speculate([0, 1, 2, 3], 8, 1).match_len == 3  # no "0 1 2 3"
+    seqs = [[0] + seq for seq in seqs]
+    s = _index(seqs, 8).speculate([0, 1, 2, 3], 8, 1)
+    assert (s.tokens, s.parents, s.match_len) == ([7, 7, 8, 8], [-1, 0, -1, 2], 4)
+    # one child each: a chain, the most frequent continuation
+    chain = _index([[1, 2, 3, 7, 7, 9]] * 2, 8).speculate([1, 2, 3], 8, 1)
+    assert (chain.tokens, chain.parents) == ([7, 7, 9], [-1, 0, 1]) and chain.tree.is_chain
     rare = [[1, 2, 3, 100 + k] for k in range(12)]  # each 1/12 < MIN_TOKEN_PROB
     assert _index(rare, 8).speculate([1, 2, 3], 8, 1).tokens == []
 
@@ -207,8 +231,8 @@ def test_the_index_drafts_what_the_suffix_trie_drafts(depth, min_match):
             for budget in (1, 4, 16):
                 got = index.speculate(ctx, budget, min_match)
                 want = trie.speculate(ctx, budget, min_match)
-                assert (got.tokens, got.match_len) == (want.tokens, want.match_len), (
-                    trial, ctx, budget)
+                assert (got.tokens, got.parents, got.match_len) == (
+                    want.tokens, want.parents, want.match_len), (trial, ctx, budget)
                 assert math.isclose(got.score, want.score)
 
 
@@ -216,10 +240,10 @@ def test_the_request_index_sees_its_own_earlier_text_and_the_cache():
     cache = ResponseCache(depth=12, max_requests=4)
     idx = SuffixIndex(12, 2, 8, cache)
     ids = [5, 6, 7, 8, 9, 5, 6]
-    assert idx.draft(ids, len(ids)) == [7, 8]  # its own "5 6 -> 7 8 ..." (match 2)
+    assert idx.draft(ids, len(ids)).tokens == [7, 8]  # its own "5 6 -> 7 8 ..." (match 2)
     cache.add([40, 41, 42, 43, 44, 45, 46, 47])
     ids += [40, 41, 42, 43]
-    assert idx.draft(ids, len(ids)) == [44, 45, 46, 47]  # the cached response, match 4
+    assert idx.draft(ids, len(ids)).tokens == [44, 45, 46, 47]  # the cached response
 
 
 def _drafts(index_or_tree, contexts, min_match):
@@ -255,11 +279,11 @@ def test_a_tenant_drafts_from_its_own_responses_only():
     ids = [1, 2, 40, 41, 42, 43]
     for scope in ("bob", None):  # another tenant, and the engine-wide cache
         idx = SuffixIndex(12, 2, 8, cache, scope)
-        assert idx.draft(ids, len(ids)) == [], scope
-    assert SuffixIndex(12, 2, 8, cache, "alice").draft(ids, len(ids)) == [44, 45, 46, 47]
+        assert idx.draft(ids, len(ids)).tokens == [], scope
+    assert SuffixIndex(12, 2, 8, cache, "alice").draft(ids, len(ids)).tokens == [44, 45, 46, 47]
     cache.add(secret)  # the same text in the engine-wide cache: found there, not by bob
-    assert SuffixIndex(12, 2, 8, cache).draft(ids, len(ids)) == [44, 45, 46, 47]
-    assert SuffixIndex(12, 2, 8, cache, "bob").draft(ids, len(ids)) == []
+    assert SuffixIndex(12, 2, 8, cache).draft(ids, len(ids)).tokens == [44, 45, 46, 47]
+    assert SuffixIndex(12, 2, 8, cache, "bob").draft(ids, len(ids)).tokens == []
 
 
 def test_the_bound_holds_over_every_tenant_and_an_emptied_tenant_leaves_nothing():

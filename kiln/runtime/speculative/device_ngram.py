@@ -1,6 +1,6 @@
 """Prompt lookup's device proposer: batched drafting, verified as chains (verify.py).
 
-Tensor versions of ``find_draft`` and ``ChainWorker.verify``'s greedy branch in ngram.py,
+Tensor versions of ``find_draft`` and ``TreeWorker.verify``'s greedy branch in ngram.py,
 which stays the oracle: row b here equals the host result for that row exactly. Everything
 is pure tensor ops with fixed output shapes and no host syncs, so a step can be captured in
 a CUDA graph; the only Python loops run over match lengths and token offsets.
@@ -67,7 +67,7 @@ class DeviceNgram(DeviceProposer):
     Tokens that plain steps of a paced request commit join through ``commit_tokens``.
 
     ``find_drafts`` above and ``verify.verify_chains`` are the step's math, equal to the host
-    worker's (``find_draft``, ``ChainWorker.verify``). A chain's accepted rows already sit at
+    worker's (``find_draft``, ``TreeWorker.verify``). A chain's accepted rows already sit at
     their final KV indices, so a step moves no KV. ``argmax`` is each row's target token:
     the argmax, or a draw for a sampled request (verify.row_targets). On CUDA the
     kernels of kiln/runtime/kernels/ngram.py run the step (chosen at construction).

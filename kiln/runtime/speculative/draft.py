@@ -38,3 +38,71 @@ class DraftPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens after x as a token tree: node i holds ``tokens[i]`` and hangs from node
+    ``parents[i]`` (-1: from x), parents before children, siblings holding distinct tokens.
+    In a step, x is row 0 and node i is row i + 1, at its depth's offset from x, seeing
+    its ancestors and itself. A chain is the tree whose node i hangs from node i - 1."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Each node's offset from x (1 for x's children)."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def children(self) -> list[dict[int, int]]:
+        """Per row (0: x, i + 1: node i), its children's rows by their tokens."""
+        kids: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            kids[p + 1][t] = i + 1
+        return kids
+
+    def paths(self) -> list[list[int]]:
+        """The tokens from x's child to each leaf."""
+        kids = self.children()
+        out = []
+        for i in range(len(self.tokens)):
+            if not kids[i + 1]:
+                path, j = [], i
+                while j >= 0:
+                    path.append(self.tokens[j])
+                    j = self.parents[j]
+                out.append(path[::-1])
+        return out
+
+    def layout(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's ``position_offsets`` [T] and ``step_mask`` [T, T] (None, None for a
+        chain: causal rows at offsets 0..T-1)."""
+        if self.is_chain:
+            return None, None
+        t = len(self.tokens) + 1
+        mask = torch.zeros(t, t, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents):
+            mask[i + 1] = mask[p + 1]
+            mask[i + 1, i + 1] = True
+        return torch.tensor([0, *self.depths()], dtype=torch.long), mask
+
+    def padded(self, size: int, token: int) -> DraftTree:
+        """The tree grown to ``size`` nodes by a chain of ``token`` under its last node (a
+        leaf: parents come before children), or under x when it is empty."""
+        tokens, parents = list(self.tokens), list(self.parents)
+        while len(tokens) < size:
+            parents.append(len(tokens) - 1)
+            tokens.append(token)
+        return DraftTree(tokens, parents)

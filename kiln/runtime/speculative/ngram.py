@@ -9,7 +9,7 @@ from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_ngram import DeviceNgram
 from kiln.runtime.speculative.draft import DraftPlan
-from kiln.runtime.speculative.worker import ChainWorker
+from kiln.runtime.speculative.worker import TreeWorker
 
 
 def find_draft(tokens: list[int], max_match: int, min_match: int, max_len: int) -> list[int]:
@@ -79,7 +79,7 @@ class NgramSlot:
     # the device yet (folded in before the next device proposal)
 
 
-class NgramWorker(ChainWorker):
+class NgramWorker(TreeWorker):
     """Chains of up to ``max_draft_len`` copied tokens, verified causally in one step.
 
     With a ``DeviceNgram`` (``device``), requests the device can verify (``may_take_slot``:

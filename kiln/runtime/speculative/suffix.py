@@ -2,14 +2,17 @@
 responses (Oliaro et al., SuffixDecoding; Snowflake's Arctic Inference), model-free.
 
 The rule is a depth-D suffix trie's: a proposal matches the longest suffixes of the
-request's last tokens (at least ``min_match``, at most D - 1) and follows, from each match,
-the most frequent continuation while its cumulative probability (a continuation's count
-over all continuations of the tokens so far) stays >= ``MIN_TOKEN_PROB``, for at most
-``SPEC_FACTOR`` x the match length tokens: a longer match drafts more, and match + draft
-<= D. The draft with the highest score (the sum of its cumulative probabilities: the
-tokens it is expected to get accepted) wins, over the request's text and the cache's. The
-winner is verified as a chain, like prompt lookup's (``ChainWorker.verify``: greedy longest
-accepted prefix + bonus token, sampled the rejection rule).
+request's last tokens (at least ``min_match``, at most D - 1) and grows, from each match, a
+token tree best first: a node's probability is its parent's times the node's count over
+its siblings' (the continuations of the tokens so far), x's children start at their
+share, and the most probable node not yet in the tree joins it while it is >= ``MIN_TOKEN_PROB``,
+for at most ``SPEC_FACTOR`` x the match length nodes (a longer match drafts more), each
+at depth <= D - match. The tree with the highest score (the sum of its nodes'
+probabilities: the tokens it is expected to get accepted) wins, over the request's text and
+the cache's. A tree whose nodes each have one child is a chain, the most frequent
+continuation; where the text continued in two ways often enough, the tree holds both.
+It is verified in one step by ``TreeWorker``'s walk (greedy: the longest accepted path +
+bonus token; sampled: recursive rejection over each node's children).
 
 The text is not kept as a trie (D Python nodes a token: ~5.8 KB a cached token, 12 ms to
 add a 200-token response; docs/decisions.md) but as ``TokenIndex``: the tokens in one array
@@ -27,6 +30,8 @@ before.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import sys
 from array import array
@@ -38,7 +43,8 @@ import torch
 
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.request import Request
-from kiln.runtime.speculative.worker import ChainWorker
+from kiln.runtime.speculative.draft import DraftTree
+from kiln.runtime.speculative.worker import TreeWorker
 
 # Arctic Inference's defaults: a draft no longer than its match, of tokens whose cumulative
 # probability is at least 0.1
@@ -51,11 +57,17 @@ _END = -1  # after each sequence of an index: no match or continuation crosses i
 
 @dataclass
 class Speculation:
-    """A draft, its score (expected accepted tokens) and the match it followed."""
+    """A draft tree (``DraftTree``'s tokens and parents), its score (expected accepted
+    tokens) and the match it followed."""
 
     tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+
+    @property
+    def tree(self) -> DraftTree:
+        return DraftTree(self.tokens, self.parents)
 
 
 class TokenIndex:
@@ -147,7 +159,7 @@ class TokenIndex:
         """The best draft after ``context``'s last tokens (the module docstring's rule)."""
         limit = min(len(context), self.depth - 1)
         keys = [k for k in self.lengths if k <= limit]  # longest first
-        toks, base = self.tokens, self.base
+        base = self.base
         cands: dict[int, int] = {}  # position -> match length
         looked: set[int] = set()
         best = Speculation()
@@ -164,28 +176,43 @@ class TokenIndex:
                 m = top if top >= k else k - 1
                 continue
             cur = sorted(p - base for p, length in cands.items() if length >= m)
-            budget = min(max_tokens, self.depth - m, math.ceil(m * SPEC_FACTOR))
-            s = Speculation(match_len=m)
-            prob = 1.0
-            while len(s.tokens) < budget:
-                counts: dict[int, int] = {}
-                for i in cur:
-                    t = toks[i] if i < len(toks) else _END
-                    if t != _END:
-                        counts[t] = counts.get(t, 0) + 1
-                if not counts:
-                    break
-                tok = max(counts, key=counts.__getitem__)  # ties: the oldest occurrence's
-                prob *= counts[tok] / sum(counts.values())
-                if prob < MIN_TOKEN_PROB:
-                    break
-                s.tokens.append(tok)
-                s.score += prob
-                cur = [i + 1 for i in cur if i < len(toks) and toks[i] == tok]
+            s = self._grow(cur, min(max_tokens, math.ceil(m * SPEC_FACTOR)), self.depth - m)
+            s.match_len = m
             if s.score > best.score:
                 best = s
             m -= 1
         return best
+
+    def _grow(self, starts: list[int], budget: int, max_depth: int) -> Speculation:
+        """The tree after the occurrences whose continuations start at ``starts`` (array
+        indices, oldest first): best first, at most ``budget`` nodes, ``max_depth`` deep.
+        Ties go to the node found first: the oldest occurrence's continuation."""
+        toks = self.tokens
+        s = Speculation()
+        heap: list = []  # (-probability, order found, parent, depth, token, its occurrences)
+        order = itertools.count()
+
+        def expand(occ: list[int], parent: int, depth: int, prob: float) -> None:
+            groups: dict[int, list[int]] = {}
+            for i in occ:
+                t = toks[i] if i < len(toks) else _END
+                if t != _END:
+                    groups.setdefault(t, []).append(i + 1)
+            total = sum(len(g) for g in groups.values())
+            for t, nxt in groups.items():
+                p = prob * len(nxt) / total
+                if p >= MIN_TOKEN_PROB:
+                    heapq.heappush(heap, (-p, next(order), parent, depth, t, nxt))
+
+        expand(starts, -1, 1, 1.0)
+        while heap and len(s.tokens) < budget:
+            neg, _, parent, depth, tok, occ = heapq.heappop(heap)
+            s.tokens.append(tok)
+            s.parents.append(parent)
+            s.score -= neg
+            if depth < max_depth:
+                expand(occ, len(s.tokens) - 1, depth + 1, -neg)
+        return s
 
 
 class ResponseCache:
@@ -243,8 +270,8 @@ class SuffixIndex:
         self.from_cache = False  # the last draft came from the cache
         self.matched = 0  # how many of its tokens the verification accepted
 
-    def draft(self, tokens: Sequence[int], n: int) -> list[int]:
-        """The draft after ``tokens[:n]`` (``n`` never decreases between calls)."""
+    def draft(self, tokens: Sequence[int], n: int) -> DraftTree:
+        """The draft tree after ``tokens[:n]`` (``n`` never decreases between calls)."""
         if n > self._n:
             self.own.extend(tokens[self._n:n])
             self._n = n
@@ -254,7 +281,7 @@ class SuffixIndex:
         shared = (cached.speculate(context, self.max_len, self.min_match) if cached is not None
                   else own)
         self.from_cache = shared.score > own.score
-        return (shared if self.from_cache else own).tokens
+        return (shared if self.from_cache else own).tree
 
 
 class SuffixShadow:
@@ -269,14 +296,13 @@ class SuffixShadow:
         self.index = SuffixIndex(depth, min_match, max_len, cache, scope)
 
     def candidates(self, ids: Sequence[int], pos: int) -> list[list[int]]:
-        draft = self.index.draft(ids, pos + 1)
-        return [draft] if draft else []
+        return self.index.draft(ids, pos + 1).paths()
 
 
-class SuffixWorker(ChainWorker):
-    """Suffix decoding's host worker: each request's ``SuffixIndex`` proposes a chain of up
+class SuffixWorker(TreeWorker):
+    """Suffix decoding's host worker: each request's ``SuffixIndex`` proposes a tree of up
     to max_draft_len tokens (the request's own ``max_draft_len`` when it sends one),
-    verified as prompt lookup's chains are; finished requests' responses go into the shared
+    verified by ``TreeWorker``'s walk; finished requests' responses go into the shared
     ``ResponseCache``."""
 
     name = "suffix"
@@ -310,10 +336,7 @@ class SuffixWorker(ChainWorker):
 
     def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
                ) -> tuple[list[int], list[tuple[int, int]]]:
-        accepted, moves = super().verify(req, logits, argmax)
-        draft = req.draft.data  # the drafts accepted: the leading tokens they match
-        req.spec_state.matched = next((i for i, (a, d) in enumerate(zip(accepted, draft))
-                                       if a != d), min(len(accepted), len(draft)))
+        accepted, moves, req.spec_state.matched = self.walk(req, logits, argmax)
         return accepted, moves
 
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:

@@ -23,7 +23,7 @@ from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
 from kiln.runtime.speculative.device_step import DeviceProposer, device_verifiable, plan_warp
-from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.draft import DraftPlan, DraftTree
 from kiln.runtime.speculative.lookahead_math import verify_position
 from kiln.runtime.speculative.pace import BreakEven, DraftPace, Shadow, SpecPace
 from kiln.runtime.step import StepResult
@@ -338,10 +338,15 @@ class DraftWorker(SpeculativeWorker):
         return result
 
 
-class ChainWorker(DraftWorker):
-    """A worker whose plan is one chain of drafts after x, from the request's own state
-    (``req.spec_state.draft(ids, n)``: prompt lookup, suffix decoding), verified causally in
-    one step: greedy, under the request's grammar, or by the rejection rule."""
+class TreeWorker(DraftWorker):
+    """A worker whose plan is a token tree of drafts after x (``DraftTree``; a chain for
+    prompt lookup), from the request's own state (``req.spec_state.draft(ids, n)``: prompt
+    lookup's chain, suffix decoding's tree), verified in one step by one walk from x: at
+    each row the target's token (greedy: its argmax; under the request's grammar: the
+    argmax of what the grammar allows; sampled: paper Algorithm 4 over the row's children,
+    ``verify_position``), on to the child holding it while one does, then that token as
+    the bonus. Sampled, the walk is recursive rejection over siblings: each token it
+    commits is distributed as the target's at its row, whatever the tree."""
 
     def __init__(self, max_draft_len: int, device: DeviceProposer | None = None) -> None:
         super().__init__(device)
@@ -349,33 +354,66 @@ class ChainWorker(DraftWorker):
 
     def propose(self, req: Request) -> DraftPlan | None:
         ids = req.all_token_ids
-        draft = req.spec_state.draft(ids, len(ids))
+        tree = req.spec_state.draft(ids, len(ids))
+        if not isinstance(tree, DraftTree):
+            tree = DraftTree.chain(tree)
         x = ids[-1]
         if self.full_steps:  # the step's worst case: max_draft_len drafts (break-even)
-            draft += [x] * (self.max_draft_len - len(draft))
-        if not draft:
+            tree = tree.padded(self.max_draft_len, x)
+        if not tree.tokens:
             return None
-        return DraftPlan([x] + draft, data=draft)
+        offsets, mask = tree.layout()
+        return DraftPlan([x] + tree.tokens, offsets, mask, data=tree)
 
     def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
                ) -> tuple[list[int], list[tuple[int, int]]]:
-        draft: list[int] = req.draft.data
-        accepted: list[int] = []
-        if req.matcher is not None:  # structured output: drafts checked against the grammar
-            accepted = self.guided_chain(req, logits, draft, list(range(1, len(draft) + 1)))
+        accepted, moves, _ = self.walk(req, logits, argmax)
+        return accepted, moves
+
+    @staticmethod
+    def walk(req: Request, logits: torch.Tensor, argmax: list[int]
+             ) -> tuple[list[int], list[tuple[int, int]], int]:
+        """The verification walk (the class docstring): (committed tokens, KV moves of
+        accepted nodes not at their final rows, drafts accepted)."""
+        tree: DraftTree = req.draft.data
+        kids = tree.children()
+        matcher = req.matcher
+        if matcher is not None:  # structured output: drafts checked against the grammar
+            mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
+
+            def pick(row: int, drafts: list[int]) -> int:
+                mask.zero_()
+                matcher.fill_mask(mask)
+                return int(logits[row].masked_fill(~mask.to(logits.device),
+                                                   float("-inf")).argmax())
         elif req.params.greedy:
-            accepted = self.greedy_chain(draft, argmax)
-        else:  # every row warped at once; then the rejection rule position by position
-            probs = warp_batch(logits[: len(draft) + 1], [req.params] * (len(draft) + 1))
-            for i, d in enumerate(draft):
-                tok, idx = verify_position(probs[i], [d], req.generator)
+            def pick(row: int, drafts: list[int]) -> int:
+                return argmax[row]
+        else:  # every row warped at once
+            probs = warp_batch(logits, [req.params] * logits.shape[0])
+
+            def pick(row: int, drafts: list[int]) -> int:
+                return verify_position(probs[row], drafts, req.generator)[0]
+
+        accepted: list[int] = []
+        moves: list[tuple[int, int]] = []
+        row = matched = 0
+        try:
+            while True:
+                tok = pick(row, list(kids[row]))
                 accepted.append(tok)
-                if idx is None:
-                    break
-            else:
-                tok, _ = verify_position(probs[len(draft)], [], req.generator)
-                accepted.append(tok)
-        return accepted, []  # a chain: accepted rows already sit at their final indices
+                nxt = kids[row].get(tok)
+                if nxt is None or (matcher is not None and not matcher.accept(tok)):
+                    return accepted, moves, matched
+                matched += 1
+                if nxt != matched:  # its KV was written at its row's index
+                    moves.append((nxt, matched))
+                if matcher is not None and matcher.is_terminated():
+                    return accepted, moves, matched  # nothing may follow its stop token
+                row = nxt
+        finally:
+            if matcher is not None and matched:
+                matcher.rollback(matched)
 
 
 def on_device(req: Request) -> bool:
