@@ -244,18 +244,25 @@ def assert_e4m3_equal(got: torch.Tensor, ref: torch.Tensor, unrounded: torch.Ten
 
 
 def record_trees(monkeypatch) -> list:
-    """Every draft tree ``TreeWorker.walk`` verifies, recorded (the tree, its KV moves)."""
-    from kiln.runtime.speculative.worker import TreeWorker
+    """Every token tree ``walk_tree`` verifies on the host, recorded: (its children's rows by
+    token per row, the KV moves the walk returned), in each module that calls it."""
+    from kiln.runtime.speculative import draft_model, lookahead, suffix, verify, worker
 
-    seen, walk = [], TreeWorker.walk
+    seen, walk = [], verify.walk_tree
 
-    def recording(req, logits, argmax):
-        out = walk(req, logits, argmax)
-        seen.append((req.draft.data, out[1]))
+    def recording(req, logits, argmax, kids):
+        out = walk(req, logits, argmax, kids)
+        seen.append((kids, out[1]))
         return out
 
-    monkeypatch.setattr(TreeWorker, "walk", staticmethod(recording))
+    for module in (verify, worker, suffix, lookahead, draft_model):
+        monkeypatch.setattr(module, "walk_tree", recording)
     return seen
+
+
+def branches(kids: dict) -> bool:
+    """Whether a recorded tree has a node with two or more children."""
+    return any(len(below) > 1 for below in kids.values())
 
 
 def sample_three_tokens(eng, prompt: list[int], window, trials: int = 1500):

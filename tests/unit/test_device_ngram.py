@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kiln.runtime.speculative.device_ngram import find_drafts
 from kiln.runtime.speculative.ngram import find_draft
-from kiln.runtime.speculative.verify import verify_chains
-from kiln.runtime.speculative.worker import DraftWorker
+from kiln.runtime.speculative.draft import DraftTree
+from kiln.runtime.speculative.verify import verify_chains, walk_tree
 
-host_greedy = DraftWorker.greedy_chain  # NgramWorker.verify's greedy branch
+
+def host_greedy(chain: list[int], argmax: list[int]) -> list[int]:
+    """NgramWorker.verify for a greedy request: ``walk_tree`` down the chain."""
+    req = SimpleNamespace(matcher=None, params=SimpleNamespace(greedy=True))
+    return walk_tree(req, None, argmax, DraftTree.chain(chain).children())[0]
 
 
 def random_row(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -27,7 +27,7 @@ plans, a draw from the row's distribution for sampled ones (``verify.row_targets
 longest prefix of drafts that equal their targets, then the target after it, is exact
 in distribution for a sampled request: a draft token d is accepted with probability p(d),
 and on rejection the committed token is distributed as p without d, renormalised (the
-rejection rule for a one-token draft; ``verify_position`` is the host's form of it). The
+rejection rule for a one-token draft; ``verify.verify_position`` is the host's form of it). The
 rows of one plan at the same depth (lookahead candidates sharing a prefix) draw with the
 same noise, so they agree on the token there as one draw would.
 

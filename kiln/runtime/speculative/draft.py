@@ -65,11 +65,11 @@ class DraftTree:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
-    def children(self) -> list[dict[int, int]]:
-        """Per row (0: x, i + 1: node i), its children's rows by their tokens."""
-        kids: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+    def children(self) -> dict[int, dict[int, int]]:
+        """Per row with children (0: x, i + 1: node i), their rows by their tokens."""
+        kids: dict[int, dict[int, int]] = {}
         for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
-            kids[p + 1][t] = i + 1
+            kids.setdefault(p + 1, {})[t] = i + 1
         return kids
 
     def paths(self) -> list[list[int]]:
@@ -77,7 +77,7 @@ class DraftTree:
         kids = self.children()
         out = []
         for i in range(len(self.tokens)):
-            if not kids[i + 1]:
+            if i + 1 not in kids:
                 path, j = [], i
                 while j >= 0:
                     path.append(self.tokens[j])

@@ -52,10 +52,10 @@ from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.device_draft import DeviceDraft
-from kiln.runtime.speculative.draft import DraftPlan
+from kiln.runtime.speculative.draft import DraftPlan, DraftTree
 from kiln.runtime.speculative.pace import BreakEven, DraftPace
 from kiln.runtime.speculative.verify import reject_sampled
-from kiln.runtime.speculative.worker import DraftWorker, OnError
+from kiln.runtime.speculative.worker import DraftWorker, OnError, walk_tree
 from kiln.runtime.step import sample_logits
 
 if TYPE_CHECKING:
@@ -471,10 +471,8 @@ class DraftModelWorker(DraftWorker):
                ) -> tuple[list[int], list[tuple[int, int]]]:
         st: DraftState | None = req.draft.data
         drafts = st.drafts if st is not None else []  # none: the draft failed this step
-        if req.matcher is not None:  # structured output: drafts checked against the grammar
-            accepted = self.guided_chain(req, logits, drafts, list(range(1, len(drafts) + 1)))
-        elif req.params.greedy:
-            accepted = self.greedy_chain(drafts, argmax)
+        if req.matcher is not None or req.params.greedy:  # (under the grammar, if any)
+            accepted, _, _ = walk_tree(req, logits, argmax, DraftTree.chain(drafts).children())
         elif drafts:
             accepted = self._rejection(req, logits, drafts, st.q)
         else:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.artifact.speculative import SpeculativeConfig
-from kiln.runtime.layers.sampler import warp
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.device_lookahead import DeviceLookahead
 from kiln.runtime.speculative.draft import DraftPlan
@@ -26,14 +25,13 @@ from kiln.runtime.speculative.lookahead_math import (
     POOL_BUCKETS,
     NgramPool,
     StepLayout,
-    greedy_verify,
     initial_window,
     step_layout,
-    verify_position,
     with_lookup,
 )
 from kiln.runtime.speculative.ngram import LookupIndex
 from kiln.runtime.speculative.pace import PRIOR_GAIN
+from kiln.runtime.speculative.verify import walk_tree
 from kiln.runtime.speculative.worker import DraftWorker
 
 
@@ -87,6 +85,25 @@ class PoolShadow:
             self._fed = pos + 1
         return with_lookup(self.pool.candidates(ids[pos], self.g),
                            self.lookup.draft(ids, pos + 1), self.n - 1, self.g)
+
+
+def verify_candidates(req: Request, logits: torch.Tensor, argmax: list[int],
+                      cands: list[tuple[int, ...]], cand_rows: list[list[int]]
+                      ) -> tuple[list[int], list[tuple[int, int]]]:
+    """A lookahead step's candidates verified as one token tree (``walk_tree``: candidates
+    that share a prefix share its first holder's rows): (committed tokens, KV moves). The
+    accepted drafts' KV comes from the first candidate that holds them all, the one the
+    device's ``verify_tree`` picks (the first of the longest matches)."""
+    kids: dict[int, dict[int, int]] = {}
+    for cand, rows in zip(cands, cand_rows):
+        row = 0
+        for tok, r in zip(cand, rows):
+            row = kids.setdefault(row, {}).setdefault(tok, r)
+    accepted, _, m = walk_tree(req, logits, argmax, kids)
+    if not m:
+        return accepted, []
+    best = next(i for i, c in enumerate(cands) if list(c[:m]) == accepted[:m])
+    return accepted, [(cand_rows[best][k], k + 1) for k in range(m)]
 
 
 class LookaheadWorker(DraftWorker):
@@ -172,47 +189,13 @@ class LookaheadWorker(DraftWorker):
             chain = [tokens[window_rows[lvl][j]] for lvl in range(len(st.window))]
             if st.n >= 2:
                 st.pool.add(chain[: st.n - 1] + [new[j]])
-        if req.matcher is not None:  # structured output: drafts checked against the grammar
-            best, accepted = None, self.guided_chain(req, logits, [], [])
-            for i, (cand, rows) in enumerate(zip(cands, cand_rows)):
-                got = self.guided_chain(req, logits, list(cand), rows)
-                if len(got) > len(accepted):
-                    best, accepted = i, got
-        elif req.params.greedy:
-            best, accepted = greedy_verify(
-                cands, [[argmax[r] for r in rows] for rows in cand_rows], argmax[0]
-            )
-        else:
-            best, accepted = self._sample_verify(req, logits, cands, cand_rows)
-        moves = []
-        if best is not None:
-            moves = [(cand_rows[best][k], k + 1) for k in range(len(accepted) - 1)]
+        accepted, moves = verify_candidates(req, logits, argmax, cands, cand_rows)
         # Shift the window one position; the top level takes the new tokens.
         if len(st.window) > 1:
             st.window = [[0] + st.window[1][1:]] + st.window[2:] + [new]
         else:
             st.window = [[0] + new[1:]]
         return accepted, moves
-
-    @staticmethod
-    def _sample_verify(req, logits, cands, cand_rows):
-        """Paper Algorithm 4 over the candidates that still agree with what was accepted."""
-        p = req.params
-        alive = list(range(len(cands)))
-        row = 0
-        accepted: list[int] = []
-        depth = len(cand_rows[0]) if cand_rows else 0
-        for k in range(depth):
-            drafts = list(dict.fromkeys(cands[i][k] for i in alive))
-            tok, idx = verify_position(warp(logits[row], p), drafts, req.generator)
-            accepted.append(tok)
-            if idx is None:
-                return (alive[0] if k > 0 else None), accepted
-            alive = [i for i in alive if cands[i][k] == tok]
-            row = cand_rows[alive[0]][k]
-        tok, _ = verify_position(warp(logits[row], p), [], req.generator)
-        accepted.append(tok)
-        return (alive[0] if depth and alive and len(accepted) > 1 else None), accepted
 
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:
         st: LookaheadState = req.spec_state

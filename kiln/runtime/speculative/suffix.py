@@ -11,7 +11,7 @@ at depth <= D - match. The tree with the highest score (the sum of its nodes'
 probabilities: the tokens it is expected to get accepted) wins, over the request's text and
 the cache's. A tree whose nodes each have one child is a chain, the most frequent
 continuation; where the text continued in two ways often enough, the tree holds both.
-It is verified in one step by ``TreeWorker``'s walk (greedy: the longest accepted path +
+It is verified in one step by ``walk_tree`` (greedy: the longest accepted path +
 bonus token; sampled: recursive rejection over each node's children).
 
 The text is not kept as a trie (D Python nodes a token: ~5.8 KB a cached token, 12 ms to
@@ -44,7 +44,7 @@ import torch
 from kiln.artifact.speculative import SpeculativeConfig
 from kiln.runtime.request import Request
 from kiln.runtime.speculative.draft import DraftTree
-from kiln.runtime.speculative.worker import TreeWorker
+from kiln.runtime.speculative.worker import TreeWorker, walk_tree
 
 # Arctic Inference's defaults: a draft no longer than its match, of tokens whose cumulative
 # probability is at least 0.1
@@ -302,7 +302,7 @@ class SuffixShadow:
 class SuffixWorker(TreeWorker):
     """Suffix decoding's host worker: each request's ``SuffixIndex`` proposes a tree of up
     to max_draft_len tokens (the request's own ``max_draft_len`` when it sends one),
-    verified by ``TreeWorker``'s walk; finished requests' responses go into the shared
+    verified by ``walk_tree``; finished requests' responses go into the shared
     ``ResponseCache``."""
 
     name = "suffix"
@@ -336,7 +336,8 @@ class SuffixWorker(TreeWorker):
 
     def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
                ) -> tuple[list[int], list[tuple[int, int]]]:
-        accepted, moves, req.spec_state.matched = self.walk(req, logits, argmax)
+        accepted, moves, req.spec_state.matched = walk_tree(req, logits, argmax,
+                                                            req.draft.data.children())
         return accepted, moves
 
     def on_commit(self, req: Request, num_new: int, verified: bool) -> None:

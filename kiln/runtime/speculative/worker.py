@@ -18,14 +18,13 @@ import torch
 
 from kiln.runtime.host_copy import to_device
 from kiln.runtime.kv_cache import KVCache, slot_of
-from kiln.runtime.layers.sampler import warp_batch
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledBatch
 from kiln.runtime.speculative.base import SpeculativeWorker
 from kiln.runtime.speculative.device_step import DeviceProposer, device_verifiable, plan_warp
 from kiln.runtime.speculative.draft import DraftPlan, DraftTree
-from kiln.runtime.speculative.lookahead_math import verify_position
 from kiln.runtime.speculative.pace import BreakEven, DraftPace, Shadow, SpecPace
+from kiln.runtime.speculative.verify import walk_tree
 from kiln.runtime.step import StepResult
 
 if TYPE_CHECKING:
@@ -210,59 +209,6 @@ class DraftWorker(SpeculativeWorker):
             row = host[result.spec_entries[req]]
             result.add_verified(req, row[: row[-1]])
 
-    @staticmethod
-    def greedy_chain(chain: list[int], argmax: list[int]) -> list[int]:
-        """Greedy verification of one draft chain: the drafts ``argmax`` (the target's
-        token at x and after each draft) agrees with, then the target's token after them."""
-        accepted: list[int] = []
-        for i, d in enumerate(chain):
-            if argmax[i] != d:
-                break
-            accepted.append(d)
-        accepted.append(argmax[len(accepted)])
-        return accepted
-
-    @staticmethod
-    def guided_chain(req: Request, logits: torch.Tensor, chain: list[int],
-                     rows: list[int]) -> list[int]:
-        """Greedy verification of one draft chain under the request's grammar.
-
-        ``logits[0]`` is the row at x; ``rows[k]`` the row of ``chain[k]``. Each position's
-        target token is the argmax over what the grammar allows after the tokens before it
-        (the same choice plain guided decoding makes), so accepted drafts are grammatical.
-        Returns matched tokens + the correction/bonus token; the matcher is left unchanged.
-        A draft token that completes the grammar (its stop token) ends the chain: nothing
-        may follow it, so no bonus token is asked of a terminated matcher.
-        """
-        matcher = req.matcher
-        mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
-
-        def target(row: int) -> int:
-            mask.zero_()
-            matcher.fill_mask(mask)
-            masked = logits[row].masked_fill(~mask.to(logits.device), float("-inf"))
-            return int(masked.argmax())
-
-        accepted: list[int] = []
-        matched = 0  # draft tokens the matcher accepted (rolled back at the end)
-        row = 0
-        try:
-            for tok, next_row in zip(chain, rows):
-                t = target(row)
-                if t != tok or not matcher.accept(tok):
-                    accepted.append(t)
-                    return accepted
-                matched += 1
-                accepted.append(tok)
-                if matcher.is_terminated():
-                    return accepted
-                row = next_row
-            accepted.append(target(row))
-            return accepted
-        finally:
-            if matched:
-                matcher.rollback(matched)
-
     # -- the step ----------------------------------------------------------------------------
     def propose_all(self, reqs: list[Request], on_error: OnError) -> None:
         """Plan the next step of every request that may speculate now; a proposal that
@@ -341,12 +287,7 @@ class DraftWorker(SpeculativeWorker):
 class TreeWorker(DraftWorker):
     """A worker whose plan is a token tree of drafts after x (``DraftTree``; a chain for
     prompt lookup), from the request's own state (``req.spec_state.draft(ids, n)``: prompt
-    lookup's chain, suffix decoding's tree), verified in one step by one walk from x: at
-    each row the target's token (greedy: its argmax; under the request's grammar: the
-    argmax of what the grammar allows; sampled: paper Algorithm 4 over the row's children,
-    ``verify_position``), on to the child holding it while one does, then that token as
-    the bonus. Sampled, the walk is recursive rejection over siblings: each token it
-    commits is distributed as the target's at its row, whatever the tree."""
+    lookup's chain, suffix decoding's tree), verified in one step by ``walk_tree``."""
 
     def __init__(self, max_draft_len: int, device: DeviceProposer | None = None) -> None:
         super().__init__(device)
@@ -367,53 +308,8 @@ class TreeWorker(DraftWorker):
 
     def verify(self, req: Request, logits: torch.Tensor, argmax: list[int]
                ) -> tuple[list[int], list[tuple[int, int]]]:
-        accepted, moves, _ = self.walk(req, logits, argmax)
+        accepted, moves, _ = walk_tree(req, logits, argmax, req.draft.data.children())
         return accepted, moves
-
-    @staticmethod
-    def walk(req: Request, logits: torch.Tensor, argmax: list[int]
-             ) -> tuple[list[int], list[tuple[int, int]], int]:
-        """The verification walk (the class docstring): (committed tokens, KV moves of
-        accepted nodes not at their final rows, drafts accepted)."""
-        tree: DraftTree = req.draft.data
-        kids = tree.children()
-        matcher = req.matcher
-        if matcher is not None:  # structured output: drafts checked against the grammar
-            mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
-
-            def pick(row: int, drafts: list[int]) -> int:
-                mask.zero_()
-                matcher.fill_mask(mask)
-                return int(logits[row].masked_fill(~mask.to(logits.device),
-                                                   float("-inf")).argmax())
-        elif req.params.greedy:
-            def pick(row: int, drafts: list[int]) -> int:
-                return argmax[row]
-        else:  # every row warped at once
-            probs = warp_batch(logits, [req.params] * logits.shape[0])
-
-            def pick(row: int, drafts: list[int]) -> int:
-                return verify_position(probs[row], drafts, req.generator)[0]
-
-        accepted: list[int] = []
-        moves: list[tuple[int, int]] = []
-        row = matched = 0
-        try:
-            while True:
-                tok = pick(row, list(kids[row]))
-                accepted.append(tok)
-                nxt = kids[row].get(tok)
-                if nxt is None or (matcher is not None and not matcher.accept(tok)):
-                    return accepted, moves, matched
-                matched += 1
-                if nxt != matched:  # its KV was written at its row's index
-                    moves.append((nxt, matched))
-                if matcher is not None and matcher.is_terminated():
-                    return accepted, moves, matched  # nothing may follow its stop token
-                row = nxt
-        finally:
-            if matcher is not None and matched:
-                matcher.rollback(matched)
 
 
 def on_device(req: Request) -> bool:
