@@ -121,7 +121,7 @@ def test_past_the_quality_limit_nothing_is_written(tiny_hf_model, tmp_path, monk
     seen = iter([10.0, 12.0, 10.0, 12.0])  # source, FP8; twice
     monkeypatch.setattr(quality, "hf_perplexity", lambda *a, **k: next(seen))
     src, out = tiny_hf_model("llama"), tmp_path / "ckpt"
-    kw = dict(calib_size=2, calib_seq_len=32, device="cpu", progress=False)
+    kw = dict(calib_size=2, calib_seq_len=32, device="cpu", progress=False, kv_cache_dtype="fp8")
     with pytest.raises(KilnError) as info:
         modelopt_fp8.quantize(str(src), out, **kw)
     msg = str(info.value)
@@ -134,6 +134,51 @@ def test_past_the_quality_limit_nothing_is_written(tiny_hf_model, tmp_path, monk
     assert json.loads((out / "kiln_quantize.json").read_text())["quality"]["increase"] == 0.2
     with pytest.raises(KilnError, match="--max-quality-loss -0.1 must be >= 0"):
         modelopt_fp8.quantize(str(src), tmp_path / "x", max_quality_loss=-0.1, **kw)
+
+
+def test_auto_kv_leaves_out_an_fp8_kv_cache_that_loses_the_model(tiny_hf_model, tmp_path,
+                                                                  monkeypatch):
+    """--kv-cache-dtype auto (the default): when the FP8 model is past the limit and the
+    same model with its KV quantizers off is within it, the checkpoint has no FP8 KV cache
+    (no K/V scales, modelopt's kv_cache_quant_algo unset), the summary keeps both records,
+    and the engine built from it runs its KV cache in the model's dtype. Where leaving the
+    KV cache out does not bring it within the limit, the gate stops as before; an explicit
+    --kv-cache-dtype fp8 is never second-guessed. Perplexities are injected: the first call
+    scores the source, then the FP8 model, then the FP8 model without FP8 KV."""
+    from kiln.errors import KilnError
+    from kiln.quantize import modelopt_fp8, quality
+
+    def injected(*values):
+        seen = iter(values)
+        monkeypatch.setattr(quality, "hf_perplexity", lambda *a, **k: next(seen))
+
+    src = tiny_hf_model("llama")
+    kw = dict(calib_size=2, calib_seq_len=32, device="cpu", progress=False)
+    injected(10.0, 18.0, 10.2)
+    out = tmp_path / "auto"
+    summary = modelopt_fp8.quantize(str(src), out, **kw)
+    assert (summary["kv_cache_dtype"], summary["kv_cache_dtype_asked"]) == ("none", "auto")
+    assert summary["quality"]["increase"] == pytest.approx(0.02)
+    assert summary["fp8_kv_quality"]["increase"] == pytest.approx(0.8)
+    hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "FP8" and not hq.get("kv_cache_quant_algo")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not [n for n in f.keys() if n.endswith(("k_scale", "v_scale"))]
+    engine = tmp_path / "e"
+    kiln("build", out, "-o", engine, "--dtype", "float32", "--max-seq-len", "256")
+    q = json.loads((engine / "engine.json").read_text())["quantization"]
+    assert (q["weights"], q["activations"]) == ("fp8", "fp8") and q["kv_cache"] != "fp8"
+
+    injected(10.0, 18.0, 17.0)  # the KV cache is not what loses it: the gate stops
+    with pytest.raises(KilnError, match=r"from 10.00 to 18.00 \(\+80.0%\)"):
+        modelopt_fp8.quantize(str(src), tmp_path / "x", **kw)
+    injected(10.0, 18.0)  # asked for fp8: no second measurement
+    with pytest.raises(KilnError, match=r"from 10.00 to 18.00"):
+        modelopt_fp8.quantize(str(src), tmp_path / "y", kv_cache_dtype="fp8", **kw)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    injected(10.0, 10.1)  # within the limit: FP8 KV stays
+    summary = modelopt_fp8.quantize(str(src), tmp_path / "z", **kw)
+    assert summary["kv_cache_dtype"] == "fp8" and "fp8_kv_quality" not in summary
 
 
 def test_quantize_errors(tiny_hf_model, tmp_path):
