@@ -43,7 +43,7 @@ def test_smollm2_fp8_perplexity_close_to_fp32(smollm2_gguf, tmp_path):
     del model
 
     summary = quantize(str(hf), tmp_path / "ckpt", calib_size=3, calib_seq_len=256,
-                       device="cpu", progress=False)
+                       device="cpu", progress=False, kv_cache_dtype="fp8")
     assert summary["calib_size"] == 3
     build_engine(str(hf), tmp_path / "fp32", dtype="float32", max_seq_len=512, progress=False)
     spec = build_engine(str(tmp_path / "ckpt"), tmp_path / "fp8", dtype="float32",
