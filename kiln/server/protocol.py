@@ -127,6 +127,22 @@ _rp_lo, _rp_hi = REPETITION_PENALTY_RANGE
 _ap_lo, _ap_hi = ADDITIVE_PENALTY_RANGE
 
 
+def _guided_set(name: str) -> dict[str, Any]:
+    """JSON Schema: the request sets structured-output field ``name`` (present, not null; a
+    response_format of type "text" asks for nothing)."""
+    value: dict[str, Any] = {"not": {"type": "null"}}
+    if name == "response_format":
+        value = {"type": "object", "not": {"properties": {"type": {"const": "text"}}}}
+    return {"required": [name], "properties": {name: value}}
+
+
+_GUIDED = ("response_format", "regex", "grammar", "choice")
+# at most one of them (SamplingFields.guided's rule)
+AT_MOST_ONE_GUIDED = {"not": {"anyOf": [
+    {"allOf": [_guided_set(a), _guided_set(b)]}
+    for i, a in enumerate(_GUIDED) for b in _GUIDED[i + 1:]]}}
+
+
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + kiln extras)."""
 
@@ -212,7 +228,8 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={  # max_tokens 0 needs echo: true
         "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
-        "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}})
+        "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+        **AT_MOST_ONE_GUIDED})
 
     prompt: (Text | Annotated[list[Text], Field(min_length=1)]
              | Annotated[list[PromptTokenId], Field(min_length=1)]
@@ -381,7 +398,8 @@ class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={  # top_logprobs > 0 needs logprobs: true
         "if": {"required": ["top_logprobs"],
                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        **AT_MOST_ONE_GUIDED})
 
     messages: list[ChatMessage] = Field(min_length=1, description="at least one message")
     max_tokens: int | None = Field(None, ge=1, json_schema_extra={MAX: "max_tokens"},

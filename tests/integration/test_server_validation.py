@@ -314,6 +314,14 @@ SCHEMA_CASES = [
     (CHAT, {"messages": _history("[1]")}, False, False),
     (CHAT, {"messages": _history("")}, False, False),
     (CHAT, {"messages": _history("42")}, False, False),
+    # at most one structured-output field: a response_format of type text asks for nothing
+    (COMP, {"prompt": "a", "choice": ["x", "y"]}, True, True),
+    (COMP, {"prompt": "a", "choice": ["x"], "response_format": {"type": "json_object"}},
+     False, False),
+    (COMP, {"prompt": "a", "choice": ["x"], "response_format": {"type": "text"}}, True, True),
+    (COMP, {"prompt": "a", "choice": ["x"], "regex": None}, True, True),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "regex": "a+",
+            "grammar": 'root ::= "a"'}, False, False),
 ]
 
 
