@@ -277,3 +277,19 @@ def sample_three_tokens(eng, prompt: list[int], window, trials: int = 1500):
                          lookahead=window) for s in range(trials)]
     outs = eng.generate([prompt] * trials, ps)
     return outs, collections.Counter(tuple(o.token_ids) for o in outs)
+
+
+def use_wrong_acceptance_rule(monkeypatch) -> None:
+    """The negative control of the sampled tests: every host walk (``verify.verify_position``)
+    accepts a draft whenever the target gives it any probability, with no rejection step."""
+    from kiln.runtime.speculative import verify
+
+    real = verify.verify_position
+
+    def accept_any_supported(p, drafts, generator=None):
+        for idx, d in enumerate(drafts):
+            if float(p[d]) > 0:
+                return int(d), idx
+        return real(p, [], generator)
+
+    monkeypatch.setattr(verify, "verify_position", accept_any_supported)

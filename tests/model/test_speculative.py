@@ -23,6 +23,7 @@ from helpers import (
     record_trees,
     sample_three_tokens,
     tv,
+    use_wrong_acceptance_rule,
 )
 
 from kiln.artifact.speculative import SpeculativeConfig
@@ -270,16 +271,7 @@ def test_sampled_speculation_follows_the_target_distribution(bigram_source, tmp_
     assert tv(plain, exact) < 0.06  # the oracle itself
     assert tv(spec_counts, exact) < 0.06
 
-    def accept_any_supported(p, drafts, generator=None):  # the wrong rule
-        for idx, d in enumerate(drafts):
-            if float(p[d]) > 0:
-                return int(d), idx
-        return real_verify(p, [], generator)
-
-    from kiln.runtime.speculative import verify  # every host walk's rule
-
-    real_verify = verify.verify_position
-    monkeypatch.setattr(verify, "verify_position", accept_any_supported)
+    use_wrong_acceptance_rule(monkeypatch)
     _, wrong = run(None)
     assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()
@@ -323,16 +315,7 @@ def test_sampled_suffix_trees_follow_the_target_distribution(bigram_source, tmp_
     assert tv(plain, exact) < 0.06  # the oracle itself
     assert tv(spec_counts, exact) < 0.06, tv(spec_counts, exact)
 
-    def accept_any_supported(p, drafts, generator=None):  # the wrong rule
-        for idx, d in enumerate(drafts):
-            if float(p[d]) > 0:
-                return int(d), idx
-        return real_verify(p, [], generator)
-
-    from kiln.runtime.speculative import verify
-
-    real_verify = verify.verify_position
-    monkeypatch.setattr(verify, "verify_position", accept_any_supported)
+    use_wrong_acceptance_rule(monkeypatch)
     _, wrong = run(None)
     assert tv(wrong, exact) > 0.2, tv(wrong, exact)  # the test can tell
     eng.blocks.check_all_free()
