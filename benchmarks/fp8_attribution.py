@@ -13,7 +13,8 @@ head). Rounding: x -> (x / s).clamp(+-448).to(e4m3) * s.
 usage: python benchmarks/fp8_attribution.py [SOURCE=qwen2.5-coder-1.5b] [VARIANTS=all]
        [--seq-len 512] [--calib-size 13] [--calib-seq-len 256]
 
-VARIANTS is a comma list of VARIANTS' names (all: every one)."""
+VARIANTS is a comma list of VARIANTS' names (all: every one), or of their parts joined by '+'
+(``w_tensor+a_token``: per-tensor weights, per-token activations)."""
 
 from __future__ import annotations
 
@@ -151,9 +152,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     variants = VARIANTS if a.variants == "all" else tuple(a.variants.split(","))
-    unknown = set(variants) - set(VARIANTS)
+    parts = {p for v in VARIANTS for p in v.split("+")}
+    unknown = {v for v in variants if not set(v.split("+")) <= parts}
     if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS} or "
+                         f"join any of {sorted(parts)} with '+'")
 
     from kiln.quantize.calib import calibration_chunks, eval_windows, load_text_set
     from kiln.quantize.modelopt_fp8 import _load_hf_model

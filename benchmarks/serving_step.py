@@ -47,8 +47,10 @@ def main(argv: list[str]) -> None:
     engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig())
     rng = random.Random(0)
     vocab = min(engine.model_config.vocab_size, 30000)
-    params = SamplingParams(max_tokens=max(1, engine.limits.max_seq_len - length), temperature=0,
-                            ignore_eos=True)
+    # each request may produce L more tokens (a 1000/1000 run's shape): admission reserves KV
+    # for prompt + max_tokens, so a long model context (131,072) must not be asked for here
+    params = SamplingParams(max_tokens=max(1, min(engine.limits.max_seq_len - length, length)),
+                            temperature=0, ignore_eos=True)
 
     def add(n: int) -> None:
         for _ in range(n):

@@ -63,16 +63,27 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 FP8_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
 
 
-def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool):
-    """A compressed-tensors float-quantized FP8 checkpoint (what llm-compressor writes)."""
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 w / s, s [N, 1]) with s = each output row's amax / 448, as llm-compressor's
+    channel strategy stores it."""
+    s = (w.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool, strategy: str = "tensor"):
+    """A compressed-tensors float-quantized FP8 checkpoint (what llm-compressor writes):
+    weights per tensor or, ``strategy="channel"``, per output channel (FP8_DYNAMIC)."""
     shutil.copytree(src, out)
     tensors = load_file(str(out / "model.safetensors"))
     new = {}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR:
-            q, s = quantize_per_tensor(t)
-            new[name], new[module + ".weight_scale"] = q, s.reshape(1)
+            if strategy == "channel":
+                new[name], new[module + ".weight_scale"] = quantize_per_channel(t)
+            else:
+                q, s = quantize_per_tensor(t)
+                new[name], new[module + ".weight_scale"] = q, s.reshape(1)
             if not dynamic:  # a plausible static activation scale
                 new[module + ".input_scale"] = torch.tensor([4.0 / 448])
         else:
@@ -90,7 +101,7 @@ def write_compressed_tensors(src, out, *, dynamic: bool, kv: bool):
         "version": "0.9.0",
         "config_groups": {"group_0": {
             "targets": ["Linear"],
-            "weights": {**FP8_SCHEME, "dynamic": False},
+            "weights": {**FP8_SCHEME, "strategy": strategy, "dynamic": False},
             "input_activations": {**FP8_SCHEME, "dynamic": dynamic},
         }},
         "ignore": ["lm_head"],

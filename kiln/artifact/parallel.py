@@ -15,6 +15,8 @@ one vLLM / TensorRT-LLM / SGLang use; nh/nkv heads, hd head_dim, I intermediate,
     lm_head.weight_scale sums its ranks' rows, the head gathers its logits and drops the pad
     norms, scalar FP8    replicated (a per-tensor FP8 scale is valid for every slice of its
     scales, k/v scales   tensor, so a shard keeps its tensor's scale)
+    per-row FP8 scales   [N], one per output row (per-channel checkpoints): split like their
+                         weight's rows (qkv, gate_up); whole on row-parallel o_proj / down
 
 KV heads: split (nkv/N per rank) when N divides nkv; replicated when nkv < N and nkv
 divides N (each rank keeps the one KV head its query heads read, N/nkv ranks hold each).
@@ -136,7 +138,10 @@ class ParallelConfig:
             return "vocab"
         base = name.split(".", 2)[-1] if name.startswith("layers.") else name
         rules = {"qkv.weight": "qkv", "qkv.bias": "qkv", "gate_up.weight": "gate_up",
-                 "o_proj.weight": "row", "down.weight": "row"}
+                 "o_proj.weight": "row", "down.weight": "row",
+                 # per-channel FP8: one scale per output row, split like the rows
+                 "qkv.weight_scale": "qkv", "gate_up.weight_scale": "gate_up",
+                 "o_proj.weight_scale": "replicate", "down.weight_scale": "replicate"}
         if base in rules:
             return rules[base]
         kind = "scale" if is_scale_name(name) else "tensor"

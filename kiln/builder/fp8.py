@@ -8,14 +8,18 @@ Reads the two FP8 Hugging Face formats other toolchains write:
   ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale`` (older exports:
   ``self_attn.k_scale``).
 * compressed-tensors ``float-quantized`` (llm-compressor): ``quantization_config`` with
-  ``quant_method: compressed-tensors``, 8-bit float per-tensor weights, static or dynamic
-  input activations, optional ``kv_cache_scheme``; KV scales as ``self_attn.k_scale``.
+  ``quant_method: compressed-tensors``, 8-bit float weights per tensor or per output channel
+  (strategy ``channel``: ``weight_scale`` [N, 1], llm-compressor's FP8_DYNAMIC scheme),
+  static or dynamic input activations, optional ``kv_cache_scheme``; KV scales as
+  ``self_attn.k_scale``.
 
 Engine tensors an FP8 linear gets (runtime names, see kiln/artifact/weights.py):
-``{name}.weight`` [N, K] e4m3, ``{name}.weight_scale`` [] f32, ``{name}.input_scale`` [] f32
-(static activations only); with an FP8 KV cache every layer has ``layers.{i}.k_scale`` and
-``layers.{i}.v_scale`` [] f32. Fused q/k/v and gate/up shards are requantized to the largest
-shard scale: w = e4m3(w_i.float() * s_i / s_max), so one scale serves the fused tensor.
+``{name}.weight`` [N, K] e4m3, ``{name}.weight_scale`` [] f32 (per tensor) or [N] f32 (per
+output channel), ``{name}.input_scale`` [] f32 (static activations only); with an FP8 KV cache
+every layer has ``layers.{i}.k_scale`` and ``layers.{i}.v_scale`` [] f32. Fused q/k/v and
+gate/up shards with per-tensor scales are requantized to the largest shard scale: w =
+e4m3(w_i.float() * s_i / s_max), so one scale serves the fused tensor. Per-channel shards
+keep their e4m3 bytes: the fused tensor's scale is the shards' row scales concatenated.
 
 The FP8 lm_head (``kiln build --quantize-lm-head``, any source) is the same layout,
 ``lm_head.weight`` [V, H] e4m3 + ``lm_head.weight_scale`` [V] f32, quantized per row from
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +47,15 @@ from kiln.sources.base import SourceModel
 
 @dataclass(frozen=True)
 class Fp8Checkpoint:
-    """What an FP8 checkpoint declares. ``activations``: "static" or "dynamic"."""
+    """What an FP8 checkpoint declares. ``activations``: "static" or "dynamic";
+    ``weights``: "tensor" (one scale per weight) or "channel" (one per output row)."""
 
     scheme: str  # "modelopt" | "compressed-tensors"
     activations: str
     kv_cache: bool  # the checkpoint declares an FP8 KV cache scheme
     producer: str
     calibration: dict[str, Any] | None = None
+    weights: str = "tensor"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -93,16 +100,20 @@ def detect_fp8_checkpoint(source: SourceModel) -> Fp8Checkpoint | None:
         groups = list((qc.get("config_groups") or {}).values())
         if not groups:
             raise SourceError(f"{d}/config.json: compressed-tensors config has no config_groups")
-        acts = set()
+        acts, strategies = set(), set()
         for g in groups:
             w = g.get("weights") or {}
-            if (w.get("num_bits"), w.get("type"), w.get("strategy", "tensor")) != (
-                8, "float", "tensor"
+            strategy = w.get("strategy", "tensor")
+            if (w.get("num_bits"), w.get("type")) != (8, "float") or strategy not in (
+                "tensor", "channel"
             ):
                 raise SourceError(
-                    f"{d}: compressed-tensors weights {w} are not FP8 per-tensor; kiln builds "
-                    "8-bit float weights with strategy 'tensor' (per-channel/group: todo)"
+                    f"{d}: compressed-tensors weights {w} are not FP8 per tensor or per "
+                    "channel; kiln builds 8-bit float weights with strategy 'tensor' or "
+                    "'channel' (re-quantize with one of those, e.g. llm-compressor's FP8 or "
+                    "FP8_DYNAMIC scheme)"
                 )
+            strategies.add(strategy)
             a = g.get("input_activations")
             if a is None:
                 acts.add("none")
@@ -123,6 +134,7 @@ def detect_fp8_checkpoint(source: SourceModel) -> Fp8Checkpoint | None:
             scheme="compressed-tensors", activations=acts.pop(),
             kv_cache=bool(kv) and kv.get("type") == "float" and kv.get("num_bits") == 8,
             producer=f"compressed-tensors {qc.get('version', '?')}",
+            weights="channel" if "channel" in strategies else "tensor",
         )
     if method is not None:
         raise SourceError(
@@ -139,6 +151,19 @@ def without_scales(source: SourceModel) -> SourceModel:
     if source.tensor_shapes is not None:
         shapes = {n: s for n, s in source.tensor_shapes.items() if not is_scale_name(n)}
     return dataclasses.replace(source, tensor_names=names, tensor_shapes=shapes)
+
+
+def fuse_fp8_shards(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate FP8 shards (w_i e4m3 [N_i, K], s_i) on dim 0: per-tensor scales (every s_i
+    one value) through ``requantize_fused``; otherwise the bytes are kept and the scale is one
+    per row, cat(s_i broadcast to [N_i]) (a per-tensor shard beside per-channel ones repeats
+    its scale), which is exact."""
+    if all(s.numel() == 1 for _, s in parts):
+        return requantize_fused(parts)
+    rows = [s.float().reshape(-1).expand(w.shape[0]) for w, s in parts]
+    return torch.cat([w for w, _ in parts], dim=0), torch.cat(rows).contiguous()
 
 
 def requantize_fused(
@@ -215,13 +240,13 @@ def prepare_fp8_groups(
                     parts = [(source.get_tensor(m + ".weight"),
                               source.get_tensor(m + ".weight_scale")) for m in mods]
                     for (w, s), m in zip(parts, mods):
-                        if w.dtype != FP8 or s.numel() != 1:
+                        if w.dtype != FP8 or s.numel() not in (1, w.shape[0]):
                             raise SourceError(
-                                f"{m}: weight {w.dtype} with weight_scale of shape "
-                                f"{list(s.shape)}; kiln needs e4m3 weights with one per-tensor "
-                                "scale"
+                                f"{m}: weight {w.dtype} {list(w.shape)} with weight_scale of "
+                                f"shape {list(s.shape)}; kiln needs e4m3 weights with one "
+                                "scale per tensor or one per output row"
                             )
-                    w, s = requantize_fused(parts)
+                    w, s = fuse_fp8_shards(parts)
                     out[name] = w.contiguous()
                     out[prefix + ".weight_scale"] = s
                     inputs = [source.get_tensor(m + ".input_scale").float().reshape(())
@@ -260,7 +285,9 @@ def fp8_layout(
             if (prefix and prefix.rsplit(".", 1)[-1] in LINEARS
                     and any(m + ".weight_scale" in names for m in mods)):
                 out[name] = (shapes[name], FP8)
-                out[prefix + ".weight_scale"] = ((), torch.float32)
+                per_row = any(_numel(source, m + ".weight_scale") > 1 for m in mods)
+                out[prefix + ".weight_scale"] = (
+                    (shapes[name][0],) if per_row else (), torch.float32)
                 if any(m + ".input_scale" in names for m in mods):
                     out[prefix + ".input_scale"] = ((), torch.float32)
             else:
@@ -269,6 +296,14 @@ def fp8_layout(
             out[f"layers.{gi - 1}.k_scale"] = ((), torch.float32)
             out[f"layers.{gi - 1}.v_scale"] = ((), torch.float32)
     return out
+
+
+def _numel(source: SourceModel, name: str) -> int:
+    """Elements of the source tensor ``name``: from the header's shapes where the source
+    lists them, else read (scales are small)."""
+    if source.tensor_shapes is not None and name in source.tensor_shapes:
+        return math.prod(source.tensor_shapes[name])
+    return source.get_tensor(name).numel()
 
 
 def kv_warning(report: dict[str, Any], num_layers: int) -> str | None:

@@ -451,7 +451,8 @@ def _resolve_quantization(
     scales: dict[str, Any] = {
         "source": ckpt.scheme,
         "producer": ckpt.producer,
-        "weights": "per-tensor; fused q/k/v and gate/up requantized to the max shard scale",
+        "weights": ("per-channel (one scale per output row)" if ckpt.weights == "channel"
+                    else "per-tensor; fused q/k/v and gate/up requantized to the max shard scale"),
         "activations": ckpt.activations,
     }
     if ckpt.calibration:

@@ -139,20 +139,22 @@ def _fp8_layer(n: int, k: int, static: bool, per_row_weight: bool = False):
     return Linear.from_weights(weights, "l"), w
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["w-tensor", "w-channel"])
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
 @pytest.mark.parametrize("m", [2, 16, 300])
-def test_linear_on_kernel_quantized_rows_equals_the_unfused_path(static, m):
+def test_linear_on_kernel_quantized_rows_equals_the_unfused_path(static, m, per_row):
     """linear_add_rms_norm == the layer on the fused norm's e4m3 rows, bit for bit, and the
     plain path (the plain norm, fp8_quant, the same GEMM) but for at most 1 row in 100 (the
     fused norm's y may sit one ulp from the plain norm's: _check_norm); linear(silu_and_mul=
     True) == the plain kernel's output through the layer, bit for bit; both == the
     dequantized float32 product within FP8 error. 8B shapes: at M 2 the W8A8 GEMV (large
-    weights), at 16 and 300 _scaled_mm (row-wise for per-token)."""
+    weights), at 16 and 300 _scaled_mm (row-wise for per-token); weight scales per tensor or
+    per output channel (llm-compressor's FP8_DYNAMIC checkpoints)."""
     from kiln.runtime.kernels import activation, rms_norm
     from kiln.runtime.layers.linear import Fp8Rows, linear_add_rms_norm
 
-    qkv, _ = _fp8_layer(6144, 4096, static)
-    down, _ = _fp8_layer(4096, 14336, static)
+    qkv, _ = _fp8_layer(6144, 4096, static, per_row)
+    down, _ = _fp8_layer(4096, 14336, static, per_row)
     assert qkv.activation_scheme == ("static" if static else "per-token")
     assert qkv.takes_fp8_rows(m, BF16, torch.device(DEV)) == (m > 1)
     x, r = _rows(m, 4096), _rows(m, 4096)
@@ -173,7 +175,7 @@ def test_linear_on_kernel_quantized_rows_equals_the_unfused_path(static, m):
 
     xq, xs = ((quantize_fp8(xn, qkv.input_scale), qkv.input_scale) if static
               else quantize_fp8_per_token(xn))
-    ref = (xq.float() * xs) @ (qkv.weight.float() * qkv.weight_scale).t()
+    ref = (xq.float() * xs) @ (qkv.weight.float() * qkv.weight_scale.reshape(-1, 1)).t()
     assert _rel(y, ref) < TOL
 
 

@@ -57,6 +57,43 @@ def test_compressed_tensors_fp8_builds_and_runs(tiny_hf_model, tmp_path, capsys,
     assert abs(math.log(got["perplexity"] / ref["perplexity"])) < 0.02
 
 
+@pytest.mark.parametrize("dynamic", [True, False], ids=["fp8-dynamic", "static"])
+def test_per_channel_checkpoint_builds_its_row_scales_exactly(tiny_hf_model, tmp_path, dynamic):
+    """llm-compressor's FP8_DYNAMIC (per-channel weights, per-token activations): the engine
+    keeps every e4m3 byte and each output row's scale, fused q/k/v and gate/up as their
+    shards concatenated, so the engine's dequantized weight equals the checkpoint's exactly;
+    the model stays within 2 % of the unquantized one's perplexity."""
+    src = tiny_hf_model("qwen2")
+    ckpt = write_compressed_tensors(src, tmp_path / "ct", dynamic=dynamic, kv=False,
+                                    strategy="channel")
+    spec = build_engine(str(ckpt), tmp_path / "e", dtype="float32", max_seq_len=256,
+                        progress=False)
+    assert spec.quantization.scales["weights"].startswith("per-channel")
+    assert spec.quantization.scales["activations"] == ("dynamic" if dynamic else "static")
+    w = load_engine(tmp_path / "e").load_weights()
+    c = load_file(str(ckpt / "model.safetensors"))
+    for i in range(2):
+        for fused, parts in (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("gate_up", ("mlp.gate_proj", "mlp.up_proj")),
+                             ("o_proj", ("self_attn.o_proj",)), ("down", ("mlp.down_proj",))):
+            want = torch.cat([c[f"model.layers.{i}.{m}.weight"].float()
+                              * c[f"model.layers.{i}.{m}.weight_scale"] for m in parts])
+            got_w, got_s = w[f"layers.{i}.{fused}.weight"], w[f"layers.{i}.{fused}.weight_scale"]
+            assert got_w.dtype == FP8 and got_s.shape == (want.shape[0],), fused
+            assert torch.equal(got_w.float() * got_s[:, None], want), (i, fused)
+    engine = LLMEngine.from_engine_dir(tmp_path / "e", RuntimeConfig(device="cpu"))
+    qkv = engine.runner.model.linears["layers.0.qkv"]
+    assert qkv.activation_scheme == ("per-token" if dynamic else "static")
+
+    build_engine(str(src), tmp_path / "ref", dtype="float32", max_seq_len=256, progress=False)
+    text = tmp_path / "text.txt"
+    text.write_text(load_text_set(None, "eval").documents[1][:1500])
+    ref = perplexity(tmp_path / "ref", data=text, seq_len=128, progress=False)
+    got = perplexity(tmp_path / "e", data=text, seq_len=128, progress=False)
+    assert got["tokens"] == ref["tokens"] > 1000
+    assert abs(math.log(got["perplexity"] / ref["perplexity"])) < 0.02
+
+
 def test_kv_fp8_without_scales_warns(tiny_hf_model, tmp_path, capsys):
     from kiln.artifact.spec import QuantConfig
 
@@ -91,9 +128,9 @@ def test_unsupported_quantization_is_refused(tiny_hf_model, tmp_path):
     ckpt = write_compressed_tensors(tiny_hf_model("llama"), tmp_path / "ct", dynamic=True,
                                     kv=False)
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "channel"
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "group"
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SourceError, match="per-tensor"):
+    with pytest.raises(SourceError, match="strategy 'tensor' or 'channel'"):
         build_engine(str(ckpt), tmp_path / "e", progress=False)
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (ckpt / "config.json").write_text(json.dumps(cfg))

@@ -90,14 +90,17 @@ def _tensors(path):
     return load_file(str(path))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
+@pytest.mark.parametrize("fp8", [False, "tensor", "channel"],
+                         ids=["float32", "fp8", "fp8-per-channel"])
 def test_shards_are_the_tp1_tensors_sliced_and_checksummed(tiny_hf_model, tmp_path, fp8):
     """Every rank file holds exactly ``ParallelConfig.shard`` of the tp-1 engine's tensor
     (Qwen2: the qkv bias too; FP8: e4m3 bytes sliced, per-tensor scales kept, the FP8
-    lm_head's per-row scales sliced); the loader reads a rank's file."""
+    lm_head's per-row scales sliced, per-channel linears' row scales split with their rows
+    on qkv / gate_up and whole on o_proj / down); the loader reads a rank's file."""
     src = tiny_hf_model("qwen2")
     if fp8:
-        src = write_compressed_tensors(src, tmp_path / "ct", dynamic=True, kv=True)
+        src = write_compressed_tensors(src, tmp_path / "ct", dynamic=True, kv=True,
+                                       strategy=fp8)
     opts = dict(dtype="float32", progress=False, max_seq_len=128, tune=False)
     if fp8:
         from kiln.artifact.spec import QuantConfig
@@ -119,8 +122,15 @@ def test_shards_are_the_tp1_tensors_sliced_and_checksummed(tiny_hf_model, tmp_pa
             assert torch.equal(part[name].float(), want.float()), name  # e4m3 exactly too
     if fp8:
         assert full["layers.0.qkv.weight"].dtype == torch.float8_e4m3fn
-        assert torch.equal(part["layers.0.qkv.weight_scale"], full["layers.0.qkv.weight_scale"])
         assert part["lm_head.weight_scale"].shape == (cfg.vocab_size // 2,)
+    if fp8 == "tensor":
+        assert torch.equal(part["layers.0.qkv.weight_scale"], full["layers.0.qkv.weight_scale"])
+    if fp8 == "channel":
+        local = two.parallel.local_config(cfg)
+        for lin, rows in (("qkv", local.q_size + 2 * local.kv_size),
+                          ("gate_up", 2 * local.intermediate_size),
+                          ("o_proj", cfg.hidden_size), ("down", cfg.hidden_size)):
+            assert part[f"layers.0.{lin}.weight_scale"].shape == (rows,), lin
     art = load_engine(tmp_path / "tp2")  # checks every shard's sha256
     loaded = art.load_weights("cpu", rank=1)
     assert torch.equal(loaded["layers.1.qkv.bias"],
