@@ -4,7 +4,9 @@ Reads the two FP8 Hugging Face formats other toolchains write:
 
 * modelopt (``kiln quantize``, TensorRT-Model-Optimizer): ``hf_quant_config.json`` with
   ``quant_algo: FP8`` (and ``quantization_config.quant_method: modelopt`` in config.json);
-  per Linear ``weight`` (e4m3), ``weight_scale``, ``input_scale`` (static); KV scales as
+  per Linear ``weight`` (e4m3), ``weight_scale``, ``input_scale`` (static); or
+  ``quant_algo: FP8_PER_CHANNEL_PER_TOKEN`` (``--qformat fp8_pc_pt``): ``weight_scale`` [N],
+  no ``input_scale`` (dynamic per-token activations); KV scales as
   ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale`` (older exports:
   ``self_attn.k_scale``).
 * compressed-tensors ``float-quantized`` (llm-compressor): ``quantization_config`` with
@@ -43,6 +45,10 @@ from kiln.artifact.weights import FP8, FP8_MAX, LINEARS, is_scale_name
 from kiln.config import ModelConfig
 from kiln.errors import SourceError
 from kiln.sources.base import SourceModel
+
+# modelopt quant_algo values kiln builds: per-tensor weights with static activations, and
+# per-channel weights ([N] scales) with dynamic per-token activations (no input_scale)
+MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 
 
 @dataclass(frozen=True)
@@ -84,17 +90,20 @@ def detect_fp8_checkpoint(source: SourceModel) -> Fp8Checkpoint | None:
     if modelopt is not None or method == "modelopt":
         q = (modelopt or {}).get("quantization", {})
         algo = q.get("quant_algo") or qc.get("quant_algo")
-        if algo != "FP8":
+        if algo not in MODELOPT_ALGOS:
             raise SourceError(
-                f"{d} is a modelopt checkpoint with quant_algo {algo!r}; kiln builds FP8 "
-                "(per-tensor) only: re-export with `kiln quantize --qformat fp8`"
+                f"{d} is a modelopt checkpoint with quant_algo {algo!r}; kiln builds "
+                f"{' and '.join(MODELOPT_ALGOS)}: re-export with `kiln quantize --qformat fp8` "
+                "(or fp8_pc_pt)"
             )
+        per_channel = algo == "FP8_PER_CHANNEL_PER_TOKEN"
         kv = (q.get("kv_cache_quant_algo") or (qc.get("kv_cache_scheme") or {}).get("type"))
         prod = (modelopt or {}).get("producer") or qc.get("producer") or {}
         return Fp8Checkpoint(
-            scheme="modelopt", activations="static", kv_cache=kv in ("FP8", "float"),
+            scheme="modelopt", activations="dynamic" if per_channel else "static",
+            kv_cache=kv in ("FP8", "float"),
             producer=f"{prod.get('name', 'modelopt')} {prod.get('version', '?')}",
-            calibration=calib,
+            calibration=calib, weights="channel" if per_channel else "tensor",
         )
     if method == "compressed-tensors":
         groups = list((qc.get("config_groups") or {}).values())

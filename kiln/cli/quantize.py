@@ -16,8 +16,11 @@ def quantize(
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Checkpoint directory to write."),
     qformat: str = typer.Option(
-        "fp8", "--qformat", help="Weight format: fp8 (E4M3 per-tensor, static activations)."
-    ),
+        "fp8", "--qformat",
+        help="FP8 scheme: fp8 (E4M3 weights with one scale per tensor, static per-tensor "
+        "activation scales from calibration) or fp8_pc_pt (one weight scale per output channel, "
+        "activation scales per token at run time, modelopt's FP8_PER_CHANNEL_PER_TOKEN, "
+        "which vLLM and TensorRT-LLM load too)."),
     kv_cache_dtype: str = typer.Option(
         "auto", "--kv-cache-dtype",
         help="fp8 (calibrate per-layer K/V scales), none, or auto: fp8 unless the FP8 KV cache "

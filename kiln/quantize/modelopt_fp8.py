@@ -37,7 +37,11 @@ from kiln.sources.umask import honour_umask
 MODELOPT_VERSION = "0.47.0"
 # kiln reads them in the engine dtype (`kiln build --quantize-lm-head` makes an FP8 lm_head)
 ALWAYS_EXCLUDED = ("lm_head", "embed_tokens")
-QFORMATS = ("fp8",)
+# --qformat -> modelopt's recipe: fp8 per-tensor weights with static per-tensor activation
+# scales (modelopt quant_algo FP8); fp8_pc_pt per-channel weights with dynamic per-token
+# activations (FP8_PER_CHANNEL_PER_TOKEN, which vLLM and TensorRT-LLM load as modelopt too)
+QFORMATS = ("fp8", "fp8_pc_pt")
+_QFORMAT_CFG = {"fp8": "FP8_DEFAULT_CFG", "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN_CFG"}
 KV_DTYPES = ("auto", "fp8", "none")
 KV_QUANTIZERS = "*[kv]_bmm_quantizer"  # modelopt's KV cache quantizers (FP8_KV_CFG)
 CALIB_FILE = "kiln_quantize.json"
@@ -63,9 +67,11 @@ def _modelopt() -> tuple[Any, Any]:
     return mtq, export_hf_checkpoint
 
 
-def quant_config(mtq: Any, kv_cache_dtype: str, exclude: list[str]) -> dict[str, Any]:
-    """modelopt config: FP8 weights + static activations, FP8 KV scales, exclusions."""
-    base = mtq.FP8_DEFAULT_CFG
+def quant_config(mtq: Any, kv_cache_dtype: str, exclude: list[str],
+                 qformat: str = "fp8") -> dict[str, Any]:
+    """modelopt config: ``qformat``'s FP8 weights and activations, FP8 KV scales,
+    exclusions."""
+    base = getattr(mtq, _QFORMAT_CFG[qformat])
     rules = list(base["quant_cfg"])
     if kv_cache_dtype == "fp8":
         rules += list(mtq.FP8_KV_CFG["quant_cfg"])
@@ -245,7 +251,7 @@ def quantize(
             contextlib.redirect_stdout(sys.stderr):
         warnings.simplefilter("ignore")
         kv = "none" if kv_cache_dtype == "none" else "fp8"
-        model = mtq.quantize(model, quant_config(mtq, kv, exclude), forward_loop)
+        model = mtq.quantize(model, quant_config(mtq, kv, exclude, qformat), forward_loop)
         fp8_ppl = evaluate("FP8 model")
         checked = quality.quality_record(source_ppl, fp8_ppl, windows, eval_seq_len,
                                          eval_text.provenance, max_quality_loss)

@@ -98,6 +98,47 @@ def test_quantize_build_generate_eval(quantized, tmp_path):
     assert abs(got["perplexity"] / ref["perplexity"] - 1) < 0.02
 
 
+def test_per_channel_per_token_scheme_exports_and_builds(tiny_hf_model, tmp_path):
+    """--qformat fp8_pc_pt: modelopt's FP8_PER_CHANNEL_PER_TOKEN export (each output row's
+    weight scale = its amax / 448, no input_scale: activations per token at run time), built
+    into an engine with the row scales (fused as the shards' rows) and dynamic activations,
+    within 2 % of the float32 engine's perplexity."""
+    src = tiny_hf_model("llama")
+    ckpt = tmp_path / "pc"
+    summary = json.loads(kiln(
+        "quantize", src, "-o", ckpt, "--qformat", "fp8_pc_pt", "--kv-cache-dtype", "fp8",
+        "--calib-size", "6", "--calib-seq-len", "64", "--device", "cpu", "--json").stdout)
+    assert summary["qformat"] == "fp8_pc_pt"
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f, \
+            safe_open(str(src / "model.safetensors"), "pt") as orig:
+        names = set(f.keys())
+        p = "model.layers.0.self_attn.k_proj"
+        w, sc, o = f.get_tensor(p + ".weight"), f.get_tensor(p + ".weight_scale"), \
+            orig.get_tensor(p + ".weight")
+        assert w.dtype == FP8 and sc.shape == (o.shape[0],)
+        torch.testing.assert_close(sc, o.abs().amax(dim=1) / 448, rtol=1e-5, atol=0)
+        assert not any(n.endswith(".input_scale") for n in names)
+        want_qkv = torch.cat([f.get_tensor(f"model.layers.1.self_attn.{m}_proj.weight_scale")
+                              for m in "qkv"])
+
+    engine = tmp_path / "e"
+    kiln("build", ckpt, "-o", engine, "--dtype", "float32", "--max-seq-len", "256")
+    q = json.loads((engine / "engine.json").read_text())["quantization"]
+    assert (q["weights"], q["activations"], q["kv_cache"]) == ("fp8", "fp8", "fp8")
+    assert q["scales"]["activations"] == "dynamic"
+    assert q["scales"]["weights"].startswith("per-channel")
+    with safe_open(str(engine / "weights.safetensors"), "pt") as e:
+        assert torch.equal(e.get_tensor("layers.1.qkv.weight_scale"), want_qkv)
+    fp32 = tmp_path / "fp32"
+    kiln("build", src, "-o", fp32, "--dtype", "float32", "--max-seq-len", "256")
+    got = json.loads(kiln("eval", "perplexity", engine, "--json", "--seq-len", "256").stdout)
+    ref = json.loads(kiln("eval", "perplexity", fp32, "--json", "--seq-len", "256").stdout)
+    assert got["tokens"] == ref["tokens"] > 5000
+    assert abs(got["perplexity"] / ref["perplexity"] - 1) < 0.02
+
+
 def test_the_quality_gate_measures_both_models_and_keeps_the_numbers(quantized):
     """The source's and the FP8 model's perplexity on kiln's eval set, side by side in the
     summary and in the checkpoint (the FP8 engine's own perplexity is within 2 % of the
