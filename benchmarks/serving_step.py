@@ -65,6 +65,11 @@ def main(argv: list[str]) -> None:
         sync()
         return (time.perf_counter() - start) / STEPS * 1000
 
+    room = engine.limits.max_batch_size - b
+    if room < k:
+        print(f"note: max_batch_size {engine.limits.max_batch_size} leaves room for {max(room, 0)} of "
+              f"the {k} new prompts a step beside {b} running: the mixed step is mostly decodes; "
+              f"build with --max-batch-size {b + 64 * k} or more to measure it")
     add(b)
     for _ in range(10_000):  # until every prompt is prefilled: all b requests sample a token
         if len(engine.step()) >= b:

@@ -1,0 +1,122 @@
+"""The serving-at-scale table on one GPU: random engines of Llama-3-8B's shape built with kiln's
+default limits (bf16, and FP8 weights + FP8 KV cache), each timed at batch 1 (`kiln bench
+latency`, 128 in / 256 out) and through TensorRT-LLM's published workloads (`kiln bench
+throughput --workload`, which prints the published number beside kiln's); with --steps the
+decode and mixed step profiles of benchmarks/serving_step.py on an FP8 engine built with room
+for the mixed step's new prompts (batch 512, 16,384 tokens a step, max_seq_len 2,200).
+
+usage: python benchmarks/serving_table.py [--out DIR] [--arms bf16,fp8]
+       [--workloads 1000/1000,128/128] [--num-prompts N] [--steps] [--time-limit SECONDS]
+       [--source random:llama-3-8b]
+
+Engines are built with --no-tune --no-precompile-kernels (the measured kernels are the same; the
+build takes seconds). --num-prompts defaults to 4x the engine's batch (kiln's lower bound for a
+workload run). Each command's JSON goes to DIR; the table (markdown) is printed last. Items that
+would start after --time-limit are skipped and listed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUILD = ["--no-tune", "--no-precompile-kernels"]
+ARMS = {"bf16": [], "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]}
+STEP_LIMITS = ["--max-seq-len", "2200", "--max-num-tokens", "16384", "--max-batch-size", "512"]
+
+
+def kiln(*args: str) -> bool:
+    """``python -m kiln ARGS``, its output passed through; whether it succeeded (a failure is
+    said, and the table goes on without that row)."""
+    print(f"$ kiln {' '.join(args)}", flush=True)
+    code = subprocess.run([sys.executable, "-m", "kiln", *args], check=False).returncode
+    if code:
+        print(f"serving_table: `kiln {args[0]}` exited {code}; its row is left out", flush=True)
+    return code == 0
+
+
+def build(source: str, out: Path, arm: str, extra: list[str]) -> Path | None:
+    engine = out / f"engine-{arm}{'-steps' if extra else ''}"
+    if not (engine / "engine.json").is_file():
+        kiln("build", source, "-o", str(engine), *ARMS[arm], *BUILD, *extra)
+    return engine if (engine / "engine.json").is_file() else None
+
+
+def rows_of(arm: str, out: Path, workloads: list[str]) -> list[str]:
+    """The table's rows of one arm from the JSON files its runs wrote."""
+    rows = []
+    lat = out / f"latency-{arm}.json"
+    if lat.is_file():
+        d = json.loads(lat.read_text())
+        rows.append(f"| {arm} | batch 1, 128/256 | 1 | {d['output_tokens_per_s']:,.1f} | "
+                    f"{d['tpot_s']['mean'] * 1e3:.2f} | |")
+    for w in workloads:
+        f = out / f"throughput-{arm}-{w.replace('/', '-')}.json"
+        if not f.is_file():
+            continue
+        for r in json.loads(f.read_text())["workloads"]:
+            ref = r.get("trtllm_output_tokens_per_s") or {}
+            rows.append(f"| {arm} | {r['workload']} | {r['num_requests']} | "
+                        f"{r['output_tokens_per_s']:,.0f} | {r['tpot_s']['mean'] * 1e3:.2f} | "
+                        f"{ref.get('H100', '')} / {ref.get('H200', '')} |")
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("serving-table"))
+    ap.add_argument("--arms", default="bf16,fp8")
+    ap.add_argument("--workloads", default="1000/1000,128/128")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--steps", action="store_true")
+    ap.add_argument("--time-limit", type=float, default=float("inf"))
+    ap.add_argument("--source", default="random:llama-3-8b")
+    a = ap.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"--arms {sorted(unknown)}: choose from {sorted(ARMS)}")
+    workloads = [w for w in a.workloads.split(",") if w]
+    a.out.mkdir(parents=True, exist_ok=True)
+    start, skipped = time.monotonic(), []
+
+    def due(what: str) -> bool:
+        if time.monotonic() - start < a.time_limit:
+            return True
+        skipped.append(what)
+        return False
+
+    for arm in arms:
+        if not due(f"{arm} build"):
+            continue
+        engine = build(a.source, a.out, arm, [])
+        if engine is None:
+            continue
+        if due(f"{arm} latency"):
+            kiln("bench", "latency", str(engine), "--batch-size", "1", "--input-len", "128",
+                 "--output-len", "256", "--json", str(a.out / f"latency-{arm}.json"))
+        batch = json.loads((engine / "engine.json").read_text())["limits"]["max_batch_size"]
+        for w in workloads:
+            if due(f"{arm} {w}"):
+                n = a.num_prompts or 4 * batch
+                kiln("bench", "throughput", str(engine), "--workload", w, "--num-prompts", str(n),
+                     "--json", str(a.out / f"throughput-{arm}-{w.replace('/', '-')}.json"))
+    if a.steps and due("step profiles"):
+        engine = build(a.source, a.out, "fp8", STEP_LIMITS)
+        if engine is not None:
+            subprocess.run([sys.executable, str(Path(__file__).with_name("serving_step.py")),
+                            str(engine), "256", "1000", "4", "--decode-profile"], check=False)
+
+    print("\n| engine | workload | requests | output tok/s | TPOT ms | TensorRT-LLM FP8 H100 / H200 |")
+    print("|---|---|---|---|---|---|")
+    for arm in arms:
+        print("\n".join(rows_of(arm, a.out, workloads)))
+    if skipped:
+        print(f"skipped (past --time-limit {a.time_limit:.0f} s): {', '.join(skipped)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
