@@ -182,3 +182,28 @@ def test_a_tenant_never_drafts_from_another_tenants_responses(tiny_reference):
     assert run("alice") > max(first, 2.5)  # her own are
     assert run(None) == first  # nor are they the engine-wide cache's
     eng.blocks.check_all_free()
+
+
+def test_break_even_measures_suffix_steps_as_masked_trees(tiny_reference):
+    """The start-up measurement's speculative steps of a suffix engine are its worst case:
+    max_draft_len nodes in a branching tree (the masked path trees take), not a chain; the
+    engine is left as it was and still decodes what plain greedy does."""
+    from kiln.runtime.speculative.break_even import measure_step_ms
+
+    _, out = tiny_reference("llama", max_seq_len=256, max_num_tokens=1024, speculative=SUFFIX)
+    eng = LLMEngine.from_engine_dir(out, RuntimeConfig(
+        device="cpu", spec_break_even=1.5, adaptive_speculation=True))
+    plans = []
+    real_step = eng.runner.execute
+    eng.runner.execute = lambda batch, *a: plans.extend(
+        (r.draft.num_tokens, r.draft.step_mask is not None)
+        for r, _ in batch.items if r.draft is not None) or real_step(batch, *a)
+    ms = measure_step_ms(eng, steps=4, warmup=2, batch=2)
+    eng.runner.execute = real_step
+    assert set(ms) == {"plain", "spec"} and ms["plain"] > 0 and ms["spec"] > 0
+    assert plans and set(plans) == {(9, True)}  # x + 8 drafts, masked
+    assert not eng.spec_worker.full_steps and not eng.has_unfinished_requests()
+    eng.blocks.check_all_free()
+    prompts = mixed_prompts()[:2]
+    plain_out = [o.token_ids for o in eng.generate(prompts, _greedy(16, PLAIN))]
+    assert [o.token_ids for o in eng.generate(prompts, _greedy(16))] == plain_out

@@ -35,3 +35,16 @@ def test_a_chain_is_the_causal_step_and_padding_extends_a_leaf():
     tree = DraftTree([5, 6], [-1, -1]).padded(4, 0)
     assert (tree.tokens, tree.parents) == ([5, 6, 0, 0], [-1, -1, 1, 2])
     assert DraftTree([], []).padded(2, 9) == DraftTree([9, 9], [-1, 0])
+
+
+def test_a_branching_pad_takes_the_masked_path():
+    """The break-even's worst case for a proposer of trees: a pad that would be a chain
+    hangs its last node from x with a token its sibling lacks, so the step is masked."""
+    chain = DraftTree([], []).padded(4, 9, branch=True)
+    assert (chain.tokens, chain.parents) == ([9, 9, 9, 8], [-1, 0, 1, -1])
+    offsets, mask = chain.layout()
+    assert offsets.tolist() == [0, 1, 2, 3, 1] and not mask[4, 1]
+    assert DraftTree([0, 5], [-1, 0]).padded(3, 7, branch=True).tokens == [0, 5, 1]
+    tree = DraftTree([5, 6], [-1, -1])  # already branching: padded as without branch
+    assert tree.padded(4, 0, branch=True) == tree.padded(4, 0)
+    assert DraftTree([], []).padded(1, 9, branch=True) == DraftTree([9], [-1])

@@ -89,8 +89,9 @@ def replay_break_even(engine: LLMEngine) -> float | None:
     graphs = engine.runner.graphs
     if graphs is None:
         return None
+    # lookahead's candidates and suffix decoding's trees run masked steps
     spec = graphs.find_bucket(1, engine.speculative.tokens_per_step,
-                              engine.speculative.mode == "lookahead")
+                              engine.speculative.mode in ("lookahead", "suffix"))
     plain = graphs.find_bucket(1, 1, False)
     if spec not in graphs.graphs or plain not in graphs.graphs:  # None or not captured
         return None
@@ -101,7 +102,8 @@ def measure_step_ms(engine: LLMEngine, steps: int = 16, warmup: int = 4, batch: 
                     ) -> dict[str, float] | None:
     """Wall milliseconds per engine step of ``batch`` dummy requests, decoding plainly and
     speculating with the engine's setting at full T (lookahead: every step with G
-    candidates; ngram: every draft max_draft_len long; host work included, which the graph
+    candidates; ngram: every draft max_draft_len long; suffix: max_draft_len nodes in a
+    branching tree, the masked path; host work included, which the graph
     replays of ``replay_break_even`` leave out).
     ``spec / plain`` is the break-even that counts a speculative step's host time.
     None for engines that do not speculate, that have requests in flight or that cannot

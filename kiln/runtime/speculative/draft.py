@@ -98,11 +98,20 @@ class DraftTree:
             mask[i + 1, i + 1] = True
         return torch.tensor([0, *self.depths()], dtype=torch.long), mask
 
-    def padded(self, size: int, token: int) -> DraftTree:
+    def padded(self, size: int, token: int, branch: bool = False) -> DraftTree:
         """The tree grown to ``size`` nodes by a chain of ``token`` under its last node (a
-        leaf: parents come before children), or under x when it is empty."""
+        leaf: parents come before children), or under x when it is empty. ``branch``: a
+        padded tree that would be a chain hangs its last node from x instead, with a token
+        its sibling does not hold, so the step takes the masked (tree) path, as a proposer
+        of trees may."""
         tokens, parents = list(self.tokens), list(self.parents)
         while len(tokens) < size:
             parents.append(len(tokens) - 1)
             tokens.append(token)
-        return DraftTree(tokens, parents)
+        tree = DraftTree(tokens, parents)
+        if branch and size >= 2 and tree.is_chain:
+            first = tokens[0]
+            tokens[-1] = first - 1 if first > 0 else first + 1
+            parents[-1] = -1
+            tree = DraftTree(tokens, parents)
+        return tree

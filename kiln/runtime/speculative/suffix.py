@@ -306,6 +306,7 @@ class SuffixWorker(TreeWorker):
     ``ResponseCache``."""
 
     name = "suffix"
+    trees = True
 
     def __init__(self, max_draft_len: int, depth: int, min_match: int, cache_requests: int
                  ) -> None:

@@ -173,8 +173,9 @@ def verify_tree(tokens: torch.Tensor, argmax: torch.Tensor, valid: torch.Tensor,
                 cand_rows: torch.Tensor, n: int) -> StepVerdict:
     """Greedy verification of a lookahead step (the host's ``walk_tree`` over the
     candidates, per row): the longest matching valid candidate (first on ties), its matched
-    tokens plus the bonus. ``tokens`` [B, T] the step's input ids, ``argmax`` [B, T] each row's target,
-    ``valid`` [B, G] real candidates, ``cand_rows`` [G, N-1] the candidates' in-step rows."""
+    tokens plus the bonus. ``tokens`` [B, T] the step's input ids, ``argmax`` [B, T] each
+    row's target, ``valid`` [B, G] real candidates, ``cand_rows`` [G, N-1] the candidates'
+    in-step rows."""
     b, n1 = tokens.shape[0], n - 1
     g = cand_rows.shape[0]
     dev = tokens.device

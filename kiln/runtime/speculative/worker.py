@@ -289,6 +289,8 @@ class TreeWorker(DraftWorker):
     prompt lookup), from the request's own state (``req.spec_state.draft(ids, n)``: prompt
     lookup's chain, suffix decoding's tree), verified in one step by ``walk_tree``."""
 
+    trees = False  # whether its plans may branch (then the worst case is a masked step)
+
     def __init__(self, max_draft_len: int, device: DeviceProposer | None = None) -> None:
         super().__init__(device)
         self.max_draft_len = max_draft_len
@@ -300,7 +302,7 @@ class TreeWorker(DraftWorker):
             tree = DraftTree.chain(tree)
         x = ids[-1]
         if self.full_steps:  # the step's worst case: max_draft_len drafts (break-even)
-            tree = tree.padded(self.max_draft_len, x)
+            tree = tree.padded(self.max_draft_len, x, branch=self.trees)
         if not tree.tokens:
             return None
         offsets, mask = tree.layout()
