@@ -20,6 +20,18 @@ from kiln.runtime.layers.linear import FP8
 from kiln.runtime.sampling_params import SamplingParams
 
 
+def _assert_near_the_unquantized_model(src, tmp_path):
+    """The FP8 engine at tmp_path/e stays within 2 % of the float32 engine of ``src`` in
+    perplexity (over 1,000 tokens of the built-in eval set)."""
+    build_engine(str(src), tmp_path / "ref", dtype="float32", max_seq_len=256, progress=False)
+    text = tmp_path / "text.txt"
+    text.write_text(load_text_set(None, "eval").documents[1][:1500])
+    ref = perplexity(tmp_path / "ref", data=text, seq_len=128, progress=False)
+    got = perplexity(tmp_path / "e", data=text, seq_len=128, progress=False)
+    assert got["tokens"] == ref["tokens"] > 1000
+    assert abs(math.log(got["perplexity"] / ref["perplexity"])) < 0.02
+
+
 @pytest.mark.parametrize("dynamic,kv", [(False, True), (True, False)])
 def test_compressed_tensors_fp8_builds_and_runs(tiny_hf_model, tmp_path, capsys, dynamic, kv):
     src = tiny_hf_model("llama")
@@ -47,14 +59,7 @@ def test_compressed_tensors_fp8_builds_and_runs(tiny_hf_model, tmp_path, capsys,
                                                             ignore_eos=True))
     assert len(out[0].token_ids) == 6
 
-    # same model unquantized: FP8 perplexity stays close
-    build_engine(str(src), tmp_path / "ref", dtype="float32", max_seq_len=256, progress=False)
-    text = tmp_path / "text.txt"
-    text.write_text(load_text_set(None, "eval").documents[1][:1500])
-    ref = perplexity(tmp_path / "ref", data=text, seq_len=128, progress=False)
-    got = perplexity(tmp_path / "e", data=text, seq_len=128, progress=False)
-    assert got["tokens"] == ref["tokens"] > 1000
-    assert abs(math.log(got["perplexity"] / ref["perplexity"])) < 0.02
+    _assert_near_the_unquantized_model(src, tmp_path)
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["fp8-dynamic", "static"])
@@ -84,14 +89,7 @@ def test_per_channel_checkpoint_builds_its_row_scales_exactly(tiny_hf_model, tmp
     engine = LLMEngine.from_engine_dir(tmp_path / "e", RuntimeConfig(device="cpu"))
     qkv = engine.runner.model.linears["layers.0.qkv"]
     assert qkv.activation_scheme == ("per-token" if dynamic else "static")
-
-    build_engine(str(src), tmp_path / "ref", dtype="float32", max_seq_len=256, progress=False)
-    text = tmp_path / "text.txt"
-    text.write_text(load_text_set(None, "eval").documents[1][:1500])
-    ref = perplexity(tmp_path / "ref", data=text, seq_len=128, progress=False)
-    got = perplexity(tmp_path / "e", data=text, seq_len=128, progress=False)
-    assert got["tokens"] == ref["tokens"] > 1000
-    assert abs(math.log(got["perplexity"] / ref["perplexity"])) < 0.02
+    _assert_near_the_unquantized_model(src, tmp_path)
 
 
 def test_kv_fp8_without_scales_warns(tiny_hf_model, tmp_path, capsys):
