@@ -3,7 +3,8 @@ default limits (bf16, and FP8 weights + FP8 KV cache), each timed at batch 1 (`k
 latency`, 128 in / 256 out) and through TensorRT-LLM's published workloads (`kiln bench
 throughput --workload`, which prints the published number beside kiln's); with --steps the
 decode and mixed step profiles of benchmarks/serving_step.py on an FP8 engine built with room
-for the mixed step's new prompts (batch 512, 16,384 tokens a step, max_seq_len 2,200).
+for the mixed step's new prompts (batch 512, 16,384 tokens a step, max_seq_len 2,200). The arm
+fp8_pc_pt (not run by default) is FP8 with per-channel weights and per-token activations.
 
 usage: python benchmarks/serving_table.py [--out DIR] [--arms bf16,fp8]
        [--workloads 1000/1000,128/128] [--num-prompts N] [--steps] [--time-limit SECONDS]
@@ -24,7 +25,9 @@ import time
 from pathlib import Path
 
 BUILD = ["--no-tune", "--no-precompile-kernels"]
-ARMS = {"bf16": [], "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]}
+ARMS = {"bf16": [], "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"],
+        # per-channel weights, per-token activations (`kiln quantize --qformat fp8_pc_pt`)
+        "fp8_pc_pt": ["--quantization", "fp8_pc_pt", "--kv-cache-dtype", "fp8"]}
 STEP_LIMITS = ["--max-seq-len", "2200", "--max-num-tokens", "16384", "--max-batch-size", "512"]
 
 
@@ -110,7 +113,8 @@ def main(argv: list[str]) -> None:
             subprocess.run([sys.executable, str(Path(__file__).with_name("serving_step.py")),
                             str(engine), "256", "1000", "4", "--decode-profile"], check=False)
 
-    print("\n| engine | workload | requests | output tok/s | TPOT ms | TensorRT-LLM FP8 H100 / H200 |")
+    print("\n| engine | workload | requests | output tok/s | TPOT ms "
+          "| TensorRT-LLM FP8 H100 / H200 |")
     print("|---|---|---|---|---|---|")
     for arm in arms:
         print("\n".join(rows_of(arm, a.out, workloads)))

@@ -144,9 +144,10 @@ class EngineArtifact:
             if calibrator is not None:
                 part.update(calibrator.observe(part))
             if "fp8" in (q.weights, q.kv_cache, q.lm_head):
+                per_row = str((q.scales or {}).get("weights", "")).startswith("per-channel")
                 part = quantize_random(part, cfg, fp8_weights=q.weights == "fp8",
                                        kv_fp8=q.kv_cache == "fp8",
-                                       fp8_lm_head=q.lm_head == "fp8")
+                                       fp8_lm_head=q.lm_head == "fp8", per_row=per_row)
             if par is not None:
                 part = {k: par.shard(cfg, k, part.pop(k), rank) for k in list(part)}
             weights.update(part)

@@ -119,13 +119,14 @@ def quantize_lm_head(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
-                    fp8_weights: bool, kv_fp8: bool,
-                    fp8_lm_head: bool = False) -> dict[str, torch.Tensor]:
-    """Random engine weights → FP8 linears with per-tensor weight scales (any
-    ``{name}.input_scale`` in ``weights`` is kept: static activations), with ``kv_fp8`` KV
-    scales of 1.0, with ``fp8_lm_head`` the FP8 lm_head (``quantize_lm_head``). Converts in place of the dict, one tensor at a time. ``weights``
-    may be a part (``random_weights(names=)``): the layers it has, the head where it has the
-    embedding."""
+                    fp8_weights: bool, kv_fp8: bool, fp8_lm_head: bool = False,
+                    per_row: bool = False) -> dict[str, torch.Tensor]:
+    """Random engine weights → FP8 linears with per-tensor weight scales (``per_row``: one
+    per output row, ``quantize_per_row``; any ``{name}.input_scale`` in ``weights`` is kept:
+    static activations), with ``kv_fp8`` KV scales of 1.0, with ``fp8_lm_head`` the FP8
+    lm_head (``quantize_lm_head``). Converts in place of the dict, one tensor at a time.
+    ``weights`` may be a part (``random_weights(names=)``): the layers it has, the head where
+    it has the embedding."""
     if fp8_lm_head and "embed_tokens.weight" in weights:
         quantize_lm_head(weights)
     for i in range(cfg.num_layers):
@@ -134,7 +135,7 @@ def quantize_random(weights: dict[str, torch.Tensor], cfg: ModelConfig, *,
         for lin in LINEARS if fp8_weights else ():
             name = f"layers.{i}.{lin}.weight"
             w = weights.pop(name)
-            q, s = quantize_per_tensor(w)
+            q, s = quantize_per_row(w) if per_row else quantize_per_tensor(w)
             del w
             weights[name], weights[f"layers.{i}.{lin}.weight_scale"] = q, s.to(q.device)
         if kv_fp8:

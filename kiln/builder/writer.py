@@ -464,9 +464,15 @@ def _random_scales(model: SourceModel, requested: QuantConfig) -> dict[str, Any]
     """engine.json ``quantization.scales`` of a random FP8 engine: weights quantized at load
     and static activation scales calibrated at load from the engine's seed, the scheme of a
     `kiln quantize` checkpoint (kiln.artifact.weights.RandomCalibration); dynamic
-    activations where ``requested.scales`` asks for them ({"activations": "dynamic"})."""
+    activations where ``requested.scales`` asks for them ({"activations": "dynamic"}), per
+    output channel weight scales where it asks for them ({"weights": "per-channel"}: the
+    scheme of `kiln quantize --qformat fp8_pc_pt`, with dynamic activations)."""
+    asked_weights = (requested.scales or {}).get("weights", "per-tensor")
+    if asked_weights not in ("per-tensor", "per-channel"):
+        raise ValueError(f"random FP8 weight scales {asked_weights!r}: use 'per-tensor' or "
+                         "'per-channel'")
     scales: dict[str, Any] = {"source": "random",
-                              "weights": "per-tensor amax/448, quantized at load"}
+                              "weights": f"{asked_weights} amax/448, quantized at load"}
     asked = (requested.scales or {}).get("activations", "static")
     if asked == "dynamic":
         return {**scales, "activations": "dynamic"}

@@ -107,8 +107,11 @@ def build(
     quantization: str = typer.Option(
         "none",
         "--quantization",
-        help="none, or fp8 for random:<preset> sources (random FP8 weights with per-tensor "
-        "scales). Real models: build an FP8 checkpoint from `kiln quantize`.",
+        help="none, or for random:<preset> sources fp8 (random FP8 weights with per-tensor "
+        "scales, static activation scales calibrated at load: `kiln quantize`'s default "
+        "scheme) or fp8_pc_pt (per-channel weight scales, per-token activations: `kiln "
+        "quantize --qformat fp8_pc_pt`'s). Real models: build an FP8 checkpoint from `kiln "
+        "quantize`.",
     ),
     quantize_lm_head: bool = typer.Option(
         False, "--quantize-lm-head",
@@ -174,7 +177,6 @@ def build(
     ),
 ) -> None:
     """Build an engine directory (engine.json, weights, tokenizer) from a model source."""
-    from kiln.artifact.spec import QuantConfig
     from kiln.artifact.speculative import SpeculativeConfig
     from kiln.builder import build_engine
     from kiln.cli.engine_source import default_dtype
@@ -203,9 +205,7 @@ def build(
         max_input_len=max_input_len,
         max_num_tokens=max_num_tokens,
         speculative=speculative,
-        quantization=QuantConfig(weights=quantization, activations=quantization,
-                                 kv_cache=kv_cache_dtype,
-                                 lm_head="fp8" if quantize_lm_head else "none"),
+        quantization=_quant_config(quantization, kv_cache_dtype, quantize_lm_head),
         progress=not as_json,
         force=force,
         tune=tune,
@@ -225,6 +225,25 @@ def build(
                    "pass --dtype bfloat16 for an engine to run on a GPU", err=True)
     if as_json:
         typer.echo(json.dumps(spec.to_dict(), indent=2))
+
+
+QUANTIZATION = ("none", "fp8", "fp8_pc_pt")
+
+
+def _quant_config(quantization: str, kv_cache_dtype: str, quantize_lm_head: bool):
+    """--quantization as the engine's QuantConfig: fp8_pc_pt is FP8 with per-channel weight
+    scales and per-token activations (random sources; a checkpoint records its own)."""
+    from kiln.artifact.spec import QuantConfig
+    from kiln.errors import KilnError
+
+    if quantization not in QUANTIZATION:
+        raise KilnError(f"--quantization {quantization!r} is not supported; use one of "
+                        f"{list(QUANTIZATION)}")
+    lm_head = "fp8" if quantize_lm_head else "none"
+    if quantization == "fp8_pc_pt":
+        return QuantConfig("fp8", "fp8", kv_cache_dtype,
+                           {"weights": "per-channel", "activations": "dynamic"}, lm_head)
+    return QuantConfig(quantization, quantization, kv_cache_dtype, lm_head=lm_head)
 
 
 def _precompile_step(quiet: bool) -> Callable[[Path], None]:

@@ -152,6 +152,44 @@ def test_random_fp8_engine_runs(tmp_path, capsys):
     assert len(outs[0].token_ids) == 4
 
 
+def test_random_per_channel_fp8_engine_has_row_scales_and_per_token_activations(tmp_path):
+    """`kiln build random:X --quantization fp8_pc_pt`: the scheme of `kiln quantize --qformat
+    fp8_pc_pt` on random weights (for benchmarks): each linear's scale is its rows' amax / 448
+    of the unquantized random weight, no input_scale, activations per token."""
+    import pytest
+
+    from kiln.artifact.loader import load_engine
+    from kiln.builder import build_engine
+    from kiln.cli.build import _quant_config
+    from kiln.errors import KilnError
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+    from kiln.runtime.sampling_params import SamplingParams
+
+    q = _quant_config("fp8_pc_pt", "fp8", False)
+    spec = build_engine("random:tiny-llama", tmp_path / "e", dtype="float32", progress=False,
+                        quantization=q)
+    assert spec.quantization.scales["weights"].startswith("per-channel")
+    assert spec.quantization.scales["activations"] == "dynamic"
+    build_engine("random:tiny-llama", tmp_path / "ref", dtype="float32", progress=False)
+    ref = load_engine(tmp_path / "ref").load_weights()
+    w = load_engine(tmp_path / "e").load_weights()
+    for lin in ("qkv", "o_proj", "gate_up", "down"):
+        name = f"layers.1.{lin}"
+        want = ref[name + ".weight"].abs().amax(dim=1) / 448
+        assert w[name + ".weight"].dtype == FP8 and name + ".input_scale" not in w
+        torch.testing.assert_close(w[name + ".weight_scale"], want, rtol=1e-6, atol=0)
+    engine = LLMEngine.from_engine_dir(tmp_path / "e", RuntimeConfig(device="cpu",
+                                                                      num_kv_blocks=64))
+    assert {lin.activation_scheme for lin in engine.runner.model.linears.values()
+            if lin.fp8} == {"per-token"}
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0,
+                                                       ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(KilnError, match=r"--quantization 'int4' is not supported; use one of "
+                       r"\['none', 'fp8', 'fp8_pc_pt'\]"):
+        _quant_config("int4", "auto", False)
+
+
 def test_no_kv_scale_warning_for_calibrated_or_unquantized_kv():
     from kiln.artifact.spec import QuantConfig
 
