@@ -275,7 +275,8 @@ def quantize(
                     "(--kv-cache-dtype fp8 keeps it FP8 anyway)")
             else:
                 mtq.enable_quantizer(model, KV_QUANTIZERS)
-    quality.check(checked, allow_quality_loss)
+    # auto measured the KV cache's share already: suggest leaving it out only when asked fp8
+    quality.check(checked, allow_quality_loss, qformat, fp8_kv=kv_cache_dtype == "fp8")
 
     summary = {
         "tool": "kiln quantize",

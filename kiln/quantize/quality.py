@@ -53,14 +53,24 @@ def summary_line(q: dict[str, Any]) -> str:
             f"({q['increase']:+.1%})")
 
 
-def check(q: dict[str, Any], allow: bool) -> None:
-    """One clear error when the rise is past the limit and not allowed."""
+# what to try when a scheme loses the model: the other one
+OTHER_QFORMAT = {
+    "fp8": "--qformat fp8_pc_pt (a weight scale per output channel, activations per token)",
+    "fp8_pc_pt": "--qformat fp8 (per-tensor weights, static activation scales)",
+}
+
+
+def check(q: dict[str, Any], allow: bool, qformat: str = "fp8", fp8_kv: bool = True) -> None:
+    """One clear error when the rise is past the limit and not allowed, naming the options
+    to try: the other FP8 scheme, the KV cache left unquantized (where it is FP8), the
+    calibration text, exclusions."""
     if allow or q["increase"] <= q["max_increase"]:
         return
+    kv = "--kv-cache-dtype none (the KV cache stays in the model's dtype), " if fp8_kv else ""
     raise KilnError(
         f"FP8 raises perplexity on {q['eval_data']} from {q['source_perplexity']:.2f} to "
         f"{q['quantized_perplexity']:.2f} ({q['increase']:+.1%}), past --max-quality-loss "
-        f"{q['max_increase']:.0%}; nothing was written. Try "
-        "--kv-cache-dtype none (the KV cache stays in the model's dtype), more or closer "
-        "calibration text (--calib-size, --calib-data FILE like your traffic) or --exclude for "
-        "the layers that lose most; or keep this checkpoint with --allow-quality-loss")
+        f"{q['max_increase']:.0%}; nothing was written. Try {OTHER_QFORMAT[qformat]}, {kv}"
+        "more or closer calibration text (--calib-size, --calib-data FILE like your traffic) "
+        "or --exclude for the layers that lose most; or keep this checkpoint with "
+        "--allow-quality-loss")

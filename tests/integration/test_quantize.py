@@ -167,7 +167,8 @@ def test_past_the_quality_limit_nothing_is_written(tiny_hf_model, tmp_path, monk
         modelopt_fp8.quantize(str(src), out, **kw)
     msg = str(info.value)
     for needle in ("from 10.00 to 12.00 (+20.0%)", "--max-quality-loss 5%",
-                   "nothing was written", "--kv-cache-dtype none", "--allow-quality-loss"):
+                   "nothing was written", "--qformat fp8_pc_pt", "--kv-cache-dtype none",
+                   "--allow-quality-loss"):
         assert needle in msg, msg
     assert not out.exists() and not list(tmp_path.iterdir())
     summary = modelopt_fp8.quantize(str(src), out, allow_quality_loss=True, **kw)
@@ -211,8 +212,11 @@ def test_auto_kv_leaves_out_an_fp8_kv_cache_that_loses_the_model(tiny_hf_model, 
     assert (q["weights"], q["activations"]) == ("fp8", "fp8") and q["kv_cache"] != "fp8"
 
     injected(10.0, 18.0, 17.0)  # the KV cache is not what loses it: the gate stops
-    with pytest.raises(KilnError, match=r"from 10.00 to 18.00 \(\+80.0%\)"):
+    with pytest.raises(KilnError, match=r"from 10.00 to 18.00 \(\+80.0%\)") as info:
         modelopt_fp8.quantize(str(src), tmp_path / "x", **kw)
+    # measured already: the message does not suggest leaving the KV cache out
+    assert "--kv-cache-dtype none" not in str(info.value)
+    assert "--qformat fp8_pc_pt" in str(info.value)
     injected(10.0, 18.0)  # asked for fp8: no second measurement
     with pytest.raises(KilnError, match=r"from 10.00 to 18.00"):
         modelopt_fp8.quantize(str(src), tmp_path / "y", kv_cache_dtype="fp8", **kw)
