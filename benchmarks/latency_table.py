@@ -3,9 +3,9 @@
 need --max-seq-len 512), each timed by
 `kiln bench latency E --batch-size B --input-len 128 --output-len 256 --num-iters 5`.
 
-The floor is the weight bytes read once per token (every parameter at 2 bytes, the convention
-of the project's GPU notes) over the card's bandwidth: 3.35 TB/s on an H100, 4.23 TB/s
-(measured copy) on an H200; another card prints no floor.
+The floor is the weight bytes read once per token (2 bytes a parameter; an untied embedding
+matrix is not counted, a decode reads one row of it) over the card's bandwidth: 3.35 TB/s on
+an H100, 4.23 TB/s (measured copy) on an H200; another card prints no floor.
 
 usage: python benchmarks/latency_table.py [--out DIR] [--presets qwen2.5-0.5b,...]
        [--batch-sizes 1,8] [--time-limit SECONDS] [--max-seq-len 2048]"""
@@ -69,7 +69,9 @@ def main(argv: list[str]) -> None:
                 print(f"latency_table: {preset} batch {b} failed (exit {code})", flush=True)
                 continue
             d = json.loads(out.read_text())
-            params = KNOWN[preset].num_params
+            cfg = KNOWN[preset]
+            params = cfg.num_params - (0 if cfg.tie_word_embeddings
+                                       else cfg.vocab_size * cfg.hidden_size)
             tpot = d["tpot_s"]["median"] * 1e3
             floor = floor_ms(params, d["environment"].get("device_name", "")) if b == 1 else None
             frac = f"{floor / tpot:.0%}" if floor else ""
