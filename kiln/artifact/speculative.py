@@ -38,6 +38,7 @@ MODE_ALIASES = {
 # and output, and one over a bounded cache of earlier responses. The depth bounds the match
 # plus the draft (a path of the tree); the cache is counted in responses (memory: about
 # tokens x depth tree nodes per response, so it is the one size that bounds it).
+DEFAULT_LOOKAHEAD = (7, 7, 7)  # a lookahead engine's window when the build names none
 SUFFIX_DEFAULTS = {"max_draft_len": 16, "suffix_tree_depth": 24, "suffix_min_match": 2,
                    "suffix_cache_requests": 256}
 MAX_SUFFIX_TREE_DEPTH = 64
@@ -431,12 +432,10 @@ class SpeculativeConfig:
             return cls._draft_from_cli(lookahead_config, max_draft_len, ngram_match,
                                        draft_model)
         if mode == "lookahead":
+            if lookahead_config is None and max_draft_len is None:
+                # the measured default (docs/decisions.md, "Lookahead window (7,7,7)")
+                lookahead_config = ",".join(map(str, DEFAULT_LOOKAHEAD))
             if lookahead_config is None:
-                if max_draft_len is None:
-                    raise ValueError(
-                        "speculative decoding mode 'lookahead' needs --lookahead-config W,N,G "
-                        "(e.g. 5,5,5); max_draft_len is derived from it"
-                    )
                 raise ValueError(
                     f"--max-draft-len {max_draft_len} alone does not define a lookahead "
                     f"window: the engine must record (W,N,G) and derives max_draft_len from "

@@ -63,7 +63,8 @@ def build(
     lookahead_config: str | None = typer.Option(
         None,
         "--lookahead-config",
-        help="Lookahead window W,N,G (e.g. 5,5,5); max_draft_len is derived from it.",
+        help="Lookahead window W,N,G (default 7,7,7, the measured best of the windows tried); "
+        "max_draft_len is derived from it.",
     ),
     max_draft_len: int | None = typer.Option(
         None, "--max-draft-len",
@@ -220,6 +221,9 @@ def build(
                                       ("max_input_len", max_input_len),
                                       ("max_num_tokens", max_num_tokens)) if value is not None}
     typer.echo(f"kiln build: {spec.limits.describe(spec.model, given)}", err=True)
+    if spec.speculative.mode == "lookahead" and lookahead_config is None:
+        typer.echo("kiln build: lookahead window {},{},{} (the default; --lookahead-config "
+                   "W,N,G names another)".format(*spec.speculative.lookahead), err=True)
     if chosen and dtype is Dtype.float32:
         typer.echo("kiln build: no CUDA device, so float32 (bfloat16 is slow on most CPUs); "
                    "pass --dtype bfloat16 for an engine to run on a GPU", err=True)

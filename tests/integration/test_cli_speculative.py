@@ -47,6 +47,16 @@ def test_max_draft_len_without_window_fails_at_build_naming_the_window(tmp_path)
     assert not out.exists()
 
 
+def test_a_lookahead_build_without_a_window_takes_the_default_and_says_so(tmp_path):
+    out = tmp_path / "la"
+    proc = kiln("build", "random:tiny-llama", "-o", str(out), "--dtype", "float32",
+                "--speculative-decoding-mode", "lookahead", "--max-batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "lookahead window 7,7,7 (the default" in proc.stderr
+    spec = json.loads((out / "engine.json").read_text())["speculative"]
+    assert spec["lookahead"] == [7, 7, 7] and spec["max_draft_len"] == 83
+
+
 def test_disagreeing_draft_len_and_window_fail_naming_both(tmp_path):
     line = one_line_error(kiln("build", "random:tiny-llama", "-o", str(tmp_path / "x"),
                                "--speculative-decoding-mode", "lookahead",

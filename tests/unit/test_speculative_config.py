@@ -105,8 +105,10 @@ def test_mode_rules():
         SpeculativeConfig.from_cli("none", "5,5,5", None, None)
     with pytest.raises(ValueError, match="--max-draft-len given but .* mode is 'none'"):
         SpeculativeConfig.from_cli("none", None, 15, None)
-    with pytest.raises(ValueError, match="needs --lookahead-config"):
-        SpeculativeConfig.from_cli("lookahead", None, None, None)
+    # no window named: the measured default, (7,7,7), max_draft_len derived from it
+    default = SpeculativeConfig.from_cli("lookahead", None, None, None)
+    assert (default.lookahead, default.max_draft_len) == ((7, 7, 7), 83)
+    assert default == SpeculativeConfig.from_cli("lookahead", "7,7,7", None, None)
     with pytest.raises(ValueError, match="\\(1,1,0\\) is plain decoding"):
         SpeculativeConfig.from_cli("lookahead", "1,1,0", None, None)
     # TensorRT-LLM spelling is accepted
