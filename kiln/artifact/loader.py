@@ -136,6 +136,8 @@ class EngineArtifact:
                     "load_weights(calibrator=kiln.runtime.models.calibration."
                     "ActivationCalibrator)")
             calibrator = make_calibrator(cfg, calibration, device, dtype)
+        # fp8_pc_pt random engines: one weight scale per output row
+        per_row = str((q.scales or {}).get("weights", "")).startswith("per-channel")
         weights = {}
         grouped = par is not None or calibrator is not None
         for names in weight_groups(cfg) if grouped else [None]:
@@ -144,7 +146,6 @@ class EngineArtifact:
             if calibrator is not None:
                 part.update(calibrator.observe(part))
             if "fp8" in (q.weights, q.kv_cache, q.lm_head):
-                per_row = str((q.scales or {}).get("weights", "")).startswith("per-channel")
                 part = quantize_random(part, cfg, fp8_weights=q.weights == "fp8",
                                        kv_fp8=q.kv_cache == "fp8",
                                        fp8_lm_head=q.lm_head == "fp8", per_row=per_row)
