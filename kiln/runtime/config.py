@@ -23,6 +23,9 @@ class RuntimeConfig:
 
     device: str | None = None  # "cuda" when available, else "cpu"
     block_size: int = 16
+    # How a KV block sits in memory (kiln/runtime/kv_cache.py): "NHD" (a token's heads side
+    # by side) or "HND" (a head's tokens side by side).
+    kv_layout: str = field(default_factory=lambda: env_str("KILN_KV_LAYOUT", "NHD"))
     num_kv_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_tokens: int | None = None

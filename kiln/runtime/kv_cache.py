@@ -16,6 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
+# integer dtypes of each element size: caches are copied as raw bits (torch has no float8
+# index kernels on the CPU)
+RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
 
 def slot_of(block_table: Sequence[int], index: int, block_size: int) -> int:
     """Cache slot of a request's token ``index`` (the block-table rule above)."""
@@ -150,8 +154,17 @@ class BlockManager:
             )
 
 
+KV_LAYOUTS = ("NHD", "HND")
+
+
 class KVCache:
     """K and V tensors of every layer: [num_layers, num_blocks, block_size, kv_heads, head_dim].
+
+    ``layout`` is how a block sits in memory: "NHD" (the shape above, contiguous: one token's
+    heads side by side) or "HND" (stored [num_layers, num_blocks, kv_heads, block_size,
+    head_dim]: one head's tokens of a block side by side, so a decode reads a head's block in
+    one run of bytes). ``k`` / ``v`` have the shape above either way (HND as a strided view):
+    readers index them, or take their strides, never flatten them.
 
     With ``dtype=torch.float8_e4m3fn`` the cache stores e4m3(k / k_scale[layer]) and readers
     dequantize with ``.to(dtype) * k_scale[layer]`` (same for v); ``k_scale``/``v_scale`` are
@@ -162,10 +175,19 @@ class KVCache:
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, dtype: torch.dtype, device: torch.device | str,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        layout: str = "NHD",
     ):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"KV cache layout {layout!r} must be one of {', '.join(KV_LAYOUTS)}")
+        if layout == "NHD":
+            shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
+            self.v = torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
+        self.layout = layout
         self.block_size = block_size
         self.is_fp8 = dtype == torch.float8_e4m3fn
         ones = torch.ones(num_layers, dtype=torch.float32)
@@ -177,15 +199,21 @@ class KVCache:
                 f"need one per layer ({num_layers})"
             )
 
+    def slot_index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each cache slot, for indexing ``k[layer]`` / ``v[layer]``."""
+        slots = slots.long()
+        return slots // self.block_size, slots % self.block_size
+
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V of every layer from slots ``src`` to ``dst`` ([n] each, on the device).
 
         Used to keep accepted speculative tokens: their KV was written at in-step rows and
         belongs at their final token index. Sources are read before any write.
         """
+        (sb, so), (db, do) = self.slot_index(src), self.slot_index(dst)
         for cache in (self.k, self.v):
-            flat = cache.view(cache.shape[0], -1, *cache.shape[-2:])
-            flat[:, dst] = flat[:, src]
+            raw = cache.view(RAW_DTYPES[cache.element_size()])  # (no float8 index kernels)
+            raw[:, db, do] = raw[:, sb, so]
 
     @staticmethod
     def bytes_per_block(

@@ -100,7 +100,7 @@ def assemble(model_config: ModelConfig, weights: dict[str, torch.Tensor],
     sizing = size_engine(limits, pool, config)
     limits, num_blocks = sizing.limits, pool.num_blocks  # the limits it serves
     cache = KVCache(c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, kv_dtype, device,
-                    *(kv_scales or ()))
+                    *(kv_scales or ()), layout=config.kv_layout)
     blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     scheduler = Scheduler(blocks, max_num_seqs=sizing.max_num_seqs,
                           max_num_tokens=sizing.max_num_tokens, max_seq_len=limits.max_seq_len,
@@ -156,7 +156,7 @@ def _assemble_draft(cfg: ModelConfig, weights: dict[str, torch.Tensor], num_bloc
     model = LlamaModel(cfg, weights, get_backend(backend), device, fused=fused,
                        max_positions=limits.max_seq_len + limits.max_num_tokens + 64)
     cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                    cfg.head_dim, dtype, device)
+                    cfg.head_dim, dtype, device, layout=config.kv_layout)
     runner = ModelRunner(model, cache, device)
     if fused:
         runner.use_staging(max_seqs, max_tokens, limits.max_seq_len, 1)

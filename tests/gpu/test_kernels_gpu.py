@@ -234,8 +234,11 @@ def test_paged_attention_cuda_graph():
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_backend_matches_torch_backend(dtype):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_triton_backend_matches_torch_backend(dtype, layout):
+    """KV write + attention through the Triton backend over a cache of either layout, against
+    the torch backend over an NHD cache (FP8: bf16 q and new K/V into an e4m3 cache)."""
     from kiln.runtime.kernels.testing import tree_mask
     from kiln.runtime.kv_cache import KVCache
     from kiln.runtime.layers.attention import AttentionMetadata, SeqAttention
@@ -243,8 +246,10 @@ def test_triton_backend_matches_torch_backend(dtype):
 
     heads, kv_heads, dim, bs, nb = 32, 8, 128, 16, 256
     specs = [(700, 1, False), (0, 200, False), (300, 30, True), (33, 1, False)]
-    caches = [KVCache(2, nb, bs, kv_heads, dim, dtype, DEV) for _ in range(2)]
-    init = torch.randn(caches[0].k.shape, device=DEV).to(dtype)
+    cache_dtype, dtype = dtype, (torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype)
+    caches = [KVCache(2, nb, bs, kv_heads, dim, cache_dtype, DEV, layout=lay)
+              for lay in ("NHD", layout)]
+    init = torch.randn(caches[0].k.shape, device=DEV).to(cache_dtype)
     for c in caches:
         c.k.copy_(init)
         c.v.copy_(init.flip(0))
@@ -265,7 +270,9 @@ def test_triton_backend_matches_torch_backend(dtype):
     v = torch.randn(t0, kv_heads, dim, device=DEV).to(dtype)
     ref = get_backend("torch").forward(1, q, k, v, caches[0], meta, dim**-0.5)
     out = get_backend("triton").forward(1, q, k, v, caches[1], meta, dim**-0.5)
-    assert torch.equal(caches[1].k, caches[0].k) and torch.equal(caches[1].v, caches[0].v)
+    raw = torch.uint8 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+    assert torch.equal(caches[1].k.view(raw), caches[0].k.view(raw))
+    assert torch.equal(caches[1].v.view(raw), caches[0].v.view(raw))
     assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
 
 

@@ -34,14 +34,16 @@ def test_greedy_matches_transformers_alone_and_in_a_preempting_batch(tiny):
     for p, ref in zip(prompts, refs):
         assert eng.generate([p], GREEDY)[0].token_ids == ref
     # Together: 8 mixed-length requests, a 16-token budget (chunked prefill) and a cache far
-    # too small for all of them (forced recompute preemption).
-    small = LLMEngine.from_engine_dir(
-        engine_dir, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=32, reserve_kv=False,
-                                  max_num_tokens=16))
-    outs = small.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == refs
-    assert sum(o.metrics.num_preemptions for o in outs) > 0
-    small.blocks.check_all_free()
+    # too small for all of them (forced recompute preemption), in either KV layout.
+    for layout in ("NHD", "HND"):
+        small = LLMEngine.from_engine_dir(
+            engine_dir, RuntimeConfig(device="cpu", block_size=4, num_kv_blocks=32,
+                                      reserve_kv=False, max_num_tokens=16, kv_layout=layout))
+        assert small.runner.cache.layout == layout
+        outs = small.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == refs, layout
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        small.blocks.check_all_free()
 
 
 def test_abort_frees_every_block(tiny):

@@ -174,7 +174,7 @@ def cases():
         a: "*i32" if a == "hist_ptr" else "*i64"
         for a in lookahead._lookahead_fold_kernel.arg_names if a.endswith("_ptr")}, 1
     yield "lookahead KV move (7,7,7), bf16 kvh2 d128", lookahead._move_kv_kernel, {
-        "E": 256, "E_PAD": 256, "N1": 6, "N1_PAD": 8, "PDL": True}, {
+        "BS": 16, "H": 2, "D": 128, "E_PAD": 256, "N1": 6, "N1_PAD": 8, "PDL": True}, {
         "k_ptr": "*i16", "v_ptr": "*i16", "sm_ptr": "*i32", "q0_ptr": "*i64",
         "count_ptr": "*i64", "src_ptr": "*i64"}, 4
     yield "lookahead rows staged ahead, shifted (7,7,7)", lookahead._shift_rows_kernel, {

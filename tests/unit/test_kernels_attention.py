@@ -201,12 +201,14 @@ def test_paged_attention_validates():
                         mask=torch.ones(4, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype,cache_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.float8_e4m3fn),
 ])
-def test_triton_backend_matches_torch_backend(dtype, cache_dtype):
-    """Whole backend (KV write + attention) on AttentionMetadata, as the model runner builds it."""
+def test_triton_backend_matches_torch_backend(dtype, cache_dtype, layout):
+    """Whole backend (KV write + attention) on AttentionMetadata, as the model runner builds it,
+    over a cache of either layout against the torch backend over an NHD cache."""
     heads, kv_heads, dim, bs, layers = 6, 2, 16, 4, 2
     specs = [(9, 1, False), (0, 6, False), (5, 5, True), (2, 3, False)]
     scales = {}
@@ -214,8 +216,8 @@ def test_triton_backend_matches_torch_backend(dtype, cache_dtype):
         # powers of two, and new K/V below that are e4m3 values times the scale: x / scale is
         # exact, so the interpreter's e4m3 rounding bug (see the kv_write test) cannot show
         scales = {"k_scale": torch.tensor([1.0, 0.5]), "v_scale": torch.tensor([1.0, 2.0])}
-    caches = [KVCache(layers, 24, bs, kv_heads, dim, cache_dtype, "cpu", **scales)
-              for _ in range(2)]
+    caches = [KVCache(layers, 24, bs, kv_heads, dim, cache_dtype, "cpu", **scales, layout=lay)
+              for lay in ("NHD", layout)]
     init_k = torch.randn(caches[0].k.shape).to(cache_dtype)
     init_v = torch.randn(caches[0].v.shape).to(cache_dtype)
     for c in caches:

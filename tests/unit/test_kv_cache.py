@@ -1,8 +1,10 @@
 """Block manager: allocation, ref counts, prefix cache, eviction."""
 
 import pytest
+import torch
 
-from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.kv_cache import BlockManager, KVCache
+from kiln.runtime.layers.attention import read_kv, write_kv
 
 
 def test_allocate_and_free_returns_every_block():
@@ -86,3 +88,28 @@ def test_different_prefix_does_not_match():
     bm.free(blocks)
     bm.free(t)
     bm.check_all_free()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_hnd_cache_holds_what_nhd_holds(dtype):
+    """The two KV layouts (``KVCache(layout=)``) store the same values at the same slots:
+    the torch backend's write and read, and ``move_slots``, give equal logical caches; HND
+    keeps a head's tokens of a block side by side in memory."""
+    layers, blocks, bs, heads, dim = 2, 6, 4, 3, 8
+    caches = [KVCache(layers, blocks, bs, heads, dim, dtype, "cpu", layout=lay)
+              for lay in ("NHD", "HND")]
+    nhd, hnd = caches
+    assert nhd.k.is_contiguous() and not hnd.k.is_contiguous()
+    assert hnd.k.stride()[2:] == (dim, bs * dim, 1)  # [.., block_size, kv_heads, head_dim]
+    torch.manual_seed(0)
+    slots = torch.randperm(blocks * bs)[:10]
+    k, v = torch.randn(10, heads, dim), torch.randn(10, heads, dim)
+    for c in caches:
+        write_kv(1, k, v, c, slots)
+        c.move_slots(slots[:3], slots[7:])
+    assert torch.equal(nhd.k.float(), hnd.k.float()) and torch.equal(nhd.v.float(), hnd.v.float())
+    got = [read_kv(1, c, slots[7:], torch.float32) for c in caches]
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert torch.equal(got[0][0], read_kv(1, nhd, slots[:3], torch.float32)[0])
+    with pytest.raises(ValueError, match="layout 'NDH' must be one of NHD, HND"):
+        KVCache(1, 1, 1, 1, 8, dtype, "cpu", layout="NDH")

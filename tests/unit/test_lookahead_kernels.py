@@ -154,13 +154,15 @@ def test_empty_batch_and_bad_arguments():
         propose(dut, torch.tensor([0], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("window", [(4, 4, 4), (1, 3, 2), (3, 3, 0)])
-def test_device_spec_step_kernels_equal_its_torch_path(window):
+@pytest.mark.parametrize("window,layout", [((4, 4, 4), "NHD"), ((1, 3, 2), "HND"),
+                                           ((3, 3, 0), "HND")])
+def test_device_spec_step_kernels_equal_its_torch_path(window, layout):
     """DeviceSpecStep (what a masked bucket's graph runs around its forward) through the
     kernels (proposal into the input ids, commit, KV move) and through the torch ops, over
-    entries with spare rows (slot -1) between them, on a real KV cache: the same input ids,
-    commits, state and cache after every step. (1,3,2) puts candidate rows right after x, so
-    a move's source is another move's destination."""
+    entries with spare rows (slot -1) between them, on a real KV cache (the kernels' in
+    ``layout``, the torch ops' NHD): the same input ids, commits, state and cache after every
+    step. (1,3,2) puts candidate rows right after x, so a move's source is another move's
+    destination."""
     from kiln.runtime.kv_cache import KVCache
     from kiln.runtime.speculative.device_step import DeviceSpecStep, SpecEntries
 
@@ -174,12 +176,11 @@ def test_device_spec_step_kernels_equal_its_torch_path(window):
     q0 = torch.tensor([0, 0, t + 1, 0])
     r0 = torch.tensor([0, 0, t + 1, 0])
     num_tokens = 2 * t + 1
-    caches = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        cache = KVCache(2, 16, 4, 2, 8, torch.float32, "cpu")
-        cache.k.normal_(), cache.v.normal_()
-        caches.append(cache)
+    torch.manual_seed(0)
+    caches = [KVCache(2, 16, 4, 2, 8, torch.float32, "cpu", layout=lay)
+              for lay in ("NHD", layout)]
+    caches[0].k.normal_(), caches[0].v.normal_()
+    caches[1].k.copy_(caches[0].k), caches[1].v.copy_(caches[0].v)
     slot_mapping = torch.randperm(caches[0].k.shape[1] * 4)[:num_tokens].to(torch.int32)
     torch_step, kernel_step = DeviceSpecStep(ref), DeviceSpecStep(dut)
     kernel_step.kernels = True  # the CUDA path, interpreted

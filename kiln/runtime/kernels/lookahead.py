@@ -469,9 +469,9 @@ def lookahead_commit(slots: torch.Tensor, tokens: torch.Tensor, argmax: torch.Te
 
 @triton.jit
 def _move_kv_kernel(
-    k_ptr, v_ptr, sm_ptr, q0_ptr, count_ptr, src_ptr, stride_layer,
-    E: tl.constexpr, E_PAD: tl.constexpr, N1: tl.constexpr, N1_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    k_ptr, v_ptr, sm_ptr, q0_ptr, count_ptr, src_ptr, stride_layer, stride_b, stride_s,
+    stride_h, BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
+    N1: tl.constexpr, N1_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -488,11 +488,14 @@ def _move_kv_kernel(
     src = tl.load(sm_ptr + q + tl.load(src_ptr + b * N1 + k, mask=km, other=0), mask=km,
                   other=0).to(tl.int64)
     dst = tl.load(sm_ptr + q + 1 + k, mask=km, other=0).to(tl.int64)
-    e = tl.arange(0, E_PAD)
-    m = km[:, None] & (e < E)[None, :]
-    rows = tl.load(cache + src[:, None] * E + e[None, :], mask=m)
+    e = tl.arange(0, E_PAD)  # (head, dim) of a slot
+    e_off = (e // D) * stride_h + e % D
+    m = km[:, None] & (e < H * D)[None, :]
+    src_off = (src // BS) * stride_b + (src % BS) * stride_s
+    dst_off = (dst // BS) * stride_b + (dst % BS) * stride_s
+    rows = tl.load(cache + src_off[:, None] + e_off[None, :], mask=m)
     tl.debug_barrier()  # a source may be another move's destination: every read first
-    tl.store(cache + dst[:, None] * E + e[None, :], rows, mask=m)
+    tl.store(cache + dst_off[:, None] + e_off[None, :], rows, mask=m)
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -505,8 +508,9 @@ def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
     (a verdict's count [B] and src_rows [B, N-1]), the KV written at input row
     ``q0[b] + src_rows[b, k]`` moves to row ``q0[b] + 1 + k`` (x's index + 1 + k) for
     k < c - 1; ``slot_mapping`` [num_tokens] (int32/int64) is the cache slot of each input
-    row of the step. Entries of count 0 or 1
-    move nothing. Caches [layers, num_blocks, block_size, kv_heads, head_dim], any dtype."""
+    row of the step. Entries of count 0 or 1 move nothing. Caches [layers, num_blocks,
+    block_size, kv_heads, head_dim] of any dtype and either KV layout (``KVCache``: strided,
+    head_dim contiguous)."""
     dev = k_cache.device
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
                  device=dev)
@@ -514,18 +518,20 @@ def lookahead_move_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
     check_tensor("count", count, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("src_rows", src_rows, ndim=2, dtypes=INDEX_DTYPES, device=dev)
     b, n1 = src_rows.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
-            and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype):
-        raise ValueError("k_cache and v_cache must be contiguous, of one shape and dtype")
+    if not (k_cache.dim() == 5 and k_cache.stride(-1) == 1
+            and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+            and k_cache.dtype == v_cache.dtype):
+        raise ValueError("k_cache and v_cache must be [layers, num_blocks, block_size, "
+                         "kv_heads, head_dim] of one dtype and one layout, head_dim contiguous")
     if not b:
         return
     raw = _RAW[k_cache.element_size()]
-    layers = k_cache.shape[0]
-    e = k_cache.shape[-2] * k_cache.shape[-1]
+    layers, _, bs, heads, dim = k_cache.shape
     kc, vc = k_cache.view(raw), v_cache.view(raw)
     _move_kv_kernel[(b, layers, 2)](
         kc, vc, slot_mapping, q0, count, src_rows.contiguous(),
-        kc.stride(0), E=e, E_PAD=next_pow2(e), N1=n1, N1_PAD=next_pow2(max(n1, 1)),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3), BS=bs, H=heads, D=dim,
+        E_PAD=next_pow2(heads * dim), N1=n1, N1_PAD=next_pow2(max(n1, 1)),
         num_warps=4, **_pdl.launch_kwargs(),
     )
 

@@ -74,30 +74,29 @@ class AttentionBackend(ABC):
 
 def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
              slot_mapping: torch.Tensor) -> None:
-    """Store new K/V at their slots (cache viewed as [num_blocks * block_size, heads, dim])."""
-    kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
-    vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
-    if cache.is_fp8:
-        # e4m3(k / k_scale), copied as bytes (index_copy_ has no float8 kernel on CPU)
+    """Store new K/V [T, kv_heads, head_dim] at their cache slots."""
+    blk, off = cache.slot_index(slot_mapping)
+    kc, vc = cache.k[layer], cache.v[layer]
+    if cache.is_fp8:  # e4m3(k / k_scale), copied as bytes (no float8 index kernels on CPU)
         k8 = (k.float() / cache.k_scale[layer]).clamp(-448.0, 448.0).to(kc.dtype)
         v8 = (v.float() / cache.v_scale[layer]).clamp(-448.0, 448.0).to(vc.dtype)
-        kc.view(torch.uint8).index_copy_(0, slot_mapping, k8.view(torch.uint8))
-        vc.view(torch.uint8).index_copy_(0, slot_mapping, v8.view(torch.uint8))
+        kc.view(torch.uint8)[blk, off] = k8.view(torch.uint8)
+        vc.view(torch.uint8)[blk, off] = v8.view(torch.uint8)
         return
-    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
-    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+    kc[blk, off] = k.to(kc.dtype)
+    vc[blk, off] = v.to(vc.dtype)
 
 
 def read_kv(layer: int, cache: KVCache, slots: torch.Tensor, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V at ``slots`` as [len(slots), kv_heads, head_dim] in ``dtype`` (FP8 dequantized)."""
-    kc = cache.k[layer].view(-1, *cache.k.shape[-2:])
-    vc = cache.v[layer].view(-1, *cache.v.shape[-2:])
-    ks, vs = kc.index_select(0, slots), vc.index_select(0, slots)
+    blk, off = cache.slot_index(slots)
     if cache.is_fp8:
+        ks = cache.k[layer].view(torch.uint8)[blk, off].view(cache.k.dtype)
+        vs = cache.v[layer].view(torch.uint8)[blk, off].view(cache.v.dtype)
         return ((ks.float() * cache.k_scale[layer]).to(dtype),
                 (vs.float() * cache.v_scale[layer]).to(dtype))
-    return ks.to(dtype), vs.to(dtype)
+    return cache.k[layer][blk, off].to(dtype), cache.v[layer][blk, off].to(dtype)
 
 
 class TorchAttention(AttentionBackend):
