@@ -4,7 +4,8 @@ largest tile class, kiln before 2026-12-06) and as two (decodes in decode tiles,
 prompt tiles). llama-3-8b shape (32 heads, 8 KV heads, head_dim 128), block size 16.
 
 usage: python benchmarks/attention_mixed.py [B=256] [C=1000] [P=4] [L=1000]
-Prints us per call and the KV bandwidth (bytes of K and V read once / time) per variant."""
+Prints us per call and the KV bandwidth (bytes of K and V read once / time) per variant; the
+decodes alone also per launch config and per KV layout (NHD, HND) at the default config."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import torch
 
 from kiln.runtime.kernels.paged_attention import flops_and_bytes, paged_attention
-from kiln.runtime.kernels.testing import random_paged_batch
+from kiln.runtime.kernels.testing import random_paged_batch, with_layout
 
 
 def time_us(fn, iters: int = 30) -> float:
@@ -61,6 +62,15 @@ def main() -> None:
                     print(f"{str(kv).removeprefix('torch.'):>9} decode {cfg['BLOCK_N']:>4} "
                           f"w{cfg['num_warps']} s{cfg['num_stages']} {us:9.1f} "
                           f"{nbytes / us / 1e6:6.2f}")
+                for layout in ("NHD", "HND"):  # the KV layouts (kiln/runtime/kv_cache.py)
+                    args = (batch.q, with_layout(batch.k_cache, layout),
+                            with_layout(batch.v_cache, layout), *batch.args()[3:])
+                    us = time_us(lambda: paged_attention(
+                        *args, dim ** -0.5, max_query_len=1,
+                        max_context_len=batch.max_context_len, out=out, **scales))
+                    print(f"{str(kv).removeprefix('torch.'):>9} decode, {layout} cache "
+                          f"{us:9.1f} {nbytes / us / 1e6:6.2f}")
+                    del args
             variants = [("one", 0)] if name == "decodes only" else [("one", 0), ("two", b)]
             for label, singles in variants:
                 us = time_us(lambda: paged_attention(

@@ -30,6 +30,15 @@ class PagedBatch:
         return {"mask": self.mask, "mask_offsets": self.mask_offsets}
 
 
+def with_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """A paged cache [num_blocks, block_size, KVH, D] with the same values, stored in
+    ``layout`` (``KVCache``'s "NHD", or "HND": [num_blocks, KVH, block_size, D] in memory,
+    seen through the same shape)."""
+    if layout == "NHD":
+        return cache.contiguous()
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def tree_mask(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """A random [n, n] bool tree mask: each query sees itself and random earlier queries."""
     m = torch.rand(n, n, generator=generator) < 0.5
