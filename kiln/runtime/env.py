@@ -7,8 +7,8 @@ kiln/env.py, which the sources and the CLI read without importing the runtime.
 - ``KILN_ATTENTION_BACKEND``: ``auto`` (default: the Triton kernels on CUDA when triton
   imports, else the torch reference), ``torch``, ``triton`` or ``flash-attn`` (Triton, with
   flash-attn-4 for prompt steps when the package is installed).
-- ``KILN_KV_LAYOUT``: ``NHD`` (default: a KV block stores each token's heads side by side)
-  or ``HND`` (each head's tokens side by side; kiln/runtime/kv_cache.py).
+- ``KILN_KV_LAYOUT``: ``HND`` (default: a KV block stores each head's tokens side by side)
+  or ``NHD`` (each token's heads side by side; kiln/runtime/kv_cache.py).
 - ``KILN_CUDA_GRAPHS``: ``0`` runs every step eagerly (default ``1``: decode, speculative
   and short steps replay CUDA graphs; CUDA and the triton backend only).
 - ``KILN_PREFILL_GRAPHS``: ``0`` runs steps larger than the decode buckets eagerly (a
