@@ -94,9 +94,8 @@ def test_mixed_windows_in_one_batch_with_preemption(tiny_reference, on_device):
 
 def _kv(eng, slots):
     """K and V [layers, len(slots), kv_heads, head_dim] at the given cache slots."""
-    k, v = eng.cache.k, eng.cache.v
-    return (k.view(k.shape[0], -1, *k.shape[-2:])[:, slots].clone(),
-            v.view(v.shape[0], -1, *v.shape[-2:])[:, slots].clone())
+    blk, off = eng.cache.slot_index(torch.as_tensor(slots))
+    return eng.cache.k[:, blk, off].clone(), eng.cache.v[:, blk, off].clone()
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["host-state", "device-state"])
