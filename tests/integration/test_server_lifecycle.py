@@ -74,16 +74,16 @@ def _error(body: dict, code: str | None = None) -> dict:
 
 
 def test_sigterm_drains_in_flight_requests_then_ends_the_rest(engine_dir):
-    # Batch of 16: the short request takes one slot, the long one 15 (and 30 more wait behind
+    # Batch of 16: the short request takes one slot, the long one 15 (and 75 more wait behind
     # them), so the short one finishes in 2-3 s (more on a loaded machine, hence a 10 s drain:
-    # 6 s was once too short) and the long one would take ~20 s (on the CPU
-    # everywhere: a GPU would finish both before the signal).
+    # 6 s was once too short) and the long one would take ~40 s (on the CPU everywhere: a GPU
+    # would finish both before the signal; 45 choices once all finished within 9 s).
     with ServerProcess(engine_dir, "--shutdown-timeout", "10", "--device", "cpu") as s:
         short = Stream(s.url, {"prompt": "a", "max_tokens": 200, "ignore_eos": True,
                                "stream_options": {"include_usage": True}})
         assert short.first.wait(30)
-        long = Stream(s.url, {"prompt": ["b", "c", "d"], "n": 15, "max_tokens": 480,
-                              "ignore_eos": True})
+        long = Stream(s.url, {"prompt": ["b", "c", "d", "f", "g", "h"], "n": 15,
+                              "max_tokens": 480, "ignore_eos": True})
         assert long.first.wait(30)
         plain: list[httpx.Response] = []  # not streamed: waits behind the long one's choices
         plain_thread = threading.Thread(target=lambda: plain.append(httpx.post(
@@ -119,7 +119,7 @@ def test_sigterm_drains_in_flight_requests_then_ends_the_rest(engine_dir):
         _error(last, "shutting_down")
         assert "--shutdown-timeout" in last["error"]["message"]
         finishes = [c["choices"][0]["finish_reason"] for c in long.chunks()[:-1]]
-        assert finishes.count("length") < 45  # it was cut, not finished
+        assert finishes.count("length") < 90  # it was cut, not finished
         plain_thread.join(5)
         assert plain[0].status_code == 503, plain[0].text
         assert "--shutdown-timeout" in _error(plain[0].json(), "shutting_down")["message"]
