@@ -16,10 +16,6 @@ from collections.abc import Sequence
 
 import torch
 
-# integer dtypes of each element size: caches are copied as raw bits (torch has no float8
-# index kernels on the CPU)
-RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
 
 def slot_of(block_table: Sequence[int], index: int, block_size: int) -> int:
     """Cache slot of a request's token ``index`` (the block-table rule above)."""
@@ -212,7 +208,7 @@ class KVCache:
         """
         (sb, so), (db, do) = self.slot_index(src), self.slot_index(dst)
         for cache in (self.k, self.v):
-            raw = cache.view(RAW_DTYPES[cache.element_size()])  # (no float8 index kernels)
+            raw = cache.view(torch.uint8)  # as bytes: torch has no float8 index kernels on CPU
             raw[:, db, do] = raw[:, sb, so]
 
     @staticmethod
