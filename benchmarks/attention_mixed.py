@@ -5,7 +5,8 @@ prompt tiles). llama-3-8b shape (32 heads, 8 KV heads, head_dim 128), block size
 
 usage: python benchmarks/attention_mixed.py [B=256] [C=1000] [P=4] [L=1000]
 Prints us per call and the KV bandwidth (bytes of K and V read once / time) per variant; the
-decodes alone also per launch config and per KV layout (NHD, HND) at the default config."""
+decodes alone also per launch config (register caps included) and per KV layout (NHD, HND) at
+the default config."""
 
 from __future__ import annotations
 
@@ -48,9 +49,14 @@ def main() -> None:
                        "v_scale": torch.ones(1, device="cuda")} if kv != torch.bfloat16 else {})
             out = torch.empty_like(batch.q)
             if name == "decodes only":  # the decode class's launch configs
+                # (a register cap applies to launches of one split a program; the FP8
+                # default's, 128, also converts V as loaded)
                 for cfg in [{"BLOCK_N": bn, "num_warps": w, "num_stages": st,
                              "tiles_per_split": 2}
-                            for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (2, 3, 4)]:
+                            for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (2, 3, 4)
+                            ] + [{"BLOCK_N": 128, "num_warps": 4, "num_stages": st,
+                                  "tiles_per_split": 2, "maxnreg": r}
+                                 for st in (2, 3) for r in (96, 128, 168)]:
                     try:
                         us = time_us(lambda: paged_attention(
                             *batch.args(), dim ** -0.5, max_query_len=1,
@@ -59,8 +65,9 @@ def main() -> None:
                     except Exception as e:  # a config that does not fit
                         print(f"  decode {cfg}: {type(e).__name__}")
                         continue
+                    cap = f" r{cfg['maxnreg']}" if "maxnreg" in cfg else ""
                     print(f"{str(kv).removeprefix('torch.'):>9} decode {cfg['BLOCK_N']:>4} "
-                          f"w{cfg['num_warps']} s{cfg['num_stages']} {us:9.1f} "
+                          f"w{cfg['num_warps']} s{cfg['num_stages']}{cap} {us:9.1f} "
                           f"{nbytes / us / 1e6:6.2f}")
                 for layout in ("NHD", "HND"):  # the KV layouts (kiln/runtime/kv_cache.py)
                     args = (batch.q, with_layout(batch.k_cache, layout),

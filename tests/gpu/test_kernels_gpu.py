@@ -210,6 +210,33 @@ def test_paged_attention_decodes_beside_prompt_chunks(batch, cache_dtype, single
     assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
 
 
+@pytest.mark.parametrize("batch", [1, 64, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_attention_decode_step(batch, cache_dtype, layout):
+    """A pure decode step (every sequence one query, one launch): ``batch`` sequences at
+    contexts 100-8000, llama-3-8b shape, block size 16, either cache layout. At batch 64 and
+    256 the launch has one split a program, which runs FP8 caches under the default config's
+    register cap; at batch 1 the keys are split."""
+    from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref
+    from kiln.runtime.kernels.testing import random_paged_batch, with_layout
+
+    heads, kv_heads, dim, _, _ = SHAPES["llama-3-8b"]
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    g = torch.Generator().manual_seed(batch + 1)
+    ctxs = torch.randint(100, 8001, (batch,), generator=g).tolist()
+    b = random_paged_batch([(c - 1, 1, False) for c in ctxs], heads, kv_heads, dim, 16, dtype,
+                           DEV, cache_dtype=cache_dtype)
+    kc, vc = with_layout(b.k_cache, layout), with_layout(b.v_cache, layout)
+    ks, vs = torch.tensor([0.8], device=DEV), torch.tensor([1.3], device=DEV)
+    scales = {"k_scale": ks, "v_scale": vs} if cache_dtype == torch.float8_e4m3fn else {}
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention(b.q, kc, vc, *b.args()[3:], dim**-0.5, max_query_len=1,
+                    max_context_len=b.max_context_len, out=out, **scales)
+    ref = paged_attention_ref(*b.args(), dim**-0.5, **scales)
+    assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
+
+
 def test_paged_attention_cuda_graph():
     """Capturable (no host syncs): replay after changing the inputs in place."""
     from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref

@@ -131,12 +131,13 @@ def cases():
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
             "BLOCK_M": 16, "BLOCK_N": 64, "MULTI": True, "HAS_MASK": True, "KV_FP8": False,
             "Q_F32": False, "IEEE": False, "PDL": True,
-            "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2}
+            "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2, "V_ASM": False}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention decode, K/V prefetch", paged_attention._paged_attn_kernel, dict(
         attn, HAS_MASK=False, STAGED_EARLY=True, KV_PREFETCH=2), None, 4
     yield ("paged attention decode, FP8 K/V (float16 dots)", paged_attention._paged_attn_kernel,
-           dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=128, LINE=128, D_LINES=1),
+           dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=128, LINE=128, D_LINES=1,
+                V_ASM=True),
            {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4

@@ -103,11 +103,22 @@ def _prefetch_kv(kc_ptr, vc_ptr, bt_row, lo, hi, live, stride_kb, stride_ks, str
 
 
 @triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 -> float16 (exact), four bytes a 32-bit register, two values an instruction. Opaque
+    to Triton, so it converts in the layout the values were loaded in (vectorised along the
+    head dim), not after a byte-wise shared-memory load into the dot operand's layout."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _attend(
     m_i, l_i, acc, q, lo, hi, kc_ptr, vc_ptr, bt_row, stride_kb, stride_ks, stride_vb,
     stride_vs, qk_scale, qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-    HAS_MASK: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+    HAS_MASK: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr, V_ASM: tl.constexpr,
 ):
     """Online-softmax update over keys [lo, hi) of one sequence (pointers at its kv head).
 
@@ -124,9 +135,14 @@ def _attend(
         v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
         if KV_FP8:  # e4m3 -> float16 is one conversion per two values (the scales are
-            # folded into q and the output)
+            # folded into q and the output). V's dot operand runs along the keys: converted
+            # after the shared-memory load it would be read a byte at a time, so on the GPU
+            # it converts as loaded (V_ASM)
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            if V_ASM:
+                v = _e4m3_to_f16(v)
+            else:
+                v = v.to(q.dtype)
         if IEEE:  # float32 inputs, or bf16 under the interpreter (see _dot_in_fp32)
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -170,7 +186,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, MULTI: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, Q_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     STAGED_EARLY: tl.constexpr, KV_PREFETCH: tl.constexpr,
-    LINE: tl.constexpr, D_LINES: tl.constexpr,
+    LINE: tl.constexpr, D_LINES: tl.constexpr, V_ASM: tl.constexpr,
 ):
     if not STAGED_EARLY:
         pdl_begin(PDL)
@@ -278,12 +294,12 @@ def _paged_attn_kernel(
         m_i, l_i, acc, q, kv_lo, mid, kc_ptr + kv_base, vc_ptr + vv_base,
         bt_row, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
-        BLOCK_SIZE, BLOCK_N, False, HAS_MASK, KV_FP8, IEEE)
+        BLOCK_SIZE, BLOCK_N, False, HAS_MASK, KV_FP8, IEEE, V_ASM)
     m_i, l_i, acc = _attend(
         m_i, l_i, acc, q, mid, kv_hi, kc_ptr + kv_base, vc_ptr + vv_base,
         bt_row, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
-        BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE)
+        BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE, V_ASM)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -391,7 +407,9 @@ def default_config(head_dim: int, qclass: str = "decode", kv_fp8: bool = False) 
 
     Decodes over an FP8 cache of heads up to 128 wide take 128-key tiles: llama-3-8b shape,
     H100, batch 256 at ~1000 tokens of context 234 us against 288 us for 64-key tiles; batch
-    64 at ~4000 tokens 220 vs 343 us; batch 16 at ~8000 118 vs 186 us
+    64 at ~4000 tokens 220 vs 343 us; batch 16 at ~8000 118 vs 186 us; and a 128-register cap
+    where a launch has one split a program (``_launch``): 4 programs an SM instead of 3, batch
+    64 at ~4000 251 -> 195 us, 256 at ~1000 231 -> 216 us
     (benchmarks/attention_mixed.py; docs/decisions.md, "FP8 KV attention").
 
     Tree-masked steps (``qclass`` "tree") of 128-wide heads take 32-key tiles: at the
@@ -407,7 +425,8 @@ def default_config(head_dim: int, qclass: str = "decode", kv_fp8: bool = False) 
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                 "tiles_per_split": 2}
     if qclass == "decode" and kv_fp8 and d_pad <= 128:
-        block_n = 128
+        return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2,
+                "maxnreg": 128}
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2}
 
 
@@ -603,6 +622,14 @@ def _launch(
     else:
         part_acc = part_ml = out  # unused
     early, esize = _pdl.staged_early(), k_cache.element_size()
+    on_gpu = dev.type == "cuda" and not env.triton_interpret()
+    # A register cap (a tuned or default config's ``maxnreg``) for launches of one split a
+    # program: they have programs enough to fill the SMs, and more of them resident hide the
+    # loads. Split launches have few programs, where the cap's spills cost more than it gives.
+    # Capped FP8 launches convert V as loaded (V_ASM), which needs fewer registers; uncapped,
+    # that conversion is slower (docs/decisions.md, "FP8 KV attention").
+    regs = ({"maxnreg": int(config["maxnreg"])}
+            if on_gpu and num_splits == 1 and config.get("maxnreg") else {})
     _paged_attn_kernel[(num_q_programs, kv_heads, num_splits)](
         out, part_acc, part_ml, q, k_cache, v_cache, block_tables, query_start_loc,
         context_lens, mask if mask is not None else context_lens,
@@ -617,8 +644,10 @@ def _launch(
         IEEE=_dot_in_fp32(q.dtype),
         STAGED_EARLY=early,
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
-        D_LINES=next_pow2(triton.cdiv(dim * esize, 128)), num_warps=int(config["num_warps"]),
-        num_stages=int(config["num_stages"]), **_pdl.launch_kwargs(),
+        D_LINES=next_pow2(triton.cdiv(dim * esize, 128)),
+        V_ASM=kv_fp8 and bool(regs) and q.dtype != torch.float32,
+        num_warps=int(config["num_warps"]),
+        num_stages=int(config["num_stages"]), **regs, **_pdl.launch_kwargs(),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, heads)](
