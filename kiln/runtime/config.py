@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.runtime.env import env_flag, env_flag_or_none, env_str
+from kiln.runtime.env import env_flag, env_flag_or_none, env_str, kv_layout
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class RuntimeConfig:
     # side: a decode reads a head's block in one run; llama-3-8b FP8 decode step at batch 256
     # 1.6 % faster, docs/decisions.md "KV cache layout HND") or "NHD" (a token's heads side by
     # side).
-    kv_layout: str = field(default_factory=lambda: env_str("KILN_KV_LAYOUT", "HND"))
+    kv_layout: str = field(default_factory=kv_layout)
     num_kv_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_tokens: int | None = None

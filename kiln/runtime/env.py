@@ -76,6 +76,12 @@ def env_str(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def kv_layout() -> str:
+    """``KILN_KV_LAYOUT`` (default ``HND``): the KV cache layout engines run, which the
+    build-time attention measurements time too."""
+    return env_str("KILN_KV_LAYOUT", "HND")
+
+
 @functools.cache
 def triton_interpret() -> bool:
     """Whether the Triton kernels run in the CPU interpreter (``TRITON_INTERPRET``)."""

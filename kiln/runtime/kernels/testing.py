@@ -48,11 +48,12 @@ def tree_mask(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
 def random_paged_batch(
     specs: list[tuple[int, int, bool]], heads: int, kv_heads: int, dim: int, block_size: int,
     dtype: torch.dtype, device: torch.device | str = "cpu",
-    cache_dtype: torch.dtype | None = None, spare_blocks: int = 3,
+    cache_dtype: torch.dtype | None = None, spare_blocks: int = 3, layout: str = "NHD",
 ) -> PagedBatch:
     """specs: one (cached prefix length, query_len, tree-masked?) per sequence.
 
-    The whole cache is random (never zeros) and each sequence gets shuffled block ids.
+    The whole cache is random (never zeros) and each sequence gets shuffled block ids; it is
+    stored in ``layout`` (``with_layout``).
     """
     cache_dtype = cache_dtype or dtype
     nbs = [-(-(p + n) // block_size) for p, n, _ in specs]
@@ -80,7 +81,8 @@ def random_paged_batch(
 
     return PagedBatch(
         q=torch.randn(qsl[-1], heads, dim, device=device).to(dtype),
-        k_cache=k_cache, v_cache=v_cache, block_tables=tables.to(device),
+        k_cache=with_layout(k_cache, layout), v_cache=with_layout(v_cache, layout),
+        block_tables=tables.to(device),
         query_start_loc=i32(qsl), context_lens=i32(ctx),
         mask=torch.cat(masks).to(device=device, dtype=torch.uint8) if masks else None,
         mask_offsets=i32(offs) if masks else None,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kiln.runtime import env
 from kiln.runtime.kernels import gemv, gemv_configs, paged_attention
 from kiln.runtime.kernels._checks import FP8_DTYPES, next_pow2
 from kiln.runtime.kernels.testing import random_paged_batch
@@ -111,7 +112,8 @@ def _attention_inputs(p: dict, device: torch.device) -> tuple:
         q = p["query_len"]
         specs = [(p["context"] - q, q, bool(p["tree"]))] * p["batch"]
         b = random_paged_batch(specs, p["heads"], p["kv_heads"], p["head_dim"],
-                               p["block_size"], dtype, device, cache_dtype=kv)
+                               p["block_size"], dtype, device, cache_dtype=kv,
+                               layout=env.kv_layout())
         nbytes = 2 * b.k_cache.numel() * b.k_cache.element_size()
         caches = [(b.k_cache, b.v_cache)] + [(b.k_cache.clone(), b.v_cache.clone())
                                              for _ in range(_copies(nbytes) - 1)]

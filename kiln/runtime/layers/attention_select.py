@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kiln.runtime import env
 from kiln.runtime.layers.attention import STEP_CLASSES
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ def _batch(p: dict, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtyp
         torch.manual_seed(0)
         b = random_paged_batch([(pre, n, p["tree"]) for pre, n in p["seqs"]], model.num_heads,
                                model.num_kv_heads, model.head_dim, 16, dtype, device,
-                               cache_dtype=kv_dtype)
+                               cache_dtype=kv_dtype, layout=env.kv_layout())
     dm = TritonAttentionMetadata(
         block_tables=b.block_tables, query_start_loc=b.query_start_loc,
         context_lens=b.context_lens, max_query_len=b.max_query_len,
