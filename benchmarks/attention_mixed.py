@@ -5,8 +5,8 @@ prompt tiles). llama-3-8b shape (32 heads, 8 KV heads, head_dim 128), block size
 
 usage: python benchmarks/attention_mixed.py [B=256] [C=1000] [P=4] [L=1000]
 Prints us per call and the KV bandwidth (bytes of K and V read once / time) per variant; the
-decodes alone also per launch config (register caps included) and per KV layout (NHD, HND) at
-the default config."""
+decodes alone also per launch config (register caps and block ids a tile ahead included) and
+per KV layout (NHD, HND) at the default config."""
 
 from __future__ import annotations
 
@@ -56,7 +56,11 @@ def main() -> None:
                             for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (2, 3, 4)
                             ] + [{"BLOCK_N": 128, "num_warps": 4, "num_stages": st,
                                   "tiles_per_split": 2, "maxnreg": r}
-                                 for st in (2, 3) for r in (96, 128, 168)]:
+                                 for st in (2, 3) for r in (96, 128, 168)
+                            ] + [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st,
+                                  "tiles_per_split": 2, "bt_ahead": True, **cap}
+                                 for bn in (64, 128) for st in (3, 4)
+                                 for cap in ({}, {"maxnreg": 128})]:
                     try:
                         us = time_us(lambda: paged_attention(
                             *batch.args(), dim ** -0.5, max_query_len=1,
@@ -65,7 +69,8 @@ def main() -> None:
                     except Exception as e:  # a config that does not fit
                         print(f"  decode {cfg}: {type(e).__name__}")
                         continue
-                    cap = f" r{cfg['maxnreg']}" if "maxnreg" in cfg else ""
+                    cap = (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "") + (
+                        " ahead" if cfg.get("bt_ahead") else "")
                     print(f"{str(kv).removeprefix('torch.'):>9} decode {cfg['BLOCK_N']:>4} "
                           f"w{cfg['num_warps']} s{cfg['num_stages']}{cap} {us:9.1f} "
                           f"{nbytes / us / 1e6:6.2f}")
@@ -101,7 +106,10 @@ def main() -> None:
         for cfg in [None] + [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st,
                               "tiles_per_split": 2}
                              for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8)
-                             for st in (2, 3)]:
+                             for st in (2, 3)] + [
+                            {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": w, "num_stages": st,
+                             "tiles_per_split": 2, "bt_ahead": True}
+                            for w in (4, 8) for st in (3, 4)]:
             try:
                 us = time_us(lambda: paged_attention(
                     *batch.args(), dim ** -0.5, max_query_len=n, max_context_len=n, out=out,

@@ -213,11 +213,15 @@ def test_paged_attention_decodes_beside_prompt_chunks(batch, cache_dtype, single
 @pytest.mark.parametrize("batch", [1, 64, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_paged_attention_decode_step(batch, cache_dtype, layout):
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                                           "tiles_per_split": 2, "bt_ahead": True,
+                                           "maxnreg": 128}])
+def test_paged_attention_decode_step(batch, cache_dtype, layout, config):
     """A pure decode step (every sequence one query, one launch): ``batch`` sequences at
-    contexts 100-8000, llama-3-8b shape, block size 16, either cache layout. At batch 64 and
-    256 the launch has one split a program, which runs FP8 caches under the default config's
-    register cap; at batch 1 the keys are split."""
+    contexts 100-8000, llama-3-8b shape, block size 16, either cache layout, the default
+    config and a tuner candidate with block ids a tile ahead. At batch 64 and 256 the launch
+    has one split a program, which runs FP8 caches under the register cap; at batch 1 the
+    keys are split."""
     from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref
     from kiln.runtime.kernels.testing import random_paged_batch, with_layout
 
@@ -232,7 +236,7 @@ def test_paged_attention_decode_step(batch, cache_dtype, layout):
     scales = {"k_scale": ks, "v_scale": vs} if cache_dtype == torch.float8_e4m3fn else {}
     out = torch.full_like(b.q, float("nan"))
     paged_attention(b.q, kc, vc, *b.args()[3:], dim**-0.5, max_query_len=1,
-                    max_context_len=b.max_context_len, out=out, **scales)
+                    max_context_len=b.max_context_len, out=out, config=config, **scales)
     ref = paged_attention_ref(*b.args(), dim**-0.5, **scales)
     assert _rel(out, ref) < TOL[dtype] * (3 if dtype == torch.float32 else 1)
 

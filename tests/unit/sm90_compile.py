@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -131,7 +132,8 @@ def cases():
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
             "BLOCK_M": 16, "BLOCK_N": 64, "MULTI": True, "HAS_MASK": True, "KV_FP8": False,
             "Q_F32": False, "IEEE": False, "PDL": True,
-            "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2, "V_ASM": False}
+            "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2, "V_ASM": False,
+            "BT_AHEAD": False}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention decode, K/V prefetch", paged_attention._paged_attn_kernel, dict(
         attn, HAS_MASK=False, STAGED_EARLY=True, KV_PREFETCH=2), None, 4
@@ -139,6 +141,10 @@ def cases():
            dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=128, LINE=128, D_LINES=1,
                 V_ASM=True),
            {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
+    yield ("paged attention decode, FP8 K/V, block ids a tile ahead",
+           paged_attention._paged_attn_kernel,
+           dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=64, LINE=128, D_LINES=1,
+                V_ASM=True, BT_AHEAD=True), {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32",
@@ -204,13 +210,19 @@ STAGED_EARLY = ("paged attention decode, K/V prefetch", "rotary + cache", "rotar
 # strides at llama-3-8b / smollm2 sizes): a launch specialises them, and pointers, on
 # divisibility by 16, which is what lets the compiler emit 16-byte vector loads.
 DIVISIBLE_INTS = {"K", "N", "K_SPLIT", "stride_xm", "stride_wn", "stride_ym"}
+# The attention kernel's q / out / cache strides (multiples of the head dim) are too; the
+# block table's row stride need not be.
+ATTENTION_DIVISIBLE = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+                       "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh"}
 
 
 def divisibility(fn, const: dict) -> dict:
-    """The launch's specialisation: 16-divisible pointers, and DIVISIBLE_INTS for the GEMV."""
-    gemv = fn.__name__ == "_gemv_kernel"
+    """The launch's specialisation: 16-divisible pointers, DIVISIBLE_INTS for the GEMV and
+    ATTENTION_DIVISIBLE for paged attention (whose K/V tiles are then loaded asynchronously)."""
+    ints = {"_gemv_kernel": DIVISIBLE_INTS,
+            "_paged_attn_kernel": ATTENTION_DIVISIBLE}.get(fn.__name__, set())
     return {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-            if (i,) not in const and (a.endswith("_ptr") or (gemv and a in DIVISIBLE_INTS))}
+            if (i,) not in const and (a.endswith("_ptr") or a in ints)}
 
 
 def main() -> None:
@@ -231,6 +243,8 @@ def main() -> None:
             wait = ptx.find("griddepcontrol.wait")
             if name in STAGED_EARLY and not 0 <= ptx.find("ld.global") < wait:
                 raise AssertionError("the staged metadata is not read before the wait")
+            if "a tile ahead" in name and not re.search(r"memdesc<[2-9]x", k.asm["ttgir"]):
+                raise AssertionError("the K/V tiles are not multi-buffered (block ids ahead)")
             if ("prefetch" in name or "hints" in name) and "prefetch.global.L2" not in ptx:
                 raise AssertionError("no prefetch.global.L2 in the PTX (L2 hints missing)")
             compiled.append(name)

@@ -175,6 +175,32 @@ def test_choose_num_splits():
     assert choose_num_splits(512, 2048, 132, 64) == 1  # enough programs already
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("specs", [
+    [(150, 1, False), (130, 5, True), (70, 2, False), (0, 9, False), (33, 1, False)],
+    [(150, 1, False), (37, 1, False), (99, 1, False)],  # a decode step: one launch
+])
+def test_block_ids_a_tile_ahead_change_no_value(cache_dtype, num_splits, specs):
+    """``bt_ahead`` (each tile's block ids loaded one iteration ahead) over contexts of many
+    16-key tiles, across splits and the prefix / in-step boundary, causal and tree-masked:
+    the same values as the plain loop, bit for bit, and as the reference. (In a mixed step
+    the config is the prompt launch's.)"""
+    q, kc, vc, bt, qsl, ctx, mask, offs = make_batch(specs, 4, 2, 16, 4, torch.float32,
+                                                     cache_dtype)
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if cache_dtype != torch.float32 else {}
+    plain = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "tiles_per_split": 1}
+    max_q, max_ctx = max(n for _, n, _ in specs), max(p + n for p, n, _ in specs)
+    outs = [paged_attention(q, kc, vc, bt, qsl, ctx, 0.25, max_query_len=max_q,
+                            max_context_len=max_ctx, mask=mask, mask_offsets=offs,
+                            num_splits=num_splits, config=cfg, **scales)
+            for cfg in (plain, dict(plain, bt_ahead=True))]
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, ctx, 0.25, mask=mask, mask_offsets=offs,
+                              **scales)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], ref) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("specs", [[(7, 2, False), (0, 3, False)], [(7, 1, False), (30, 1, False)]])
 def test_paged_attention_fp8_cache(dtype, specs):

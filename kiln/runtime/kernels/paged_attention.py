@@ -119,16 +119,28 @@ def _attend(
     stride_vs, qk_scale, qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
     HAS_MASK: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr, V_ASM: tl.constexpr,
+    BT_AHEAD: tl.constexpr,
 ):
     """Online-softmax update over keys [lo, hi) of one sequence (pointers at its kv head).
 
     STEP=False: keys visible to every row (only bounds masking). STEP=True: in-step keys,
-    causal or tree-masked.
+    causal or tree-masked. BT_AHEAD: each tile's block ids are loaded one iteration ahead, so
+    the K/V addresses do not hang on a load of the same iteration, and Triton's pipeliner
+    gives the K/V tiles num_stages - 1 shared-memory buffers instead of one (an FP8 decode
+    tile is then double-buffered at num_stages 3).
     """
+    if BT_AHEAD:
+        kpos0 = lo + tl.arange(0, BLOCK_N)
+        blk_next = tl.load(bt_row + kpos0 // BLOCK_SIZE, mask=kpos0 < hi, other=0)
     for n0 in range(lo, hi, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        if BT_AHEAD:
+            blk = blk_next.to(tl.int64)
+            kpos_next = kpos + BLOCK_N
+            blk_next = tl.load(bt_row + kpos_next // BLOCK_SIZE, mask=kpos_next < hi, other=0)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = kpos % BLOCK_SIZE
         k = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks + d[:, None],
                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
@@ -186,7 +198,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, MULTI: tl.constexpr, HAS_MASK: tl.constexpr,
     KV_FP8: tl.constexpr, Q_F32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     STAGED_EARLY: tl.constexpr, KV_PREFETCH: tl.constexpr,
-    LINE: tl.constexpr, D_LINES: tl.constexpr, V_ASM: tl.constexpr,
+    LINE: tl.constexpr, D_LINES: tl.constexpr, V_ASM: tl.constexpr, BT_AHEAD: tl.constexpr,
 ):
     if not STAGED_EARLY:
         pdl_begin(PDL)
@@ -294,12 +306,12 @@ def _paged_attn_kernel(
         m_i, l_i, acc, q, kv_lo, mid, kc_ptr + kv_base, vc_ptr + vv_base,
         bt_row, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
-        BLOCK_SIZE, BLOCK_N, False, HAS_MASK, KV_FP8, IEEE, V_ASM)
+        BLOCK_SIZE, BLOCK_N, False, HAS_MASK, KV_FP8, IEEE, V_ASM, BT_AHEAD)
     m_i, l_i, acc = _attend(
         m_i, l_i, acc, q, mid, kv_hi, kc_ptr + kv_base, vc_ptr + vv_base,
         bt_row, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
         qi, row_ok, prefix, q_len, mask_ptr, m_off, d, d_ok,
-        BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE, V_ASM)
+        BLOCK_SIZE, BLOCK_N, True, HAS_MASK, KV_FP8, IEEE, V_ASM, BT_AHEAD)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -479,14 +491,15 @@ def paged_attention(
     v_scale (floats or 1-element float32 device tensors, e.g.
     ``cache.k_scale[layer : layer + 1]``). num_splits fixes the key-split count (CUDA graphs
     want a static one). ``config`` forces a launch config (BLOCK_N, num_warps, num_stages,
-    tiles_per_split; optionally BLOCK_M, the tile rows, and min_split_tiles, the least key
-    tiles per split of a context); by default the one tuned for this shape (``tuned_configs.lookup``, see
-    ``tuning_key``) or ``default_config``; it applies to the prompt launch of a mixed step.
-    ``single_rows``: how many sequences have exactly one query, when the host knows (None:
-    unknown, e.g. a CUDA graph's bucket). An unmasked step with several queries somewhere
-    and more than one sequence runs two launches (decodes in decode tiles, the rest in
-    prompt tiles) unless ``single_rows`` says every sequence is of one kind. Returns
-    [T, H, D] in q's dtype.
+    tiles_per_split; optionally BLOCK_M, the tile rows, min_split_tiles, the least key
+    tiles per split of a context, maxnreg, a register cap for launches of one split, and
+    bt_ahead, block ids loaded a tile ahead); by default the one tuned for this shape
+    (``tuned_configs.lookup``, see ``tuning_key``) or ``default_config``; it applies to the
+    prompt launch of a mixed step. ``single_rows``: how many sequences have exactly one
+    query, when the host knows (None: unknown, e.g. a CUDA graph's bucket). An unmasked step
+    with several queries somewhere and more than one sequence runs two launches (decodes in
+    decode tiles, the rest in prompt tiles) unless ``single_rows`` says every sequence is of
+    one kind. Returns [T, H, D] in q's dtype.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     dev = q.device
@@ -646,7 +659,7 @@ def _launch(
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
         D_LINES=next_pow2(triton.cdiv(dim * esize, 128)),
         V_ASM=kv_fp8 and bool(regs) and q.dtype != torch.float32,
-        num_warps=int(config["num_warps"]),
+        BT_AHEAD=bool(config.get("bt_ahead", False)), num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **regs, **_pdl.launch_kwargs(),
     )
     if num_splits > 1:

@@ -83,10 +83,11 @@ def _attention_key(p: dict) -> str:
 
 def _attention_candidates(p: dict) -> list[dict]:
     """BLOCK_N x warps x stages at the default split rule, then the split rule per BLOCK_N
-    (24 configs; FP8 decodes also 4 with a register cap). 16-row tiles (decode) try 2 and 4
-    warps, 64-row 4 and 8. Tree-masked steps: tile rows x BLOCK_N x the least tiles per
-    split, and the default (19 configs; the best of them per shape: 0.76x the old default's
-    time, geometric mean over the 135M / 1.5B / 7B shapes, docs/decisions.md)."""
+    (24 configs), and 4 that load the block ids a tile ahead (FP8 decodes: under a register
+    cap, and 2 more capped). 16-row tiles (decode) try 2 and 4 warps, 64-row 4 and 8.
+    Tree-masked steps: tile rows x BLOCK_N x the least tiles per split, and the default (19
+    configs; the best of them per shape: 0.76x the old default's time, geometric mean over
+    the 135M / 1.5B / 7B shapes, docs/decisions.md)."""
     wide = next_pow2(max(p["head_dim"], 16)) > 128
     block_ns = (16, 32, 64) if wide else (32, 64, 128)
     qclass = _attention_class(p)
@@ -100,9 +101,15 @@ def _attention_candidates(p: dict) -> list[dict]:
            for bn in block_ns for w in warps for st in (1, 2, 3)]
     out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": tps}
             for bn in block_ns for tps in (1, 4)]
-    if qclass == "decode" and _kv_fp8(p):  # register caps (paged_attention.default_config)
-        out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st, "tiles_per_split": 2,
-                 "maxnreg": 128} for bn in block_ns[1:] for st in (2, 3)]
+    # block ids a tile ahead (multi-buffered K/V tiles), the FP8 decodes' also under their
+    # register cap (paged_attention.default_config)
+    cap = {"maxnreg": 128} if qclass == "decode" and _kv_fp8(p) else {}
+    rows = {"BLOCK_M": 128} if qclass == "prefill" else {}
+    out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st, "tiles_per_split": 2,
+             "bt_ahead": True, **rows, **cap} for bn in block_ns[1:] for st in (3, 4)]
+    if cap:
+        out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2, **cap}
+                for bn in block_ns[1:]]
     return out
 
 
