@@ -103,8 +103,9 @@ def _attention_candidates(p: dict) -> list[dict]:
             for bn in block_ns for tps in (1, 4)]
     # block ids a tile ahead (multi-buffered K/V tiles), the FP8 decodes' also under their
     # register cap (paged_attention.default_config)
+    # (128-row prompt tiles: 8 warps, which hold them without spilling: sm_90 compile)
     cap = {"maxnreg": 128} if qclass == "decode" and _kv_fp8(p) else {}
-    rows = {"BLOCK_M": 128} if qclass == "prefill" else {}
+    rows = {"BLOCK_M": 128, "num_warps": 8} if qclass == "prefill" else {}
     out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st, "tiles_per_split": 2,
              "bt_ahead": True, **rows, **cap} for bn in block_ns[1:] for st in (3, 4)]
     if cap:
