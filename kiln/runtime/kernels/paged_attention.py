@@ -104,9 +104,10 @@ def _prefetch_kv(kc_ptr, vc_ptr, bt_row, lo, hi, live, stride_kb, stride_ks, str
 
 @triton.jit
 def _e4m3_to_f16(x):
-    """e4m3 -> float16 (exact), four bytes a 32-bit register, two values an instruction. Opaque
-    to Triton, so it converts in the layout the values were loaded in (vectorised along the
-    head dim), not after a byte-wise shared-memory load into the dot operand's layout."""
+    """e4m3 -> float16 (exact), four bytes a 32-bit register, two values an instruction, in
+    inline PTX. (Triton 3.6 still reads V's dot operand from shared memory a byte at a time
+    before it: the same 128 ``LDS.U8`` a thread per 128-key tile as ``.to``, plus the byte
+    packing; the capped launches it serves were measured with it.)"""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
         "cvt.rn.f16x2.e4m3x2 $1, hi; }",
@@ -147,9 +148,7 @@ def _attend(
         v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
         if KV_FP8:  # e4m3 -> float16 is one conversion per two values (the scales are
-            # folded into q and the output). V's dot operand runs along the keys: converted
-            # after the shared-memory load it would be read a byte at a time, so on the GPU
-            # it converts as loaded (V_ASM)
+            # folded into q and the output); V through inline PTX in capped launches (V_ASM)
             k = k.to(q.dtype)
             if V_ASM:
                 v = _e4m3_to_f16(v)
@@ -639,8 +638,8 @@ def _launch(
     # A register cap (a tuned or default config's ``maxnreg``) for launches of one split a
     # program: they have programs enough to fill the SMs, and more of them resident hide the
     # loads. Split launches have few programs, where the cap's spills cost more than it gives.
-    # Capped FP8 launches convert V as loaded (V_ASM), which needs fewer registers; uncapped,
-    # that conversion is slower (docs/decisions.md, "FP8 KV attention").
+    # Capped FP8 launches convert V through inline PTX (V_ASM), the form the cap was measured
+    # with; uncapped it is slower (docs/decisions.md, "FP8 KV attention").
     regs = ({"maxnreg": int(config["maxnreg"])}
             if on_gpu and num_splits == 1 and config.get("maxnreg") else {})
     _paged_attn_kernel[(num_q_programs, kv_heads, num_splits)](
