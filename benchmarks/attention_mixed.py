@@ -57,6 +57,8 @@ def main() -> None:
                             ] + [{"BLOCK_N": 128, "num_warps": 4, "num_stages": st,
                                   "tiles_per_split": 2, "maxnreg": r}
                                  for st in (2, 3) for r in (96, 128, 168)
+                            ] + [{"BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+                                  "tiles_per_split": 2, "maxnreg": 128, "v_asm": False}
                             ] + [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st,
                                   "tiles_per_split": 2, "bt_ahead": True, **cap}
                                  for bn in (64, 128) for st in (3, 4)
@@ -70,7 +72,8 @@ def main() -> None:
                         print(f"  decode {cfg}: {type(e).__name__}")
                         continue
                     cap = (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "") + (
-                        " ahead" if cfg.get("bt_ahead") else "")
+                        " ahead" if cfg.get("bt_ahead") else "") + (
+                        " no-asm" if cfg.get("v_asm") is False else "")
                     print(f"{str(kv).removeprefix('torch.'):>9} decode {cfg['BLOCK_N']:>4} "
                           f"w{cfg['num_warps']} s{cfg['num_stages']}{cap} {us:9.1f} "
                           f"{nbytes / us / 1e6:6.2f}")

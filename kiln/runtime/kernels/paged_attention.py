@@ -491,8 +491,9 @@ def paged_attention(
     ``cache.k_scale[layer : layer + 1]``). num_splits fixes the key-split count (CUDA graphs
     want a static one). ``config`` forces a launch config (BLOCK_N, num_warps, num_stages,
     tiles_per_split; optionally BLOCK_M, the tile rows, min_split_tiles, the least key
-    tiles per split of a context, maxnreg, a register cap for launches of one split, and
-    bt_ahead, block ids loaded a tile ahead); by default the one tuned for this shape
+    tiles per split of a context, maxnreg, a register cap for launches of one split, v_asm
+    (False: an FP8 capped launch converts V with ``.to``), and bt_ahead, block ids loaded a
+    tile ahead); by default the one tuned for this shape
     (``tuned_configs.lookup``, see ``tuning_key``) or ``default_config``; it applies to the
     prompt launch of a mixed step. ``single_rows``: how many sequences have exactly one
     query, when the host knows (None: unknown, e.g. a CUDA graph's bucket). An unmasked step
@@ -638,8 +639,9 @@ def _launch(
     # A register cap (a tuned or default config's ``maxnreg``) for launches of one split a
     # program: they have programs enough to fill the SMs, and more of them resident hide the
     # loads. Split launches have few programs, where the cap's spills cost more than it gives.
-    # Capped FP8 launches convert V through inline PTX (V_ASM), the form the cap was measured
-    # with; uncapped it is slower (docs/decisions.md, "FP8 KV attention").
+    # Capped FP8 launches convert V through inline PTX (V_ASM; a config's ``"v_asm": False``
+    # turns it off), the form the cap was measured with; uncapped it is slower
+    # (docs/decisions.md, "FP8 KV attention").
     regs = ({"maxnreg": int(config["maxnreg"])}
             if on_gpu and num_splits == 1 and config.get("maxnreg") else {})
     _paged_attn_kernel[(num_q_programs, kv_heads, num_splits)](
@@ -657,7 +659,8 @@ def _launch(
         STAGED_EARLY=early,
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
         D_LINES=next_pow2(triton.cdiv(dim * esize, 128)),
-        V_ASM=kv_fp8 and bool(regs) and q.dtype != torch.float32,
+        V_ASM=(kv_fp8 and bool(regs) and q.dtype != torch.float32
+               and config.get("v_asm", True)),
         BT_AHEAD=bool(config.get("bt_ahead", False)), num_warps=int(config["num_warps"]),
         num_stages=int(config["num_stages"]), **regs, **_pdl.launch_kwargs(),
     )
