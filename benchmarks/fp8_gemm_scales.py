@@ -8,7 +8,7 @@ usage: python benchmarks/fp8_gemm_scales.py [M ...]   (default 16 64 256 1024 40
 Rows: cuBLAS ``_scaled_mm`` with per-tensor scales; row-wise ``_scaled_mm`` (scale_a [M, 1],
 scale_b [1, N]: per-token activations, or a static scale expanded per row); and kiln's
 ``fp8_gemm`` on a static activation scale with a per-row weight scale as it runs today. Times
-are the best of two alternating rounds (A/B/A/B), us per call."""
+are the best of two alternating rounds (A/B/A/B), us per call (CUDA-graph replays, median)."""
 
 from __future__ import annotations
 
@@ -16,21 +16,15 @@ import sys
 
 import torch
 
+from kiln.runtime.kernels.tunable import time_cuda
 from kiln.runtime.layers.linear import fp8_gemm, rowwise_weight_scale
 
 SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def time_us(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+def time_us(fn) -> float:
+    """us per call of ``fn()``: the kernel tuner's timer (CUDA-graph replays, median)."""
+    return time_cuda(lambda i: fn(), torch.device("cuda")) * 1e6
 
 
 def main(ms: list[int]) -> None:
