@@ -23,9 +23,9 @@ def quantize(
         "which vLLM and TensorRT-LLM load too)."),
     kv_cache_dtype: str = typer.Option(
         "auto", "--kv-cache-dtype",
-        help="fp8 (calibrate per-layer K/V scales), none, or auto: fp8 unless the FP8 KV cache "
-        "is what takes the model past --max-quality-loss (Qwen2.5's keys: +78 % perplexity "
-        "on Qwen2.5-Coder-1.5B), then none, said and recorded."),
+        help="fp8 (calibrate per-layer K/V scales), none, or auto: fp8, unless the checkpoint "
+        "with it is past +3 % perplexity (or --max-quality-loss) and within it without: then "
+        "none, said and recorded (Qwen2.5's keys: +78 % on Qwen2.5-Coder-1.5B)."),
     calib_size: int = typer.Option(64, "--calib-size", help="Most calibration samples."),
     calib_seq_len: int = typer.Option(256, "--calib-seq-len", help="Tokens per sample."),
     calib_data: str | None = typer.Option(
@@ -49,8 +49,9 @@ def quantize(
         "set (no text shared with the calibration set)."),
     max_quality_loss: float = typer.Option(
         0.05, "--max-quality-loss",
-        help="The quality gate: the most the FP8 model's perplexity may rise over the "
-        "source's (0.05: +5 %); past it the command exits 1 and writes nothing."),
+        help="The quality gate: the most the FP8 checkpoint's perplexity (scored as the engine "
+        "kiln build makes of it) may rise over the source's (0.05: +5 %); past it the command "
+        "exits 1 and writes nothing."),
     allow_quality_loss: bool = typer.Option(
         False, "--allow-quality-loss",
         help="Write the checkpoint whatever the quality gate measures (both perplexities "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,29 @@ def window_nll(engine: Any, ids: list[int]) -> float:
     tokens = torch.tensor(ids, dtype=torch.long, device=dev)
     logits = engine.model.forward(tokens, slots, engine.cache, meta, slots[:-1])  # [n-1, V]
     return float(F.cross_entropy(logits.float(), tokens[1:], reduction="sum"))
+
+
+def windows_perplexity(engine: Any, windows: list[list[int]],
+                       advance: Callable[[], None] = lambda: None) -> tuple[float, int]:
+    """(exp(mean next-token NLL), tokens scored) of ``engine`` over ``windows`` (``advance``
+    after each window)."""
+    nll, count = 0.0, 0
+    for w in windows:
+        nll += window_nll(engine, w)
+        count += len(w) - 1
+        advance()
+    return math.exp(nll / count), count
+
+
+def scoring_engine(engine_dir: str | Path, max_seq_len: int, device: str | None) -> Any:
+    """The engine of ``engine_dir`` with a KV cache of one ``max_seq_len`` sequence (windows
+    reuse slots 0..seq_len-1) and no prefix cache."""
+    from kiln.runtime.engine import LLMEngine, RuntimeConfig
+
+    block_size = RuntimeConfig().block_size
+    return LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
+        device=device, block_size=block_size, num_kv_blocks=-(-max_seq_len // block_size),
+        enable_prefix_caching=False))
 
 
 def perplexity(
@@ -60,15 +84,11 @@ def perplexity(
         loading = bar.add_task(f"Loading {engine_dir}", total=None)
         engine, spec, text, windows, seq_len = _load(engine_dir, data, seq_len, device)
         bar.remove_task(loading)
-        nll, count = 0.0, 0
         task = bar.add_task("[bold]Perplexity[/]", total=len(windows))
-        for w in windows:
-            nll += window_nll(engine, w)
-            count += len(w) - 1
-            bar.advance(task)
+        ppl, count = windows_perplexity(engine, windows, lambda: bar.advance(task))
     q = spec.quantization
     return {
-        "perplexity": math.exp(nll / count),
+        "perplexity": ppl,
         "tokens": count,
         "windows": len(windows),
         "seq_len": seq_len,
@@ -88,16 +108,11 @@ def _load(engine_dir: str | Path, data: str | Path | None, seq_len: int,
     from kiln.artifact.loader import load_engine
     from kiln.errors import KilnError
     from kiln.quantize.calib import eval_windows, load_text_set
-    from kiln.runtime.engine import LLMEngine, RuntimeConfig
 
     spec = load_engine(engine_dir).spec
     seq_len = min(seq_len, spec.limits.max_seq_len)
     if seq_len < 2:
         raise KilnError(f"--seq-len must be >= 2, got {seq_len}")
-    block_size = RuntimeConfig().block_size
-    # a KV cache of one max_seq_len sequence: windows reuse slots 0..seq_len-1
-    engine = LLMEngine.from_engine_dir(engine_dir, RuntimeConfig(
-        device=device, block_size=block_size,
-        num_kv_blocks=-(-spec.limits.max_seq_len // block_size), enable_prefix_caching=False))
+    engine = scoring_engine(engine_dir, spec.limits.max_seq_len, device)
     text = load_text_set(data, "eval")
     return engine, spec, text, eval_windows(engine.tokenizer, text, seq_len), seq_len

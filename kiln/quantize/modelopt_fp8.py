@@ -165,6 +165,37 @@ def _carry_generation_defaults(path: Path, defaults: dict[str, Any]) -> None:
     path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
+def strip_kv_cache(ckpt: Path) -> None:
+    """Make the exported checkpoint ``ckpt`` one without an FP8 KV cache, as modelopt exports
+    it with the K/V quantizers off (its export converts the model's weights in place, so it
+    cannot run twice): no ``k_proj.k_scale`` / ``v_proj.v_scale`` tensors,
+    ``kv_cache_quant_algo`` null in hf_quant_config.json, no ``kv_cache_scheme`` in
+    config.json's ``quantization_config``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    kv_scale = (".k_scale", ".v_scale")
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            if not any(n.endswith(kv_scale) for n in f.keys()):
+                continue
+            kept = {n: f.get_tensor(n) for n in f.keys() if not n.endswith(kv_scale)}
+            meta = f.metadata()
+        save_file(kept, str(shard), metadata=meta)
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {n: f for n, f in data["weight_map"].items()
+                              if not n.endswith(kv_scale)}
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())
+    hq["quantization"]["kv_cache_quant_algo"] = None
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(hq, indent=4))
+    config = json.loads((ckpt / "config.json").read_text())
+    config.get("quantization_config", {}).pop("kv_cache_scheme", None)
+    (ckpt / "config.json").write_text(json.dumps(config, indent=4))
+
+
 def quantize(
     source: str,
     out_dir: str | Path,
@@ -187,11 +218,13 @@ def quantize(
     unless its perplexity on ``eval_data`` (kiln's built-in eval set by default) rises past
     ``max_quality_loss`` over the source's and that is not allowed (kiln/quantize/quality.py).
 
-    ``kv_cache_dtype`` "auto": an FP8 KV cache unless it is what takes the model past the
-    limit (the perplexity measured again with the KV cache unquantized is lower and within
-    it): then the KV cache stays in the model's dtype and the summary says why
-    (``fp8_kv_quality``). Qwen2.5-Coder-1.5B: +78 % from FP8 KV alone, +0.7 % from FP8
-    weights and activations (benchmarks/fp8_attribution.py).
+    The checkpoint is scored as the engine `kiln build` makes of it (``quality.engine_perplexity``).
+    ``kv_cache_dtype`` "auto": an FP8 KV cache unless leaving it out alone brings the checkpoint
+    within a limit it is past with it (``quality.kv_cache_left_out``: 3 %, or
+    ``max_quality_loss`` when lower; or ``max_quality_loss``): then the KV cache stays in the
+    model's dtype and the summary says why (``fp8_kv_quality``). Qwen2.5-Coder-1.5B: +78 %
+    from FP8 KV alone, +0.7 % from FP8 weights and activations
+    (benchmarks/fp8_attribution.py); smollm2-135m: +3.3 % with it, +2.6 % without.
 
     Returns the summary also written to ``out_dir/kiln_quantize.json``.
     """
@@ -244,67 +277,76 @@ def quantize(
             task = bar.add_task(f"[bold]Perplexity[/] of the {what}", total=len(windows))
             return quality.hf_perplexity(model, windows, device, lambda: bar.advance(task))
 
-    model.eval()
-    source_ppl = evaluate("source")
-    # modelopt prints on stdout: keep stdout for --json
-    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings(), \
-            contextlib.redirect_stdout(sys.stderr):
-        warnings.simplefilter("ignore")
-        kv = "none" if kv_cache_dtype == "none" else "fp8"
-        model = mtq.quantize(model, quant_config(mtq, kv, exclude, qformat), forward_loop)
-        fp8_ppl = evaluate("FP8 model")
-        checked = quality.quality_record(source_ppl, fp8_ppl, windows, eval_seq_len,
-                                         eval_text.provenance, max_quality_loss)
-        fp8_kv = None  # the FP8 KV cache's record, when auto left it out
-        if kv_cache_dtype == "auto" and checked["increase"] > max_quality_loss:
-            mtq.disable_quantizer(model, KV_QUANTIZERS)
-            without = evaluate("FP8 model with the KV cache unquantized")
-            if without < fp8_ppl and without / source_ppl - 1 <= max_quality_loss:
-                fp8_kv, kv = checked, "none"
-                for module in model.modules():  # no K/V scales in the export
-                    for name in ("k_bmm_quantizer", "v_bmm_quantizer"):
-                        if hasattr(module, name):
-                            getattr(module, name).reset_amax()
-                checked = quality.quality_record(source_ppl, without, windows, eval_seq_len,
-                                                 eval_text.provenance, max_quality_loss)
-                console.print(
-                    f"[yellow]note[/]: an FP8 KV cache raises perplexity from {source_ppl:.2f} "
-                    f"to {fp8_ppl:.2f} ({fp8_kv['increase']:+.1%}), past --max-quality-loss "
-                    f"{max_quality_loss:.0%}; without it {without:.2f} "
-                    f"({checked['increase']:+.1%}): the KV cache stays in the model's dtype "
-                    "(--kv-cache-dtype fp8 keeps it FP8 anyway)")
-            else:
-                mtq.enable_quantizer(model, KV_QUANTIZERS)
-    # auto measured the KV cache's share already: suggest leaving it out only when asked fp8
-    quality.check(checked, allow_quality_loss, qformat, fp8_kv=kv_cache_dtype == "fp8")
+    # the checkpoint is scored as the engine kiln builds of it, in the dtype the source ran
+    engine_dtype = "bfloat16" if device == "cuda" else "float32"
+    scored_by = f"kiln engine ({engine_dtype}, {device})"
 
-    summary = {
-        "tool": "kiln quantize",
-        "kiln_version": kiln.__version__,
-        "modelopt_version": MODELOPT_VERSION,
-        "qformat": qformat,
-        "kv_cache_dtype": kv,
-        "kv_cache_dtype_asked": kv_cache_dtype,
-        "calib_size": len(chunks),
-        "calib_seq_len": calib_seq_len,
-        "calib_tokens": sum(len(c) for c in chunks),
-        **text.provenance,
-        "exclude": list(dict.fromkeys([*ALWAYS_EXCLUDED, *exclude])),
-        "device": device,
-        "source": prov,
-        "quality": checked,
-        **({"fp8_kv_quality": fp8_kv} if fp8_kv else {}),
-    }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quantizing-", dir=out_dir.parent))
-    try:
+    def score(ckpt: Path, kv_fp8: bool, what: str) -> float:
+        with bar:
+            task = bar.add_task(f"[bold]Perplexity[/] of the {what}", total=len(windows))
+            return quality.engine_perplexity(ckpt, windows, dtype=engine_dtype, kv_fp8=kv_fp8,
+                                             device=device, advance=lambda: bar.advance(task))
+
+    def export(tmp: Path) -> None:
         with console.status("Exporting the FP8 checkpoint…"), warnings.catch_warnings(), \
                 contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
             export_hf_checkpoint(model, export_dir=str(tmp))
         tokenizer.save_pretrained(str(tmp))
         _carry_generation_defaults(tmp / "generation_config.json", src.generation_defaults)
-        summary["seconds"] = round(time.perf_counter() - t0, 1)
+
+    model.eval()
+    source_ppl = evaluate("source")
+    kv = "none" if kv_cache_dtype == "none" else "fp8"
+    # modelopt prints on stdout: keep stdout for --json
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings(), \
+            contextlib.redirect_stdout(sys.stderr):
+        warnings.simplefilter("ignore")
+        model = mtq.quantize(model, quant_config(mtq, kv, exclude, qformat), forward_loop)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quantizing-", dir=out_dir.parent))
+    try:
+        export(tmp)
+        fp8_ppl = score(tmp, kv == "fp8", "FP8 checkpoint")
+        checked = quality.quality_record(source_ppl, fp8_ppl, windows, eval_seq_len,
+                                         eval_text.provenance, max_quality_loss, scored_by)
+        fp8_kv = None  # the FP8 KV cache's record, when auto left it out
+        if kv_cache_dtype == "auto" and checked["increase"] > min(max_quality_loss,
+                                                                  quality.KV_QUALITY_TARGET):
+            without = score(tmp, False, "FP8 checkpoint with the KV cache unquantized")
+            if quality.kv_cache_left_out(source_ppl, fp8_ppl, without, max_quality_loss):
+                fp8_kv, kv = checked, "none"
+                strip_kv_cache(tmp)
+                checked = quality.quality_record(source_ppl, without, windows, eval_seq_len,
+                                                 eval_text.provenance, max_quality_loss,
+                                                 scored_by)
+                limit = min(max_quality_loss, quality.KV_QUALITY_TARGET)
+                console.print(
+                    f"[yellow]note[/]: with an FP8 KV cache perplexity rises from "
+                    f"{source_ppl:.2f} to {fp8_ppl:.2f} ({fp8_kv['increase']:+.1%}), past "
+                    f"{limit:.0%}; without it {without:.2f} ({checked['increase']:+.1%}): the "
+                    "KV cache stays in the model's dtype (--kv-cache-dtype fp8 keeps it FP8 "
+                    "anyway)")
+        # auto measured the KV cache's share already: suggest leaving it out only when asked
+        quality.check(checked, allow_quality_loss, qformat, fp8_kv=kv_cache_dtype == "fp8")
+        summary = {
+            "tool": "kiln quantize",
+            "kiln_version": kiln.__version__,
+            "modelopt_version": MODELOPT_VERSION,
+            "qformat": qformat,
+            "kv_cache_dtype": kv,
+            "kv_cache_dtype_asked": kv_cache_dtype,
+            "calib_size": len(chunks),
+            "calib_seq_len": calib_seq_len,
+            "calib_tokens": sum(len(c) for c in chunks),
+            **text.provenance,
+            "exclude": list(dict.fromkeys([*ALWAYS_EXCLUDED, *exclude])),
+            "device": device,
+            "source": prov,
+            "quality": checked,
+            **({"fp8_kv_quality": fp8_kv} if fp8_kv else {}),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         (tmp / CALIB_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         honour_umask(tmp)  # mkdtemp made it 0700
         if out_dir.exists():
