@@ -323,8 +323,8 @@ def quantize(
                 limit = min(max_quality_loss, quality.KV_QUALITY_TARGET)
                 console.print(
                     f"[yellow]note[/]: with an FP8 KV cache perplexity rises from "
-                    f"{source_ppl:.2f} to {fp8_ppl:.2f} ({fp8_kv['increase']:+.1%}), past "
-                    f"{limit:.0%}; without it {without:.2f} ({checked['increase']:+.1%}): the "
+                    f"{source_ppl:.2f} to {fp8_ppl:.2f} ({fp8_kv['increase']:+.2%}), past "
+                    f"{limit:.0%}; without it {without:.2f} ({checked['increase']:+.2%}): the "
                     "KV cache stays in the model's dtype (--kv-cache-dtype fp8 keeps it FP8 "
                     "anyway)")
         # auto measured the KV cache's share already: suggest leaving it out only when asked

@@ -93,10 +93,10 @@ def quality_record(source: float, quantized: float, windows: list[list[int]], se
 
 
 def summary_line(q: dict[str, Any]) -> str:
-    """``perplexity on builtin:eval (2,345 tokens): source 18.92, FP8 19.17 (+1.3 %)``."""
+    """``perplexity on builtin:eval (2,345 tokens): source 18.92, FP8 19.17 (+1.32%)``."""
     return (f"perplexity on {q['eval_data']} ({q['eval_tokens']:,} tokens): source "
             f"{q['source_perplexity']:.2f}, FP8 {q['quantized_perplexity']:.2f} "
-            f"({q['increase']:+.1%})")
+            f"({q['increase']:+.2%})")
 
 
 # what to try when a scheme loses the model: the other one
