@@ -4,7 +4,8 @@ Compilation runs on a worker thread and the caller waits at most ``timeout_s``; 
 grammars (as futures) are kept in an LRU keyed by the spec, so a compilation that timed out
 still lands in the cache when it finishes and a later identical request gets it for free.
 Masks are filled on the CPU (xgrammar releases the GIL while filling); nothing here runs as a
-device-side host callback (see the guided-decoding GIL deadlock field report).
+device-side host callback: a host function the device waits on would need the GIL, which a
+thread waiting on the device may hold.
 """
 
 from __future__ import annotations
