@@ -304,3 +304,36 @@ def use_wrong_acceptance_rule(monkeypatch) -> None:
         return real(p, [], generator)
 
     monkeypatch.setattr(verify, "verify_position", accept_any_supported)
+
+
+def find_draft(tokens: list[int], max_match: int, min_match: int, max_len: int) -> list[int]:
+    """Prompt lookup's draft by a scan of the whole text, the oracle of ``LookupIndex`` and
+    the device drafts: the tokens (at most ``max_len``) that followed the most recent earlier
+    match of the longest suffix (min_match <= k <= max_match)."""
+    n = len(tokens)
+    for k in range(min(max_match, n - 1), min_match - 1, -1):
+        suffix = tokens[n - k :]
+        # scan right to left; a match must end before the suffix itself starts at n-k
+        for start in range(n - k - 1, -1, -1):
+            if tokens[start : start + k] == suffix:
+                follow = tokens[start + k : start + k + max_len]
+                if follow:
+                    return follow
+    return []
+
+
+def pool_tensors(pool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An ``NgramPool``'s table as the device keeps it: keys [buckets, max(g, 1)] (-1:
+    empty), continuations [buckets, max(g, 1), n-1] (0 where empty), cursors [buckets]."""
+    g = max(pool.g, 1)
+    keys = torch.full((pool.buckets, g), -1, dtype=torch.long)
+    conts = torch.zeros(pool.buckets, g, pool.n - 1, dtype=torch.long)
+    cursor = torch.zeros(pool.buckets, dtype=torch.long)
+    flat, entry_keys, entry_conts, cursors = pool.entries()
+    if flat:
+        at = torch.tensor(flat)
+        keys.view(-1)[at] = torch.tensor(entry_keys)
+        conts.view(-1, pool.n - 1)[at] = torch.tensor(entry_conts).view(-1, pool.n - 1)
+    for h, c in cursors:
+        cursor[h] = c
+    return keys, conts, cursor

@@ -145,7 +145,7 @@ def test_tp2_device_speculation_equals_tp1_plain(tiny_reference, monkeypatch, mo
     eng = LLMEngine.from_engine_dir(two, RuntimeConfig(device="cuda", device_speculation=True,
                                                        **cfg))
     try:
-        assert eng.spec_worker.device is not None and eng.runner.spec_step.kernels
+        assert eng.spec_worker.device is not None and eng.runner.spec_step.proposer.kernels
         outs = eng.generate(prompts, GREEDY)
         eng.blocks.check_all_free()
     finally:

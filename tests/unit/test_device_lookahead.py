@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from helpers import pool_tensors
 
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def run_lockstep(window, buckets, prompts, slots, vocab, steps, seed):
             host_win = torch.tensor(st.window)
             win[0, 0] = host_win[0, 0] = 0  # x's cell: never read
             assert torch.equal(win, host_win), (step, b)
-            keys, conts, cursor = st.pool.to_tensors()
+            keys, conts, cursor = pool_tensors(st.pool)
             assert torch.equal(dev.keys[slots[b]], keys), (step, b)
             assert torch.equal(dev.conts[slots[b]][keys >= 0], conts[keys >= 0]), (step, b)
             assert torch.equal(dev.cursor[slots[b]], cursor), (step, b)
@@ -121,7 +122,7 @@ def test_admission_resets_a_reused_slot_to_the_new_requests_pool():
         pool.seed_from_tokens(prompt)
         grid = [[rng.randrange(20) for _ in range(w)] for _ in range(n - 1)]
         dev.load(1, grid, pool, prompt)
-        keys, conts, cursor = pool.to_tensors()
+        keys, conts, cursor = pool_tensors(pool)
         assert torch.equal(dev.keys[1], keys), trial
         assert torch.equal(dev.conts[1][keys >= 0], conts[keys >= 0]), trial
         assert torch.equal(dev.cursor[1], cursor), trial

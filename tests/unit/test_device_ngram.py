@@ -1,4 +1,5 @@
-"""Batched device ngram drafting/verification against the host oracle in ngram.py."""
+"""Batched device ngram drafting/verification against the host oracles (``find_draft``,
+``walk_tree``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import find_draft
 
 from kiln.runtime.speculative.device_ngram import find_drafts
-from kiln.runtime.speculative.ngram import find_draft
 from kiln.runtime.speculative.draft import DraftTree
 from kiln.runtime.speculative.verify import verify_chains, walk_tree
 

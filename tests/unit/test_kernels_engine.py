@@ -25,7 +25,7 @@ def _tokens(engine_dir, backend, prompts, params, graphs=False, device_state=Fal
         device="cpu", block_size=4, num_kv_blocks=96, max_num_tokens=40,
         attention_backend=backend, cuda_graphs=graphs, device_speculation=device_state))
     if device_state:  # the CUDA path of the device step (kernels, interpreted)
-        eng.runner.spec_step.kernels = True
+        eng.runner.spec_step.proposer.use_kernels(True)
     outs = eng.generate(prompts, params)
     eng.blocks.check_all_free()
     if device_state:  # a device slot committed past its prompt
@@ -212,7 +212,7 @@ def test_device_speculation_launched_ahead_on_the_staged_path(tiny_reference, gr
         device="cpu", block_size=4, num_kv_blocks=96, max_num_tokens=40,
         attention_backend="triton", cuda_graphs=graphs, device_speculation=True,
         adaptive_speculation=False))
-    eng.runner.spec_step.kernels = True  # the CUDA path, interpreted
+    eng.runner.spec_step.proposer.use_kernels(True)  # the CUDA path, interpreted
     ahead = []
     real = eng.proposer.schedule_chain
     monkeypatch.setattr(eng.proposer, "schedule_chain", lambda cur, on_error: ahead.append(

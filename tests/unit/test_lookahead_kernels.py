@@ -183,7 +183,7 @@ def test_device_spec_step_kernels_equal_its_torch_path(window, layout):
     caches[1].k.copy_(caches[0].k), caches[1].v.copy_(caches[0].v)
     slot_mapping = torch.randperm(caches[0].k.shape[1] * 4)[:num_tokens].to(torch.int32)
     torch_step, kernel_step = DeviceSpecStep(ref), DeviceSpecStep(dut)
-    kernel_step.kernels = True  # the CUDA path, interpreted
+    kernel_step.proposer.use_kernels(True)  # the CUDA path, interpreted
     accepted = 0
     for step in range(6):
         outs = []

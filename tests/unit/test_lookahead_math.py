@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import pool_tensors
 
 from kiln.artifact.speculative import tokens_per_step
 from kiln.runtime.speculative.lookahead import verify_candidates
@@ -28,6 +29,12 @@ WORKED = [
 ]
 
 
+def lookahead_rows(lay) -> torch.Tensor:
+    """All rows [T - g(N-1)] of x and the lookahead branch of a ``StepLayout``, in in-step
+    order."""
+    return torch.arange(lay.num_tokens - lay.candidate_rows.numel())
+
+
 def test_worked_example_w3_n3_g2():
     lay = build_step_layout(3, 3, 2)
     assert lay.num_tokens == 10 == tokens_per_step(3, 3, 2)
@@ -39,7 +46,7 @@ def test_worked_example_w3_n3_g2():
     assert lay.window_rows.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert lay.last_level_rows.tolist() == [3, 4, 5]
     assert lay.candidate_rows.tolist() == [[6, 7], [8, 9]]
-    assert lay.lookahead_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert lookahead_rows(lay).tolist() == [0, 1, 2, 3, 4, 5]
 
 
 def test_plain_and_n2_layouts():
@@ -81,7 +88,7 @@ def test_layout_one_token_per_position_on_own_chain(w, n, g):
     pos = lay.position_offsets
     cand_rows = set(lay.candidate_rows.flatten().tolist())
     look_rows = set(range(t)) - cand_rows
-    assert look_rows == set(lay.lookahead_rows.tolist())
+    assert look_rows == set(lookahead_rows(lay).tolist())
     for r in range(t):
         seen = lay.mask[r].nonzero().flatten().tolist()
         assert r in seen and 0 in seen
@@ -173,7 +180,7 @@ def test_pool_add_from_is_add_of_each_ngram_in_order():
         fast.add_from(toks, 0, 120)
         fast.add_from(torch.tensor(toks), 120, 121)  # tensor elements become ints
         fast.add_from(toks, 121, len(toks))
-        assert fast.to_tensors()[0].equal(ref.to_tensors()[0])
+        assert pool_tensors(fast)[0].equal(pool_tensors(ref)[0])
         assert all(fast.candidates(k) == ref.candidates(k) for k in range(9))
         assert all(type(t) is int for c in fast.candidates(toks[120 - 3]) for t in c)
 
@@ -198,7 +205,7 @@ def test_plain_commits_reach_the_host_pool_before_the_next_proposal():
         eager.add(req.all_token_ids[-3:])
     assert st.pool.candidates(6) != eager.candidates(6)
     plan = worker.propose(req)  # the deferred n-grams go in first
-    assert st.pool.to_tensors()[0].equal(eager.to_tensors()[0])
+    assert pool_tensors(st.pool)[0].equal(pool_tensors(eager)[0])
     assert plan.data[1] == eager.candidates(6)
     req.commit([9, 5], None, 1 << 30, 0.0)  # a verified step: fed at once
     worker.on_commit(req, 2, True)

@@ -22,9 +22,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import find_draft
+
 from kiln.runtime.kernels.ngram import ngram_commit, ngram_propose
 from kiln.runtime.speculative.device_ngram import DeviceNgram
-from kiln.runtime.speculative.ngram import find_draft
 
 NUM_SLOTS = 5
 SLOTS = [3, 0, 4]  # slots 1 and 2 stay idle: the kernels must not touch them
@@ -159,7 +160,7 @@ def test_device_spec_step_kernels_equal_its_torch_path():
     k0, v0 = cache.k.clone(), cache.v.clone()
     slot_mapping = torch.randperm(16 * 4)[:num_tokens].to(torch.int32)
     torch_step, kernel_step = DeviceSpecStep(ref), DeviceSpecStep(dut)
-    kernel_step.kernels = True  # the CUDA path, interpreted
+    kernel_step.proposer.use_kernels(True)  # the CUDA path, interpreted
     accepted = 0
     for step in range(6):
         outs = []

@@ -2,10 +2,11 @@
 the decisions SpecPace makes from them."""
 
 import pytest
+from helpers import find_draft
 
 from kiln.runtime.speculative.lookahead import PoolShadow
 from kiln.runtime.speculative.lookahead_math import NgramPool
-from kiln.runtime.speculative.ngram import LookupIndex, LookupShadow, find_draft
+from kiln.runtime.speculative.ngram import LookupIndex, LookupShadow
 from kiln.runtime.speculative.pace import (
     MIN_REAL,
     MIN_SHADOW,

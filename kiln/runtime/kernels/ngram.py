@@ -17,7 +17,7 @@ The torch ops are the reference: tests/unit/test_ngram_kernels.py runs both side
 
 The draft search in one pass over the history: for every position e < n (the token that
 would follow a match), ``ml(e)`` is how many tokens before e equal the history's last ones
-(up to max_match). ``find_draft`` takes the longest k >= min_match that matches anywhere,
+(up to max_match). The draft follows the longest k >= min_match that matches anywhere,
 at its latest place: the largest (ml(e), e) with ml(e) >= min_match. The loop runs over the
 request's own length only.
 """
@@ -37,7 +37,7 @@ BLOCK = 256  # history positions per iteration of the draft search
 
 @triton.jit
 def lookup_follow(hist, n, C, MAXM: tl.constexpr, MINM: tl.constexpr, BLOCK: tl.constexpr):
-    """Where the draft of ``find_draft`` starts in one slot's history ``hist`` of ``n``
+    """Where prompt lookup's draft starts in one slot's history ``hist`` of ``n``
     tokens (row stride ``C``): the e of the longest, then latest, match; ``n`` when none
     (the draft is empty). Shared by prompt lookup and lookahead's prompt-lookup candidate."""
     best = tl.full([BLOCK], -1, dtype=tl.int64)  # per lane: the largest ml(e) * C + e

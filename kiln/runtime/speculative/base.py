@@ -1,16 +1,12 @@
 """Base class of every speculative worker: an exception-safe step.
 
-The second field report: a one-model speculative worker saved attention metadata before
-its draft pass and restored it afterwards with no try/finally. A tolerated warm-up OOM
-aborted the pass between the two, the saved state stayed behind, and every later forward
-died on a bare ``assert len(saved) == 0`` whose empty message hid the cause.
-
-Here ``SpeculativeWorker.step()`` is a final template method. Subclasses implement
-``_step_impl()`` and register what they change as restore callbacks on ``self.saved``
-(a ``SavedState``): ``self.saved.push("draft plans", clear_plans)``. Whatever
-``_step_impl`` does (return or raise, including torch.OutOfMemoryError), the base runs
-every callback (last registered first), and the stack is empty when ``step()`` returns or
-raises.
+A worker that saves state before its draft pass and restores it afterwards without
+try/finally leaves the saved state behind when the pass raises (a tolerated OOM, say), and
+every later step then fails. Here ``SpeculativeWorker.step()`` is a final template method.
+Subclasses implement ``_step_impl()`` and register what they change as restore callbacks on
+``self.saved`` (a ``SavedState``): ``self.saved.push("draft plans", clear_plans)``. Whatever
+``_step_impl`` does (return or raise, including torch.OutOfMemoryError), the base runs every
+callback (last registered first), and the stack is empty when ``step()`` returns or raises.
 """
 
 from __future__ import annotations

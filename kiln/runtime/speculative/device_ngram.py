@@ -1,7 +1,8 @@
 """Prompt lookup's device proposer: batched drafting, verified as chains (verify.py).
 
-Tensor versions of ``find_draft`` and ``TreeWorker.verify``'s greedy branch in ngram.py,
-which stays the oracle: row b here equals the host result for that row exactly. Everything
+Tensor versions of the host worker's drafting (ngram.py: ``LookupIndex``; the tests' oracle
+is the scan ``find_draft`` in tests/helpers.py) and ``TreeWorker.verify``'s greedy branch:
+row b here equals the host result for that row exactly. Everything
 is pure tensor ops with fixed output shapes and no host syncs, so a step can be captured in
 a CUDA graph; the only Python loops run over match lengths and token offsets.
 """
@@ -19,8 +20,9 @@ from kiln.runtime.speculative.verify import SpecEntries, StepVerdict, verify_cha
 
 def find_drafts(history: torch.Tensor, lengths: torch.Tensor, max_match: int, min_match: int,
                 max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``find_draft`` for every row of ``history`` [B, L] (entries at or past lengths[b] are
-    ignored). Returns (drafts [B, max_len] long, 0 past the draft, draft_lens [B] long)."""
+    """Prompt lookup's draft (ngram.py's rule) for every row of ``history`` [B, L] (entries
+    at or past lengths[b] are ignored). Returns (drafts [B, max_len] long, 0 past the draft,
+    draft_lens [B] long)."""
     bsz, width = history.shape
     n = lengths.to(device=history.device, dtype=torch.long)
     follow = torch.zeros(bsz, dtype=torch.long, device=history.device)  # draft start
@@ -67,7 +69,7 @@ class DeviceNgram(DeviceProposer):
     Tokens that plain steps of a paced request commit join through ``commit_tokens``.
 
     ``find_drafts`` above and ``verify.verify_chains`` are the step's math, equal to the host
-    worker's (``find_draft``, ``TreeWorker.verify``). A chain's accepted rows already sit at
+    worker's (``LookupIndex``, ``TreeWorker.verify``). A chain's accepted rows already sit at
     their final KV indices, so a step moves no KV. ``argmax`` is each row's target token:
     the argmax, or a draw for a sampled request (verify.row_targets). On CUDA the
     kernels of kiln/runtime/kernels/ngram.py run the step (chosen at construction).

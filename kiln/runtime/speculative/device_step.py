@@ -200,14 +200,6 @@ class DeviceSpecStep:
         """[S] what the last step committed per entry row (its count)."""
         return self.proposer.last_count
 
-    @property
-    def kernels(self) -> bool:
-        return self.proposer.kernels
-
-    @kernels.setter
-    def kernels(self, on: bool) -> None:
-        self.proposer.use_kernels(on)
-
     def prologue(self, entries: SpecEntries, input_ids: torch.Tensor,
                  staged: StagedRows | None = None) -> Proposal:
         """Propose each entry's step from its slot; write its T tokens at

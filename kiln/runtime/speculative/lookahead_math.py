@@ -56,18 +56,9 @@ class StepLayout:
                 self.candidate_rows.tolist())
 
     @property
-    def x_row(self) -> int:
-        return 0
-
-    @property
     def last_level_rows(self) -> torch.Tensor:
         """Rows [W] whose outputs are the new window tokens (level N-2; level 0 when N <= 2)."""
         return self.window_rows[-1]
-
-    @property
-    def lookahead_rows(self) -> torch.Tensor:
-        """All rows [T - g(N-1)] of x and the lookahead branch, in in-step order."""
-        return torch.arange(self.num_tokens - self.candidate_rows.numel())
 
 
 def num_step_tokens(w: int, n: int, g: int) -> int:
@@ -157,10 +148,9 @@ class NgramPool:
     recently written first. Seeded with the prompt's n-grams and fed with the n-grams the
     lookahead branch produces (and committed output).
 
-    (Until 2026-12-02 the pool was a per-key LRU list: re-adding an n-gram made it the most
-    recent. A ring per bucket needs no reordering, which is what lets the device insert W+N
-    n-grams per step in place; acceptance is unchanged in practice because every candidate
-    of a key is verified each step, order only breaks ties.)
+    A ring per bucket, not a per-key LRU list (where re-adding an n-gram would make it the
+    most recent): it needs no reordering, which lets the device insert W+N n-grams per step
+    in place; order only breaks ties, since every candidate of a key is verified each step.
     """
 
     def __init__(self, n: int, g: int, buckets: int = POOL_BUCKETS) -> None:
@@ -229,22 +219,6 @@ class NgramPool:
         out = [e[1] for e in newest_first if e is not None and e[0] == key]
         limit = self.g if g is None else g
         return out[: max(limit, 0)]
-
-    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The table as the device keeps it: keys [buckets, max(g, 1)] (-1: empty),
-        continuations [buckets, max(g, 1), n-1] (0 where empty), cursors [buckets]."""
-        g = max(self.g, 1)
-        keys = torch.full((self.buckets, g), -1, dtype=torch.long)
-        conts = torch.zeros(self.buckets, g, self.n - 1, dtype=torch.long)
-        cursor = torch.zeros(self.buckets, dtype=torch.long)
-        flat, entry_keys, entry_conts, cursors = self.entries()
-        if flat:
-            at = torch.tensor(flat)
-            keys.view(-1)[at] = torch.tensor(entry_keys)
-            conts.view(-1, self.n - 1)[at] = torch.tensor(entry_conts).view(-1, self.n - 1)
-        for h, c in cursors:
-            cursor[h] = c
-        return keys, conts, cursor
 
     def entries(self) -> tuple[list[int], list[int], list[tuple[int, ...]],
                                list[tuple[int, int]]]:

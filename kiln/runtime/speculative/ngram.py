@@ -12,26 +12,14 @@ from kiln.runtime.speculative.draft import DraftPlan
 from kiln.runtime.speculative.worker import TreeWorker
 
 
-def find_draft(tokens: list[int], max_match: int, min_match: int, max_len: int) -> list[int]:
-    """Tokens following the most recent earlier match of the longest suffix (<= max_len)."""
-    n = len(tokens)
-    for k in range(min(max_match, n - 1), min_match - 1, -1):
-        suffix = tokens[n - k :]
-        # scan right to left; a match must end before the suffix itself starts at n-k
-        for start in range(n - k - 1, -1, -1):
-            if tokens[start : start + k] == suffix:
-                follow = tokens[start + k : start + k + max_len]
-                if follow:
-                    return follow
-    return []
-
-
 class LookupIndex:
-    """``find_draft`` over a growing token list, in O(max_match) per call instead of a scan
-    of the whole text (the scan cost ~25 us per call at a few hundred tokens, paid by every
-    proposal and every replayed pacing step).
+    """Prompt lookup's draft (the module docstring's rule, at most ``max_len`` tokens) over a
+    growing token list, in O(max_match) per call instead of a scan of the whole text (the
+    scan cost ~25 us per call at a few hundred tokens, paid by every proposal and every
+    replayed pacing step).
 
-    ``draft(tokens, n)`` is ``find_draft(tokens[:n], ...)``: the index maps each k-gram
+    ``draft(tokens, n)`` is the scan's draft of ``tokens[:n]`` (``find_draft`` in
+    tests/helpers.py, the oracle the tests compare it with): the index maps each k-gram
     (min_match <= k <= max_match) to its latest start s whose k-gram has a token after it
     inside tokens[:n] (s + k <= n - 1: a match ends before the suffix starts, as the scan
     requires), so the suffix's entry is the latest earlier occurrence. ``n`` never
@@ -56,8 +44,8 @@ class LookupIndex:
 
 
 class LookupShadow:
-    """The shadow proposer of prompt lookup (``pace.Shadow``): ``find_draft`` over the
-    committed text up to each step's x (through a ``LookupIndex``)."""
+    """The shadow proposer of prompt lookup (``pace.Shadow``): the draft over the committed
+    text up to each step's x (through a ``LookupIndex``)."""
 
     prior_gain = 1.0  # the worker proposes exactly this (no branch the shadow cannot see)
 

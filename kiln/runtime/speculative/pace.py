@@ -7,13 +7,13 @@ by ``break_even.spec_break_even`` at batch 1 and at a larger batch, and read at 
 number of requests running now).
 
 Deciding needs an estimate of what a request's speculative steps would commit. Running
-speculative steps to find out (the probes kiln paced with until 2026-12-02) costs the very
-time pacing is there to save: on chat prompts, which commit ~1.2 tokens per step, the
-probes alone kept speculation at 0.57-0.62x of plain decoding. ``Shadow`` estimates it for
-free instead: on the host, from the tokens the request commits in whatever mode it decodes,
-it replays the steps a speculative run would have taken (proposing as the worker would from
-the committed text alone, verifying against the tokens that really followed, which greedy
-decoding makes the same in both modes) and counts what each would have committed.
+speculative steps to find out (probes) costs the very time pacing is there to save: on chat
+prompts, which commit ~1.2 tokens per step, probes alone kept speculation at 0.57-0.62x of
+plain decoding. ``Shadow`` estimates it for free instead: on the host, from the tokens the
+request commits in whatever mode it decodes, it replays the steps a speculative run would
+have taken (proposing as the worker would from the committed text alone, verifying against
+the tokens that really followed, which greedy decoding makes the same in both modes) and
+counts what each would have committed.
 
 ``SpecPace`` then decides after each commit:
 - a request that is not speculating starts when the shadow's recent mean, times the

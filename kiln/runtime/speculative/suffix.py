@@ -91,10 +91,6 @@ class TokenIndex:
     def end(self) -> int:
         return self.base + len(self.tokens)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.live
-
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the open sequence."""
         toks, base = self.tokens, self.base
