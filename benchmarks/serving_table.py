@@ -5,10 +5,13 @@ throughput --workload`, which prints the published number beside kiln's); with -
 decode and mixed step profiles of benchmarks/serving_step.py on an FP8 engine built with room
 for the mixed step's new prompts (batch 512, 16,384 tokens a step, max_seq_len 2,200). The arm
 fp8_pc_pt (not run by default) is FP8 with per-channel weights and per-token activations.
+--limits runs every arm once per set of build limits instead of at the defaults, for the
+token-budget and batch-size choices: --limits "max-num-tokens=4096;max-num-tokens=16384"
+(sets split by ';', a set's limits by ',': max-num-tokens, max-batch-size, max-seq-len).
 
 usage: python benchmarks/serving_table.py [--out DIR] [--arms bf16,fp8]
        [--workloads 1000/1000,128/128] [--num-prompts N] [--steps] [--time-limit SECONDS]
-       [--source random:llama-3-8b]
+       [--source random:llama-3-8b] [--limits "max-batch-size=512;max-batch-size=1024"]
 
 Engines are built with --no-tune --no-precompile-kernels (the measured kernels are the same; the
 build takes seconds). --num-prompts defaults to 4x the engine's batch (kiln's lower bound for a
@@ -29,6 +32,19 @@ ARMS = {"bf16": [], "fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"],
         # per-channel weights, per-token activations (`kiln quantize --qformat fp8_pc_pt`)
         "fp8_pc_pt": ["--quantization", "fp8_pc_pt", "--kv-cache-dtype", "fp8"]}
 STEP_LIMITS = ["--max-seq-len", "2200", "--max-num-tokens", "16384", "--max-batch-size", "512"]
+LIMITS = ("max-num-tokens", "max-batch-size", "max-seq-len")  # what --limits may set
+
+
+def limit_flags(limits: str) -> list[str]:
+    """``max-num-tokens=4096,max-batch-size=512`` as kiln build flags ("": the defaults)."""
+    flags = []
+    for item in filter(None, limits.split(",")):
+        name, _, value = item.partition("=")
+        if name not in LIMITS or not value.isdigit():
+            raise SystemExit(f"--limits {item!r}: use NAME=INTEGER with NAME one of "
+                             f"{list(LIMITS)}, sets split by ';' and limits by ','")
+        flags += [f"--{name}", value]
+    return flags
 
 
 def kiln(*args: str) -> bool:
@@ -41,28 +57,36 @@ def kiln(*args: str) -> bool:
     return code == 0
 
 
-def build(source: str, out: Path, arm: str, extra: list[str]) -> Path | None:
-    engine = out / f"engine-{arm}{'-steps' if extra else ''}"
+def build(source: str, out: Path, arm: str, extra: list[str], key: str | None = None
+          ) -> Path | None:
+    engine = out / f"engine-{key or arm}{'-steps' if extra and key is None else ''}"
     if not (engine / "engine.json").is_file():
         kiln("build", source, "-o", str(engine), *ARMS[arm], *BUILD, *extra)
     return engine if (engine / "engine.json").is_file() else None
 
 
-def rows_of(arm: str, out: Path, workloads: list[str]) -> list[str]:
-    """The table's rows of one arm from the JSON files its runs wrote."""
-    rows = []
-    lat = out / f"latency-{arm}.json"
+def arm_key(arm: str, limits: str) -> str:
+    """The name of an arm's engine and JSON files at a set of --limits."""
+    return arm if not limits else f"{arm}+{limits.replace('=', '').replace(',', '+')}"
+
+
+def rows_of(arm: str, out: Path, workloads: list[str], limits: str = "") -> list[str]:
+    """The table's rows of one arm (at one set of --limits) from the JSON files its runs
+    wrote."""
+    rows, key = [], arm_key(arm, limits)
+    label = f"{arm} ({limits})" if limits else arm
+    lat = out / f"latency-{key}.json"
     if lat.is_file():
         d = json.loads(lat.read_text())
-        rows.append(f"| {arm} | batch 1, 128/256 | 1 | {d['output_tokens_per_s']:,.1f} | "
+        rows.append(f"| {label} | batch 1, 128/256 | 1 | {d['output_tokens_per_s']:,.1f} | "
                     f"{d['tpot_s']['mean'] * 1e3:.2f} | |")
     for w in workloads:
-        f = out / f"throughput-{arm}-{w.replace('/', '-')}.json"
+        f = out / f"throughput-{key}-{w.replace('/', '-')}.json"
         if not f.is_file():
             continue
         for r in json.loads(f.read_text())["workloads"]:
             ref = r.get("trtllm_output_tokens_per_s") or {}
-            rows.append(f"| {arm} | {r['workload']} | {r['num_requests']} | "
+            rows.append(f"| {label} | {r['workload']} | {r['num_requests']} | "
                         f"{r['output_tokens_per_s']:,.0f} | {r['tpot_s']['mean'] * 1e3:.2f} | "
                         f"{ref.get('H100', '')} / {ref.get('H200', '')} |")
     return rows
@@ -77,11 +101,14 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", action="store_true")
     ap.add_argument("--time-limit", type=float, default=float("inf"))
     ap.add_argument("--source", default="random:llama-3-8b")
+    ap.add_argument("--limits", default="")
     a = ap.parse_args(argv)
     arms = [x for x in a.arms.split(",") if x]
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"--arms {sorted(unknown)}: choose from {sorted(ARMS)}")
+    sets = [x.strip() for x in a.limits.split(";") if x.strip()] or [""]
+    flags = {limits: limit_flags(limits) for limits in sets}  # checked before anything runs
     workloads = [w for w in a.workloads.split(",") if w]
     a.out.mkdir(parents=True, exist_ok=True)
     start, skipped = time.monotonic(), []
@@ -93,20 +120,23 @@ def main(argv: list[str]) -> None:
         return False
 
     for arm in arms:
-        if not due(f"{arm} build"):
-            continue
-        engine = build(a.source, a.out, arm, [])
-        if engine is None:
-            continue
-        if due(f"{arm} latency"):
-            kiln("bench", "latency", str(engine), "--batch-size", "1", "--input-len", "128",
-                 "--output-len", "256", "--json", str(a.out / f"latency-{arm}.json"))
-        batch = json.loads((engine / "engine.json").read_text())["limits"]["max_batch_size"]
-        for w in workloads:
-            if due(f"{arm} {w}"):
-                n = a.num_prompts or 4 * batch
-                kiln("bench", "throughput", str(engine), "--workload", w, "--num-prompts", str(n),
-                     "--json", str(a.out / f"throughput-{arm}-{w.replace('/', '-')}.json"))
+        for limits in sets:
+            key = arm_key(arm, limits)
+            if not due(f"{key} build"):
+                continue
+            engine = build(a.source, a.out, arm, flags[limits], key)
+            if engine is None:
+                continue
+            if due(f"{key} latency"):
+                kiln("bench", "latency", str(engine), "--batch-size", "1", "--input-len", "128",
+                     "--output-len", "256", "--json", str(a.out / f"latency-{key}.json"))
+            batch = json.loads((engine / "engine.json").read_text())["limits"]["max_batch_size"]
+            for w in workloads:
+                if due(f"{key} {w}"):
+                    n = a.num_prompts or 4 * batch
+                    kiln("bench", "throughput", str(engine), "--workload", w, "--num-prompts",
+                         str(n), "--json",
+                         str(a.out / f"throughput-{key}-{w.replace('/', '-')}.json"))
     if a.steps and due("step profiles"):
         engine = build(a.source, a.out, "fp8", STEP_LIMITS)
         if engine is not None:
@@ -117,7 +147,8 @@ def main(argv: list[str]) -> None:
           "| TensorRT-LLM FP8 H100 / H200 |")
     print("|---|---|---|---|---|---|")
     for arm in arms:
-        print("\n".join(rows_of(arm, a.out, workloads)))
+        for limits in sets:
+            print("\n".join(rows_of(arm, a.out, workloads, limits)))
     if skipped:
         print(f"skipped (past --time-limit {a.time_limit:.0f} s): {', '.join(skipped)}")
 
