@@ -321,7 +321,7 @@ def quantize(
                                                  eval_text.provenance, max_quality_loss,
                                                  scored_by)
                 limit = min(max_quality_loss, quality.KV_QUALITY_TARGET)
-                console.print(
+                Console(stderr=True).print(  # said under --json too: it decides the format
                     f"[yellow]note[/]: with an FP8 KV cache perplexity rises from "
                     f"{source_ppl:.2f} to {fp8_ppl:.2f} ({fp8_kv['increase']:+.2%}), past "
                     f"{limit:.0%}; without it {without:.2f} ({checked['increase']:+.2%}): the "
