@@ -57,11 +57,11 @@ def kiln(*args: str) -> bool:
     return code == 0
 
 
-def build(source: str, out: Path, arm: str, extra: list[str], key: str | None = None
-          ) -> Path | None:
-    engine = out / f"engine-{key or arm}{'-steps' if extra and key is None else ''}"
+def build(source: str, out: Path, name: str, flags: list[str]) -> Path | None:
+    """The engine ``out/engine-NAME`` built with ``flags`` (kept if already built)."""
+    engine = out / f"engine-{name}"
     if not (engine / "engine.json").is_file():
-        kiln("build", source, "-o", str(engine), *ARMS[arm], *BUILD, *extra)
+        kiln("build", source, "-o", str(engine), *flags, *BUILD)
     return engine if (engine / "engine.json").is_file() else None
 
 
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> None:
             key = arm_key(arm, limits)
             if not due(f"{key} build"):
                 continue
-            engine = build(a.source, a.out, arm, flags[limits], key)
+            engine = build(a.source, a.out, key, ARMS[arm] + flags[limits])
             if engine is None:
                 continue
             if due(f"{key} latency"):
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> None:
                          str(n), "--json",
                          str(a.out / f"throughput-{key}-{w.replace('/', '-')}.json"))
     if a.steps and due("step profiles"):
-        engine = build(a.source, a.out, "fp8", STEP_LIMITS)
+        engine = build(a.source, a.out, "fp8-steps", ARMS["fp8"] + STEP_LIMITS)
         if engine is not None:
             subprocess.run([sys.executable, str(Path(__file__).with_name("serving_step.py")),
                             str(engine), "256", "1000", "4", "--decode-profile"], check=False)

@@ -43,7 +43,6 @@ ALWAYS_EXCLUDED = ("lm_head", "embed_tokens")
 QFORMATS = ("fp8", "fp8_pc_pt")
 _QFORMAT_CFG = {"fp8": "FP8_DEFAULT_CFG", "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN_CFG"}
 KV_DTYPES = ("auto", "fp8", "none")
-KV_QUANTIZERS = "*[kv]_bmm_quantizer"  # modelopt's KV cache quantizers (FP8_KV_CFG)
 CALIB_FILE = "kiln_quantize.json"
 
 
@@ -224,7 +223,7 @@ def quantize(
     ``max_quality_loss`` when lower; or ``max_quality_loss``): then the KV cache stays in the
     model's dtype and the summary says why (``fp8_kv_quality``). Qwen2.5-Coder-1.5B: +78 %
     from FP8 KV alone, +0.7 % from FP8 weights and activations
-    (benchmarks/fp8_attribution.py); smollm2-135m: +3.3 % with it, +2.6 % without.
+    (benchmarks/fp8_attribution.py); smollm2-135m: +3.29 % with it, +2.96 % without.
 
     Returns the summary also written to ``out_dir/kiln_quantize.json``.
     """
@@ -287,14 +286,6 @@ def quantize(
             return quality.engine_perplexity(ckpt, windows, dtype=engine_dtype, kv_fp8=kv_fp8,
                                              device=device, advance=lambda: bar.advance(task))
 
-    def export(tmp: Path) -> None:
-        with console.status("Exporting the FP8 checkpoint…"), warnings.catch_warnings(), \
-                contextlib.redirect_stdout(sys.stderr):
-            warnings.simplefilter("ignore")
-            export_hf_checkpoint(model, export_dir=str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        _carry_generation_defaults(tmp / "generation_config.json", src.generation_defaults)
-
     model.eval()
     source_ppl = evaluate("source")
     kv = "none" if kv_cache_dtype == "none" else "fp8"
@@ -306,13 +297,17 @@ def quantize(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.quantizing-", dir=out_dir.parent))
     try:
-        export(tmp)
+        with console.status("Exporting the FP8 checkpoint…"), warnings.catch_warnings(), \
+                contextlib.redirect_stdout(sys.stderr):
+            warnings.simplefilter("ignore")
+            export_hf_checkpoint(model, export_dir=str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        _carry_generation_defaults(tmp / "generation_config.json", src.generation_defaults)
         fp8_ppl = score(tmp, kv == "fp8", "FP8 checkpoint")
         checked = quality.quality_record(source_ppl, fp8_ppl, windows, eval_seq_len,
                                          eval_text.provenance, max_quality_loss, scored_by)
         fp8_kv = None  # the FP8 KV cache's record, when auto left it out
-        if kv_cache_dtype == "auto" and checked["increase"] > min(max_quality_loss,
-                                                                  quality.KV_QUALITY_TARGET):
+        if kv_cache_dtype == "auto" and checked["increase"] > quality.kv_limit(max_quality_loss):
             without = score(tmp, False, "FP8 checkpoint with the KV cache unquantized")
             if quality.kv_cache_left_out(source_ppl, fp8_ppl, without, max_quality_loss):
                 fp8_kv, kv = checked, "none"
@@ -320,11 +315,11 @@ def quantize(
                 checked = quality.quality_record(source_ppl, without, windows, eval_seq_len,
                                                  eval_text.provenance, max_quality_loss,
                                                  scored_by)
-                limit = min(max_quality_loss, quality.KV_QUALITY_TARGET)
                 Console(stderr=True).print(  # said under --json too: it decides the format
                     f"[yellow]note[/]: with an FP8 KV cache perplexity rises from "
                     f"{source_ppl:.2f} to {fp8_ppl:.2f} ({fp8_kv['increase']:+.2%}), past "
-                    f"{limit:.0%}; without it {without:.2f} ({checked['increase']:+.2%}): the "
+                    f"{quality.kv_limit(max_quality_loss):.0%}; without it {without:.2f} "
+                    f"({checked['increase']:+.2%}): the "
                     "KV cache stays in the model's dtype (--kv-cache-dtype fp8 keeps it FP8 "
                     "anyway)")
         # auto measured the KV cache's share already: suggest leaving it out only when asked

@@ -71,24 +71,28 @@ def engine_perplexity(checkpoint: Path, windows: list[list[int]], *, dtype: str,
             engine.close()
 
 
+def kv_limit(max_loss: float) -> float:
+    """The rise past which --kv-cache-dtype auto measures the checkpoint without FP8 KV."""
+    return min(max_loss, KV_QUALITY_TARGET)
+
+
 def kv_cache_left_out(source: float, with_kv: float, without_kv: float, max_loss: float) -> bool:
     """--kv-cache-dtype auto's rule: leave the FP8 KV cache out when that alone brings the
-    checkpoint within a limit it is past with it: ``KV_QUALITY_TARGET`` (or ``max_loss``,
-    when lower), or ``max_loss``."""
+    checkpoint within a limit it is past with it: ``kv_limit(max_loss)``, or ``max_loss``."""
     rise, rise_without = with_kv / source - 1, without_kv / source - 1
-    return without_kv < with_kv and any(rise > limit >= rise_without for limit in
-                                        (min(max_loss, KV_QUALITY_TARGET), max_loss))
+    return without_kv < with_kv and any(rise > limit >= rise_without
+                                        for limit in (kv_limit(max_loss), max_loss))
 
 
 def quality_record(source: float, quantized: float, windows: list[list[int]], seq_len: int,
-                   provenance: dict[str, Any], max_loss: float, scored_by: str = ""
+                   provenance: dict[str, Any], max_loss: float, scored_by: str
                    ) -> dict[str, Any]:
     """What the checkpoint's kiln_quantize.json keeps of the comparison (``scored_by``: what
     ran the checkpoint)."""
     return {"source_perplexity": round(source, 4), "quantized_perplexity": round(quantized, 4),
             "increase": round(quantized / source - 1, 4), "max_increase": max_loss,
             "eval_tokens": sum(len(w) - 1 for w in windows), "eval_seq_len": seq_len,
-            **({"scored_by": scored_by} if scored_by else {}),
+            "scored_by": scored_by,
             **{f"eval_{k}": v for k, v in provenance.items()}}
 
 
