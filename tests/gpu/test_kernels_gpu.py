@@ -217,11 +217,14 @@ def test_paged_attention_decodes_beside_prompt_chunks(batch, cache_dtype, single
                                            "tiles_per_split": 2, "bt_ahead": True,
                                            "maxnreg": 128},
                                     {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
-                                     "tiles_per_split": 2, "maxnreg": 128, "v_asm": False}])
+                                     "tiles_per_split": 2, "maxnreg": 128, "v_asm": False},
+                                    {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+                                     "tiles_per_split": 2, "v_asm": 2}])
 def test_paged_attention_decode_step(batch, cache_dtype, layout, config):
     """A pure decode step (every sequence one query, one launch): ``batch`` sequences at
     contexts 100-8000, llama-3-8b shape, block size 16, either cache layout, the default
-    config, a tuner candidate with block ids a tile ahead, and the cap without the asm. At
+    config, a tuner candidate with block ids a tile ahead, the cap without the asm, and FP8 V
+    read as 32-bit words (``v_asm`` 2). At
     batch 64 and 256 the launch has one split a program, which runs FP8 caches under the
     register cap; at batch 1 the keys are split."""
     from kiln.runtime.kernels.paged_attention import paged_attention, paged_attention_ref

@@ -132,19 +132,22 @@ def cases():
     attn = {"QPK": 4, "HEAD_DIM": 128, "D_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 4,
             "BLOCK_M": 16, "BLOCK_N": 64, "MULTI": True, "HAS_MASK": True, "KV_FP8": False,
             "Q_F32": False, "IEEE": False, "PDL": True,
-            "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2, "V_ASM": False,
+            "STAGED_EARLY": False, "KV_PREFETCH": 0, "LINE": 64, "D_LINES": 2, "V_ASM": 0,
             "BT_AHEAD": False}
     yield "paged attention (tree mask, splits)", paged_attention._paged_attn_kernel, attn, None, 4
     yield "paged attention decode, K/V prefetch", paged_attention._paged_attn_kernel, dict(
         attn, HAS_MASK=False, STAGED_EARLY=True, KV_PREFETCH=2), None, 4
     yield ("paged attention decode, FP8 K/V (float16 dots)", paged_attention._paged_attn_kernel,
            dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=128, LINE=128, D_LINES=1,
-                V_ASM=True),
+                V_ASM=1),
            {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
+    yield ("paged attention decode, FP8 V as 32-bit words", paged_attention._paged_attn_kernel,
+           dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=128, LINE=128, D_LINES=1,
+                V_ASM=2), {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
     yield ("paged attention decode, FP8 K/V, block ids a tile ahead",
            paged_attention._paged_attn_kernel,
            dict(attn, HAS_MASK=False, KV_FP8=True, BLOCK_N=64, LINE=128, D_LINES=1,
-                V_ASM=True, BT_AHEAD=True), {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
+                V_ASM=1, BT_AHEAD=True), {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, 4)
     yield "paged attention reduce", paged_attention._reduce_kernel, {
         "HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "PDL": True}, None, 4
     samp = {"val_ptr": "*fp32", "idx_ptr": "*i32", "logits_ptr": "*fp32", "inv_temp_ptr": "*fp32",
@@ -245,6 +248,10 @@ def main() -> None:
                 raise AssertionError("the staged metadata is not read before the wait")
             if "a tile ahead" in name and not re.search(r"memdesc<[2-9]x", k.asm["ttgir"]):
                 raise AssertionError("the K/V tiles are not multi-buffered (block ids ahead)")
+            if "32-bit words" in name and ("ld.shared.b8" in ptx or "ldmatrix.sync.aligned"
+                                           ".m8n8.x4.trans" not in ptx):
+                raise AssertionError("FP8 V is read from shared memory a byte at a time, or "
+                                     "not as float16 through ldmatrix.trans")
             if ("prefetch" in name or "hints" in name) and "prefetch.global.L2" not in ptx:
                 raise AssertionError("no prefetch.global.L2 in the PTX (L2 hints missing)")
             compiled.append(name)

@@ -175,6 +175,20 @@ def test_choose_num_splits():
     assert choose_num_splits(512, 2048, 132, 64) == 1  # enough programs already
 
 
+def test_fp8_v_conversion_form():
+    """How FP8 V reaches the PV dot (V_ASM): as 32-bit words where a config asks (v_asm 2) and
+    the head is not padded, inline PTX under a register cap, else ``.to``; only on the GPU
+    (the interpreter runs no inline PTX) with a float16 query."""
+    from kiln.runtime.kernels.paged_attention import _v_form
+
+    assert _v_form(2, True, False, True) == 2 and _v_form(2, True, True, True) == 2
+    assert _v_form(2, True, True, False) == 1  # a padded head: no word loads
+    assert _v_form(2, True, False, False) == 0
+    assert _v_form(True, True, True, True) == 1 and _v_form(False, True, True, True) == 0
+    assert _v_form(True, True, False, True) == 0  # split launches are not capped
+    assert _v_form(2, False, True, True) == 0  # interpreter, float32 q, or a bf16 cache
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("specs", [
