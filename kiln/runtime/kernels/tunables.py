@@ -84,7 +84,7 @@ def _attention_key(p: dict) -> str:
 def _attention_candidates(p: dict) -> list[dict]:
     """BLOCK_N x warps x stages at the default split rule, then the split rule per BLOCK_N
     (24 configs), and 4 that load the block ids a tile ahead (FP8 decodes: under a register
-    cap, and 2 more capped). 16-row tiles (decode) try 2 and 4 warps, 64-row 4 and 8.
+    cap, 2 more capped, and 4 capped that read V as 32-bit words). 16-row tiles (decode) try 2 and 4 warps, 64-row 4 and 8.
     Tree-masked steps: tile rows x BLOCK_N x the least tiles per split, and the default (19
     configs; the best of them per shape: 0.76x the old default's time, geometric mean over
     the 135M / 1.5B / 7B shapes, docs/decisions.md)."""
@@ -108,9 +108,11 @@ def _attention_candidates(p: dict) -> list[dict]:
     rows = {"BLOCK_M": 128, "num_warps": 8} if qclass == "prefill" else {}
     out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st, "tiles_per_split": 2,
              "bt_ahead": True, **rows, **cap} for bn in block_ns[1:] for st in (3, 4)]
-    if cap:
+    if cap:  # FP8 decodes: capped, and V read as 32-bit words (``v_asm`` 2)
         out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "tiles_per_split": 2, **cap}
                 for bn in block_ns[1:]]
+        out += [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st, "tiles_per_split": 2,
+                 "v_asm": 2, **cap} for bn in block_ns[1:] for st in (2, 3)]
     return out
 
 
