@@ -5,7 +5,8 @@ prompt tiles). llama-3-8b shape (32 heads, 8 KV heads, head_dim 128), block size
 
 usage: python benchmarks/attention_mixed.py [B=256] [C=1000] [P=4] [L=1000]
 Prints us per call and the KV bandwidth (bytes of K and V read once / time) per variant; the
-decodes alone also per launch config (register caps and block ids a tile ahead included) and
+decodes alone also per launch config (register caps, block ids a tile ahead and FP8 V read as
+32-bit words included) and
 per KV layout (NHD, HND) at the default config."""
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def main() -> None:
                             ] + [{"BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
                                   "tiles_per_split": 2, "maxnreg": 128, "v_asm": False}
                             ] + [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st,
+                                  "tiles_per_split": 2, "v_asm": 2, **cap}
+                                 for bn in (64, 128) for st in (2, 3)
+                                 for cap in ({}, {"maxnreg": 128})
+                            ] + [{"BLOCK_N": bn, "num_warps": 4, "num_stages": st,
                                   "tiles_per_split": 2, "bt_ahead": True, **cap}
                                  for bn in (64, 128) for st in (3, 4)
                                  for cap in ({}, {"maxnreg": 128})]:
@@ -73,7 +78,8 @@ def main() -> None:
                         continue
                     cap = (f" r{cfg['maxnreg']}" if "maxnreg" in cfg else "") + (
                         " ahead" if cfg.get("bt_ahead") else "") + (
-                        " no-asm" if cfg.get("v_asm") is False else "")
+                        " no-asm" if cfg.get("v_asm") is False else "") + (
+                        " words" if cfg.get("v_asm") == 2 else "")
                     print(f"{str(kv).removeprefix('torch.'):>9} decode {cfg['BLOCK_N']:>4} "
                           f"w{cfg['num_warps']} s{cfg['num_stages']}{cap} {us:9.1f} "
                           f"{nbytes / us / 1e6:6.2f}")
