@@ -176,17 +176,46 @@ def test_choose_num_splits():
 
 
 def test_fp8_v_conversion_form():
-    """How FP8 V reaches the PV dot (V_ASM): as 32-bit words where a config asks (v_asm 2) and
-    the head is not padded, inline PTX under a register cap, else ``.to``; only on the GPU
-    (the interpreter runs no inline PTX) with a float16 query."""
+    """How FP8 V reaches the PV dot (V_ASM): as 32-bit words where a config asks (v_asm 2), the
+    head is not padded and the query is not float32 (3: the interpreter's form, without PTX);
+    inline PTX under a register cap on the GPU; else ``.to``."""
     from kiln.runtime.kernels.paged_attention import _v_form
 
-    assert _v_form(2, True, False, True) == 2 and _v_form(2, True, True, True) == 2
-    assert _v_form(2, True, True, False) == 1  # a padded head: no word loads
-    assert _v_form(2, True, False, False) == 0
-    assert _v_form(True, True, True, True) == 1 and _v_form(False, True, True, True) == 0
-    assert _v_form(True, True, False, True) == 0  # split launches are not capped
-    assert _v_form(2, False, True, True) == 0  # interpreter, float32 q, or a bf16 cache
+    # (asked, kv_fp8, on_gpu, f16_q, capped, words_ok)
+    assert _v_form(2, True, True, True, False, True) == 2
+    assert _v_form(2, True, True, True, True, True) == 2
+    assert _v_form(2, True, False, True, False, True) == 3  # the interpreter
+    assert _v_form(2, True, True, True, True, False) == 1  # a padded head: no word loads
+    assert _v_form(2, True, True, True, False, False) == 0
+    assert _v_form(True, True, True, True, True, True) == 1
+    assert _v_form(False, True, True, True, True, True) == 0
+    assert _v_form(True, True, True, True, False, True) == 0  # split launches are not capped
+    assert _v_form(True, True, False, True, True, True) == 0  # no PTX in the interpreter
+    assert _v_form(2, True, True, False, True, True) == 0  # float32 q
+    assert _v_form(2, False, True, True, True, True) == 0  # a bf16 cache
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_v_as_words_equals_the_byte_loads(layout, num_splits):
+    """FP8 V read as 32-bit words (config ``v_asm`` 2; the interpreter converts them without
+    PTX) gives the same output, bit for bit, as V loaded by bytes: decodes and a prompt chunk,
+    bf16 queries, either layout, with and without splits."""
+    from kiln.runtime.kernels.testing import with_layout
+
+    torch.manual_seed(3)
+    b = random_paged_batch([(150, 1, False), (37, 1, False), (0, 9, False), (99, 1, False)],
+                           4, 2, 16, 4, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+    kc, vc = with_layout(b.k_cache, layout), with_layout(b.v_cache, layout)
+    scales = {"k_scale": torch.tensor([0.7]), "v_scale": torch.tensor([1.3])}
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "tiles_per_split": 1}
+    outs = [paged_attention(b.q, kc, vc, *b.args()[3:], 16**-0.5, max_query_len=9,
+                            max_context_len=b.max_context_len, num_splits=num_splits,
+                            config=dict(cfg, **extra), **scales)
+            for extra in ({}, {"v_asm": 2})]
+    assert torch.equal(outs[0], outs[1])
+    ref = paged_attention_ref(*b.args(), 16**-0.5, **scales)
+    assert (outs[1].float() - ref.float()).abs().max() < 3e-2
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])

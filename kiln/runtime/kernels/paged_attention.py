@@ -115,14 +115,25 @@ def _e4m3_to_f16(x):
 
 
 @triton.jit
-def _e4m3_words_to_f16(w):
-    """Four e4m3 values a 32-bit word -> four float16 tensors (bytes 0..3), inline PTX."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 r0, r1; mov.b32 {lo, hi}, $4; "
-        "cvt.rn.f16x2.e4m3x2 r0, lo; cvt.rn.f16x2.e4m3x2 r1, hi; "
-        "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
-        "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True, pack=1)
+def _e4m3_byte(w, i: tl.constexpr):
+    """Byte ``i`` of each 32-bit word, as the e4m3 value it holds, in float16 (exact)."""
+    return ((w >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, PTX: tl.constexpr):
+    """Four e4m3 values a 32-bit word -> four float16 tensors (bytes 0..3): in inline PTX, two
+    values an instruction (sm_90: 160 fewer byte permutes a program than shifts), or by shifts
+    (the interpreter, which runs no PTX)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 r0, r1; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 r0, lo; cvt.rn.f16x2.e4m3x2 r1, hi; "
+            "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        return _e4m3_byte(w, 0), _e4m3_byte(w, 1), _e4m3_byte(w, 2), _e4m3_byte(w, 3)
 
 
 @triton.jit
@@ -156,13 +167,13 @@ def _attend(
         off = kpos % BLOCK_SIZE
         k = tl.load(kc_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks + d[:, None],
                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
-        if V_ASM == 2:  # FP8 V read as 32-bit words, converted before the dot's layout
-            # (head_dim is D_PAD and the rows 4-byte aligned: ``_v_form``)
+        if V_ASM >= 2:  # FP8 V read as 32-bit words, converted before the dot's layout (3:
+            # without PTX); head_dim is D_PAD and the rows 4-byte aligned (``_v_form``)
             d4 = tl.arange(0, d.shape[0] // 4)
             w = tl.load(vc_ptr.to(tl.pointer_type(tl.int32)) + blk[:, None] * (stride_vb // 4)
                         + off[:, None] * (stride_vs // 4) + d4[None, :],
                         mask=k_ok[:, None], other=0)
-            a0, a1, a2, a3 = _e4m3_words_to_f16(w)
+            a0, a1, a2, a3 = _e4m3_words_to_f16(w, V_ASM == 2)
             v = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK_N, d.shape[0]])
         else:
             v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
@@ -433,15 +444,17 @@ def choose_num_splits(
                       MAX_SPLITS))
 
 
-def _v_form(asked, fp8_on_gpu: bool, capped: bool, words_ok: bool) -> int:
-    """The kernel's V_ASM: 0 (``.to``), 1 (inline PTX on V's dot operand, in capped launches)
-    or 2 (V read as 32-bit words and converted before the dot's layout: a config's
-    ``"v_asm": 2``, where the head is not padded and V's rows are 4-byte aligned)."""
-    if not fp8_on_gpu:
+def _v_form(asked, kv_fp8: bool, on_gpu: bool, f16_q: bool, capped: bool,
+            words_ok: bool) -> int:
+    """The kernel's V_ASM: 0 (``.to``), 1 (inline PTX on V's dot operand, in capped launches
+    with a float16 query), 2 (V read as 32-bit words and converted before the dot's layout: a
+    config's ``"v_asm": 2``, where the head is not padded, V's rows are 4-byte aligned and the
+    query is not float32) or 3 (the same under the interpreter, converted without PTX)."""
+    if not kv_fp8:
         return 0
-    if asked == 2 and words_ok:
-        return 2
-    return int(capped and bool(asked))
+    if asked == 2 and words_ok and f16_q:
+        return 2 if on_gpu else 3
+    return int(on_gpu and f16_q and capped and bool(asked))
 
 
 def default_config(head_dim: int, qclass: str = "decode", kv_fp8: bool = False) -> dict:
@@ -690,7 +703,7 @@ def _launch(
         STAGED_EARLY=early,
         KV_PREFETCH=KV_PREFETCH_TILES if early else 0, LINE=128 // esize,
         D_LINES=next_pow2(triton.cdiv(dim * esize, 128)),
-        V_ASM=_v_form(config.get("v_asm", True), kv_fp8 and on_gpu and q.dtype != torch.float32,
+        V_ASM=_v_form(config.get("v_asm", True), kv_fp8, on_gpu, q.dtype != torch.float32,
                       bool(regs), dim == d_pad and v_cache.data_ptr() % 4 == 0
                       and all(st % 4 == 0 for st in v_cache.stride()[:3])),
         BT_AHEAD=bool(config.get("bt_ahead", False)), num_warps=int(config["num_warps"]),
