@@ -84,7 +84,8 @@ def _attention_key(p: dict) -> str:
 def _attention_candidates(p: dict) -> list[dict]:
     """BLOCK_N x warps x stages at the default split rule, then the split rule per BLOCK_N
     (24 configs), and 4 that load the block ids a tile ahead (FP8 decodes: under a register
-    cap, 2 more capped, and 4 capped that read V as 32-bit words). 16-row tiles (decode) try 2 and 4 warps, 64-row 4 and 8.
+    cap, 2 more capped, and 4 capped that read V as 32-bit words). 16-row tiles (decode) try
+    2 and 4 warps, 64-row 4 and 8.
     Tree-masked steps: tile rows x BLOCK_N x the least tiles per split, and the default (19
     configs; the best of them per shape: 0.76x the old default's time, geometric mean over
     the 135M / 1.5B / 7B shapes, docs/decisions.md)."""
